@@ -1,0 +1,3 @@
+"""cokit: Triton kernels for compressed and overlapped distributed training."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from cokit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The ``cokit`` command line: one subcommand per module in ``cokit.commands``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module defines add_parser(subparsers) and sets `func` (args -> exit code).
+SUBCOMMANDS = ("info", "occupancy")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cokit import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="cokit",
+        description="Triton kernels for compressed gradients and compute/communication overlap.",
+    )
+    parser.add_argument("--version", action="version", version=f"cokit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"cokit.commands.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"cokit {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,180 @@
+"""Compile Triton kernels for a named GPU target on a machine without that GPU.
+
+Used by tests (GPU-only compile errors show up here, not under the interpreter), by the
+occupancy calculator and by ``cokit info``. Must run in a process where
+``TRITON_INTERPRET`` is unset: the interpreter replaces the compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import Any
+
+from .backend import ArchLimits, arch_limits, compile_target
+
+__all__ = ["CompiledKernel", "compile_for_target"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    """What a compile-only build reports about one kernel on one target."""
+
+    name: str
+    target: str
+    num_warps: int
+    shared_bytes: int  # dynamic shared memory / LDS the launch reserves (metadata.shared)
+    registers: int | None  # per thread (VGPRs on AMD); None when the tool to read it is missing
+    spills: int | None
+    limits: ArchLimits
+    compiled: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+    def check_limits(self) -> None:
+        """Raise when the kernel cannot launch on its target."""
+        if self.shared_bytes > self.limits.max_shared_per_block:
+            raise ValueError(
+                f"{self.name} on {self.target} needs {self.shared_bytes} B of shared memory per "
+                f"block; the limit is {self.limits.max_shared_per_block} B"
+            )
+        if self.registers is not None and self.registers > self.limits.max_registers_per_thread:
+            raise ValueError(
+                f"{self.name} on {self.target} uses {self.registers} registers per thread; "
+                f"the limit is {self.limits.max_registers_per_thread}"
+            )
+
+
+def _cuobjdump() -> str | None:
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
+
+
+def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
+    tool = _cuobjdump()
+    if tool is None:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    reg = re.search(r"REG:(\d+)", out)
+    local = re.search(r"LOCAL:(\d+)", out)
+    return (int(reg.group(1)) if reg else None, int(local.group(1)) if local else None)
+
+
+def _hip_registers(amdgcn: str) -> tuple[int | None, int | None]:
+    vgpr = re.search(r"\.vgpr_count:\s+(\d+)", amdgcn)
+    agpr = re.search(r"\.agpr_count:\s+(\d+)", amdgcn)
+    spill = re.search(r"\.vgpr_spill_count:\s+(\d+)", amdgcn)
+    regs = None if vgpr is None else int(vgpr.group(1)) + (int(agpr.group(1)) if agpr else 0)
+    return regs, (int(spill.group(1)) if spill else None)
+
+
+def compile_for_target(
+    fn: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    target: str,
+    **options: Any,
+) -> CompiledKernel:
+    """Build ``fn`` for ``target`` ('sm_80', 'sm_90', 'gfx90a', 'gfx942') without a GPU.
+
+    ``signature`` maps every argument to a Triton type ('*fp32', 'i32', 'constexpr', ...);
+    ``options`` are launch options (num_warps, num_stages, maxnreg, waves_per_eu, ...).
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile-only builds need a process without TRITON_INTERPRET=1")
+    import triton
+    from triton.compiler import ASTSource
+
+    limits = arch_limits(target)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=compile_target(target), options=options)
+    if limits.backend == "cuda":
+        regs, spills = _cuda_registers(compiled.asm["cubin"])
+    else:
+        regs, spills = _hip_registers(compiled.asm["amdgcn"])
+    return CompiledKernel(
+        name=compiled.metadata.name,
+        target=target,
+        num_warps=compiled.metadata.num_warps,
+        shared_bytes=compiled.metadata.shared,
+        registers=regs,
+        spills=spills,
+        limits=limits,
+        compiled=compiled,
+    )
+
+
+def _geometry_args(ref_types: dict[str, str]) -> dict[str, str]:
+    return {"geometry": "*i64", "pointers": "*i64", "bank": "*fp32", **ref_types}
+
+
+def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """(label, kernel, signature, constexprs) for every compression kernel at typical sizes:
+    64x64 tiles (TWO_D) and 64-wide 1-D tiles (ONE_D), bf16 tensors, int16 indices."""
+    from . import dct, error_feedback, tiling, topk
+
+    G = tiling.G_COLS
+    specs = []
+    for two_d, rows in ((True, 64), (False, tiling.ONE_D_ELEMENTS // 64)):
+        mode = "2d" if two_d else "1d"
+        for inverse in (False, True):
+            sig = _geometry_args({"src_ref": "*fp32" if inverse else "*bf16", "dst_ref": "*bf16" if inverse else "*fp32"})
+            sig.update(dict.fromkeys(("G_COLS", "TWO_D", "INVERSE", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
+            specs.append((f"dct_{'decode' if inverse else 'encode'}_{mode}", dct._dct_kernel, sig,
+                          {"G_COLS": G, "TWO_D": two_d, "INVERSE": inverse, "BLOCK_ROWS": rows, "BLOCK_W": 64}))
+        sig = _geometry_args({"delta_ref": "*fp32", "grad_ref": "*bf16", "idx_out": "*i16", "val_out": "*fp16",
+                              "beta": "fp32", "lr": "fp32", "alpha": "fp32"})
+        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
+        specs.append((f"ef_encode_{mode}", error_feedback._ef_encode_kernel, sig,
+                      {"G_COLS": G, "TWO_D": two_d, "BLOCK_ROWS": rows, "BLOCK_W": 64}))
+        sig = _geometry_args({"param_ref": "*bf16", "scratch_ref": "*fp32", "indices": "*i16", "values": "*fp16",
+                              "n_ranks": "i32", "payload_numel": "i32", "lr": "fp32", "decay": "fp32"})
+        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2"), "constexpr"))
+        specs.append((f"ef_decode_{mode}", error_feedback._ef_decode_kernel, sig,
+                      {"G_COLS": G, "TWO_D": two_d, "USE_SIGN": True, "BLOCK_ROWS": rows, "BLOCK_W": 64, "K_POW2": 32}))
+    sig = {"x": "*fp32", "idx_out": "*i16", "val_out": "*fp32", "n_rows": "i32", "n_cols": "i32", "k": "i32",
+           "BLOCK_ROWS": "constexpr", "BLOCK_W": "constexpr"}
+    specs.append(("chunk_topk", topk._topk_kernel, sig, {"BLOCK_ROWS": 1, "BLOCK_W": 4096}))
+    return specs
+
+
+def compile_all(targets: list[str], num_warps: int = 4) -> list[CompiledKernel]:
+    """Compile every kernel of :func:`kernel_specs` for each target; raise on any failure."""
+    out = []
+    for target in targets:
+        for label, fn, sig, constexprs in kernel_specs():
+            try:
+                ck = compile_for_target(fn, sig, constexprs, target, num_warps=num_warps)
+            except Exception as exc:
+                raise RuntimeError(f"{label} failed to compile for {target}: {exc}") from exc
+            out.append(dataclasses.replace(ck, name=label, compiled=None))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m triton_kernels.compile_only sm_80 sm_90 gfx942``: JSON report on stdout."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("targets", nargs="*", default=["sm_80", "sm_90", "gfx942"])
+    args = parser.parse_args(argv)
+    rows = []
+    for ck in compile_all(args.targets):
+        rows.append({"kernel": ck.name, "target": ck.target, "num_warps": ck.num_warps,
+                     "shared_bytes": ck.shared_bytes, "registers": ck.registers, "spills": ck.spills,
+                     "max_shared_per_block": ck.limits.max_shared_per_block,
+                     "max_registers_per_thread": ck.limits.max_registers_per_thread})
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,274 @@
+"""Tiled orthonormal DCT: DCT-II encode and DCT-III decode of 1-D and 2-D tiles.
+
+Encode turns a tensor into its tile coefficients, a ``(n_tiles, tile_h * tile_w)`` fp32
+matrix (tiling rules in :mod:`triton_kernels.tiling`); decode is the exact inverse. A tile
+``X`` becomes ``Y = B_h X B_w^T`` with the orthonormal DCT matrix ``B`` (row 0 scaled by
+``1/sqrt(2)``), so the transform preserves the sum of squares (Parseval).
+
+Inputs may be fp32, fp16 or bf16; the math is fp32 (``tl.dot`` with ``input_precision=
+"ieee"``, never TF32). The ``*_multi`` forms transform a whole bucket of tensors with one
+launch per tile class instead of one launch per tensor.
+
+Layout: Triton kernel + launcher + torch reference + ``torch.library`` ops (``cokit::``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tiling
+from ._checks import check_float_tensor, check_positive_int, check_same_device, check_tensor_list
+from .backend import kernel_path
+
+__all__ = [
+    "dct_decode",
+    "dct_decode_multi",
+    "dct_decode_reference",
+    "dct_encode",
+    "dct_encode_multi",
+    "dct_encode_reference",
+]
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def table_pointer(table, row, col: tl.constexpr, n_cols: tl.constexpr, ref):
+    """Pointer stored in an int64 table, typed like the tensor argument ``ref``."""
+    return tl.load(table + row * n_cols + col).to(tl.pointer_type(ref.dtype.element_ty), bitcast=True)
+
+
+@triton.jit
+def load_basis(bank, off, n, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """The ``n x n`` DCT matrix at ``bank + off`` (or its transpose), zero-padded to BLOCK."""
+    i = tl.arange(0, BLOCK)[:, None]
+    j = tl.arange(0, BLOCK)[None, :]
+    mask = (i < n) & (j < n)
+    if TRANSPOSE:
+        return tl.load(bank + off + j * n + i, mask=mask, other=0.0)
+    return tl.load(bank + off + i * n + j, mask=mask, other=0.0)
+
+
+@triton.jit
+def transform_block(x, bank, bh_off, bw_off, h, w,
+                    TWO_D: tl.constexpr, INVERSE: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Encode ``B_h x B_w^T`` / decode ``B_h^T x B_w`` of a zero-padded fp32 block.
+
+    In ONE_D mode (``TWO_D`` false) every row of ``x`` is its own 1-D tile: only the
+    right-hand transform applies.
+    """
+    if INVERSE:
+        right = load_basis(bank, bw_off, w, BLOCK_W, False)
+    else:
+        right = load_basis(bank, bw_off, w, BLOCK_W, True)
+    y = tl.dot(x, right, input_precision="ieee")
+    if TWO_D:
+        if INVERSE:
+            left = load_basis(bank, bh_off, h, BLOCK_ROWS, True)
+        else:
+            left = load_basis(bank, bh_off, h, BLOCK_ROWS, False)
+        y = tl.dot(left, y, input_precision="ieee")
+    return y
+
+
+@triton.jit
+def _dct_kernel(geometry, pointers, bank, src_ref, dst_ref,
+                G_COLS: tl.constexpr, TWO_D: tl.constexpr, INVERSE: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    g = geometry + tl.program_id(0) * G_COLS
+    tensor = tl.load(g + 0)
+    x_off = tl.load(g + 1)
+    row_stride = tl.load(g + 2)
+    y_off = tl.load(g + 3)
+    rows = tl.load(g + 4)
+    h = tl.load(g + 5)
+    w = tl.load(g + 6)
+    src = table_pointer(pointers, tensor, 0, 2, src_ref)
+    dst = table_pointer(pointers, tensor, 1, 2, dst_ref)
+
+    r = tl.arange(0, BLOCK_ROWS)[:, None]
+    c = tl.arange(0, BLOCK_W)[None, :]
+    mask = (r < rows) & (c < w)
+    matrix_addr = x_off + r * row_stride + c  # element of the tensor (matrix view)
+    tile_addr = y_off + r * w + c  # element of the coefficients (tile layout)
+    if INVERSE:
+        x = tl.load(src + tile_addr, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(src + matrix_addr, mask=mask, other=0.0).to(tl.float32)
+    y = transform_block(x, bank, tl.load(g + 7), tl.load(g + 8), h, w, TWO_D, INVERSE, BLOCK_ROWS, BLOCK_W)
+    if INVERSE:
+        tl.store(dst + matrix_addr, y.to(dst.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst + tile_addr, y.to(dst.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _launch(plan: tiling.TilePlan, srcs: list[torch.Tensor], dsts: list[torch.Tensor], inverse: bool) -> None:
+    device = srcs[0].device
+    for cls in plan.classes:
+        members = list(cls.tensors)
+        pointers = tiling.pointer_table([[srcs[i] for i in members], [dsts[i] for i in members]], device)
+        _dct_kernel[(cls.n_programs,)](
+            cls.geometry, pointers, plan.basis_bank, srcs[members[0]], dsts[members[0]],
+            G_COLS=tiling.G_COLS, TWO_D=not cls.one_d, INVERSE=inverse,
+            BLOCK_ROWS=cls.block_rows, BLOCK_W=cls.block_w, num_warps=4,
+        )
+
+
+def _encode_impl(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    xs = [x.contiguous() for x in xs]
+    device = xs[0].device
+    plan = tiling.tile_plan([x.shape for x in xs], chunk, device=device, groups=[x.dtype for x in xs])
+    if kernel_path(device) == "torch":
+        return [dct_encode_reference(x, chunk) for x in xs]
+    outs = [torch.empty(t.n_tiles, t.tile_numel, dtype=torch.float32, device=device) for t in plan.tilings]
+    _launch(plan, xs, outs, inverse=False)
+    return outs
+
+
+def _decode_impl(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    coeffs = [c.contiguous() for c in coeffs]
+    device = coeffs[0].device
+    plan = tiling.tile_plan(shapes, chunk, device=device, groups=[c.dtype for c in coeffs])
+    if kernel_path(device) == "torch":
+        return [dct_decode_reference(c, s, chunk).to(dtype) for c, s in zip(coeffs, shapes)]
+    outs = [torch.empty(tuple(s), dtype=dtype, device=device) for s in shapes]
+    _launch(plan, coeffs, outs, inverse=True)
+    return outs
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _tiles(m: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
+    """(rows, cols) matrix -> (tiles_y, tiles_x, h, w) view."""
+    return m.reshape(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
+
+
+def dct_encode_reference(x: torch.Tensor, chunk: int = 64, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pure-torch encode, computed in ``dtype`` (float64 for test references)."""
+    t = tiling.TensorTiling.of(x.shape, chunk)
+    bh = tiling.basis_matrix(t.h, dtype, x.device)
+    bw = tiling.basis_matrix(t.w, dtype, x.device)
+    y = bh @ _tiles(x.to(dtype).reshape(t.rows, t.cols), t) @ bw.T
+    return y.reshape(t.n_tiles, t.tile_numel)
+
+
+def dct_decode_reference(
+    coeffs: torch.Tensor, shape: Sequence[int], chunk: int = 64, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Pure-torch decode (inverse of :func:`dct_encode_reference`), computed in ``dtype``."""
+    t = tiling.TensorTiling.of(shape, chunk)
+    bh = tiling.basis_matrix(t.h, dtype, coeffs.device)
+    bw = tiling.basis_matrix(t.w, dtype, coeffs.device)
+    y = coeffs.to(dtype).reshape(t.rows // t.h, t.cols // t.w, t.h, t.w)
+    x = bh.T @ y @ bw
+    return x.transpose(1, 2).reshape(tuple(shape))
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("cokit::dct_encode_multi", mutates_args=())
+def _dct_encode_multi_op(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    return _encode_impl(xs, chunk)
+
+
+@_dct_encode_multi_op.register_fake
+def _(xs, chunk):
+    out = []
+    for x in xs:
+        t = tiling.TensorTiling.of(x.shape, chunk)
+        out.append(x.new_empty((t.n_tiles, t.tile_numel), dtype=torch.float32))
+    return out
+
+
+def pack_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Shapes as (all dims concatenated, rank of each): op schemas take no nested lists."""
+    return [int(d) for s in shapes for d in s], [len(s) for s in shapes]
+
+
+def unpack_shapes(dims: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
+    out, pos = [], 0
+    for r in ranks:
+        out.append(list(dims[pos:pos + r]))
+        pos += r
+    return out
+
+
+@torch.library.custom_op("cokit::dct_decode_multi", mutates_args=())
+def _dct_decode_multi_op(
+    coeffs: list[torch.Tensor], dims: list[int], ranks: list[int], chunk: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    return _decode_impl(coeffs, unpack_shapes(dims, ranks), chunk, dtype)
+
+
+@_dct_decode_multi_op.register_fake
+def _(coeffs, dims, ranks, chunk, dtype):
+    return [c.new_empty(tuple(s), dtype=dtype) for c, s in zip(coeffs, unpack_shapes(dims, ranks))]
+
+
+def _check_inputs(name: str, xs: list[torch.Tensor], chunk: int) -> None:
+    check_positive_int("chunk", chunk)
+    for i, x in enumerate(xs):
+        check_float_tensor(f"{name}[{i}]" if len(xs) > 1 else name, x)
+    check_same_device(**{f"{name}[{i}]": x for i, x in enumerate(xs)})
+    kernel_path(xs[0].device)  # rejects devices no kernel runs on
+
+
+def _check_coeffs(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype) -> None:
+    _check_inputs("coeffs", coeffs, chunk)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
+    if len(shapes) != len(coeffs):
+        raise ValueError(f"got {len(coeffs)} coefficient tensors but {len(shapes)} shapes")
+    for i, (c, s) in enumerate(zip(coeffs, shapes)):
+        t = tiling.TensorTiling.of(s, chunk)
+        if tuple(c.shape) != (t.n_tiles, t.tile_numel):
+            raise ValueError(
+                f"coeffs[{i}] has shape {tuple(c.shape)}, but a tensor of shape {tuple(s)} with "
+                f"chunk={chunk} has {t.n_tiles} tiles of {t.h}x{t.w}: expected ({t.n_tiles}, {t.tile_numel})"
+            )
+
+
+def dct_encode(x: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """DCT-II of every tile of ``x``: a ``(n_tiles, tile_numel)`` fp32 tensor."""
+    _check_inputs("x", [x], chunk)
+    return torch.ops.cokit.dct_encode_multi([x], chunk)[0]
+
+
+def dct_decode(
+    coeffs: torch.Tensor, shape: Sequence[int], chunk: int = 64, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`dct_encode`: the tensor of ``shape`` (in ``dtype``) from its tile coefficients."""
+    shapes = [[int(s) for s in shape]]
+    _check_coeffs([coeffs], shapes, chunk, dtype)
+    return torch.ops.cokit.dct_decode_multi([coeffs], *pack_shapes(shapes), chunk, dtype)[0]
+
+
+def dct_encode_multi(xs: Sequence[torch.Tensor], chunk: int = 64) -> list[torch.Tensor]:
+    """:func:`dct_encode` of a bucket of tensors, one launch per tile class."""
+    xs = check_tensor_list("xs", xs)
+    _check_inputs("xs", xs, chunk)
+    return torch.ops.cokit.dct_encode_multi(xs, chunk)
+
+
+def dct_decode_multi(
+    coeffs: Sequence[torch.Tensor],
+    shapes: Sequence[Sequence[int]],
+    chunk: int = 64,
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
+    """:func:`dct_decode` of a bucket of tensors, one launch per tile class."""
+    coeffs = check_tensor_list("coeffs", coeffs)
+    shapes = [[int(s) for s in shape] for shape in shapes]
+    _check_coeffs(coeffs, shapes, chunk, dtype)
+    return torch.ops.cokit.dct_decode_multi(coeffs, *pack_shapes(shapes), chunk, dtype)

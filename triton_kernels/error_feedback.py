@@ -1,0 +1,417 @@
+"""Fused error feedback: the encode and decode passes of a DeMo step.
+
+Encode, one pass per tile over a bucket of tensors (DESIGN.md section 1.1, steps 2-6)::
+
+    delta  = beta * delta + lr * grad          # fp32 buffer, updated in place
+    coeffs = DCT(delta)
+    sel    = top-k(|coeffs|) per tile           # ties: lower position; order: by position
+    delta -= alpha * IDCT(coeffs at sel)        # what is sent leaves the buffer
+    payload <- (positions, values) of sel       # values cast to the payload dtype
+
+Decode, one pass per tile (steps 8-9 plus decoupled weight decay)::
+
+    mean   = per position, mean over the ranks that chose it
+    update = IDCT(mean)  [-> sign(update)]
+    p      = p * (1 - lr * wd) - lr * update
+
+The payload of a bucket is flat: tensors in order, tiles in order, ``min(k, tile_numel)``
+slots per tile. Gathered payloads are ``(world_size, payload_numel)``.
+
+Determinism: the decode sums each position's values in rank order (rank 0 first) with a
+barrier between ranks, so every rank computes bit-identical parameters from the same
+gathered payload. Its per-tile accumulator is a global scratch region touched only by the
+program that owns the tile.
+
+Layout: Triton kernels + launchers + torch references + ``torch.library`` ops (``cokit::``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tiling
+from ._checks import FLOAT_DTYPES, check_float_tensor, check_positive_int, check_same_device, check_tensor_list
+from .backend import kernel_path
+from .dct import dct_decode_reference, dct_encode_reference, table_pointer, transform_block
+from .topk import chunk_topk_reference, topk_select
+
+__all__ = [
+    "ef_decode",
+    "ef_decode_reference",
+    "ef_encode",
+    "ef_encode_reference",
+    "payload_layout",
+]
+
+INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _ef_encode_kernel(geometry, pointers, bank, delta_ref, grad_ref, idx_out, val_out,
+                      beta, lr, alpha,
+                      G_COLS: tl.constexpr, TWO_D: tl.constexpr,
+                      BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    g = geometry + tl.program_id(0) * G_COLS
+    tensor = tl.load(g + 0)
+    x_off = tl.load(g + 1)
+    row_stride = tl.load(g + 2)
+    rows = tl.load(g + 4)
+    h = tl.load(g + 5)
+    w = tl.load(g + 6)
+    bh_off = tl.load(g + 7)
+    bw_off = tl.load(g + 8)
+    p_off = tl.load(g + 9)
+    k = tl.load(g + 10)
+    delta_ptr = table_pointer(pointers, tensor, 0, 2, delta_ref)
+    grad_ptr = table_pointer(pointers, tensor, 1, 2, grad_ref)
+
+    r = tl.arange(0, BLOCK_ROWS)[:, None]
+    c = tl.arange(0, BLOCK_W)[None, :]
+    mask = (r < rows) & (c < w)
+    addr = x_off + r * row_stride + c
+    delta = tl.load(delta_ptr + addr, mask=mask, other=0.0)
+    grad = tl.load(grad_ptr + addr, mask=mask, other=0.0).to(tl.float32)
+    delta = beta * delta + lr * grad
+
+    coeffs = transform_block(delta, bank, bh_off, bw_off, h, w, TWO_D, False, BLOCK_ROWS, BLOCK_W)
+    selected, slot = topk_select(coeffs, mask, k, TWO_D)
+    sent = transform_block(tl.where(selected, coeffs, 0.0), bank, bh_off, bw_off, h, w,
+                           TWO_D, True, BLOCK_ROWS, BLOCK_W)
+    tl.store(delta_ptr + addr, delta - alpha * sent, mask=mask)
+
+    if TWO_D:
+        position = r * w + c
+        out = p_off + slot
+    else:
+        position = c + r * 0
+        out = p_off + r * k + slot
+    tl.store(idx_out + out, position.to(idx_out.dtype.element_ty), mask=selected)
+    tl.store(val_out + out, coeffs.to(val_out.dtype.element_ty), mask=selected)
+
+
+@triton.jit
+def _ef_decode_kernel(geometry, pointers, bank, param_ref, scratch_ref, indices, values,
+                      n_ranks, payload_numel, lr, decay,
+                      G_COLS: tl.constexpr, TWO_D: tl.constexpr, USE_SIGN: tl.constexpr,
+                      BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, K_POW2: tl.constexpr):
+    g = geometry + tl.program_id(0) * G_COLS
+    tensor = tl.load(g + 0)
+    x_off = tl.load(g + 1)
+    row_stride = tl.load(g + 2)
+    y_off = tl.load(g + 3)
+    rows = tl.load(g + 4)
+    h = tl.load(g + 5)
+    w = tl.load(g + 6)
+    p_off = tl.load(g + 9)
+    k = tl.load(g + 10)
+    param_ptr = table_pointer(pointers, tensor, 0, 3, param_ref)
+    sums = table_pointer(pointers, tensor, 1, 3, scratch_ref)
+    counts = table_pointer(pointers, tensor, 2, 3, scratch_ref)
+
+    r = tl.arange(0, BLOCK_ROWS)[:, None]
+    c = tl.arange(0, BLOCK_W)[None, :]
+    mask = (r < rows) & (c < w)
+    tile_addr = y_off + r * w + c
+    tl.store(sums + tile_addr, 0.0, mask=mask)
+    tl.store(counts + tile_addr, 0.0, mask=mask)
+    tl.debug_barrier()
+
+    # Scatter every rank's selection into this program's accumulator, rank by rank.
+    j = tl.arange(0, K_POW2)[None, :]
+    if TWO_D:
+        slot_mask = j < k
+        slot = p_off + j
+        row_base = y_off + j * 0
+    else:
+        slot_mask = (r < rows) & (j < k)
+        slot = p_off + r * k + j
+        row_base = y_off + r * w
+    src = slot  # int64: ranks * payload_numel may pass 2**31
+    for _ in range(n_ranks):
+        pos = tl.load(indices + src, mask=slot_mask, other=0).to(tl.int64)
+        val = tl.load(values + src, mask=slot_mask, other=0.0).to(tl.float32)
+        tl.atomic_add(sums + row_base + pos, val, mask=slot_mask)
+        tl.atomic_add(counts + row_base + pos, 1.0, mask=slot_mask)
+        src += payload_numel
+        tl.debug_barrier()
+
+    total = tl.load(sums + tile_addr, mask=mask, other=0.0, volatile=True)
+    n = tl.load(counts + tile_addr, mask=mask, other=0.0, volatile=True)
+    mean = tl.where(n > 0, total / tl.maximum(n, 1.0), 0.0)
+    update = transform_block(mean, bank, tl.load(g + 7), tl.load(g + 8), h, w, TWO_D, True, BLOCK_ROWS, BLOCK_W)
+    if USE_SIGN:
+        update = tl.where(update > 0, 1.0, tl.where(update < 0, -1.0, 0.0))
+    addr = x_off + r * row_stride + c
+    p = tl.load(param_ptr + addr, mask=mask, other=0.0).to(tl.float32)
+    p = p * decay - lr * update
+    tl.store(param_ptr + addr, p.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def payload_layout(shapes: Sequence[Sequence[int]], chunk: int, k: int) -> tiling.TilePlan:
+    """The tiling and payload offsets of a bucket: ``.payload_numel`` slots per rank,
+    ``.payload_offsets[i]`` the first slot of tensor i, ``.index_dtype`` the index dtype."""
+    return tiling.tile_plan(shapes, chunk, k)
+
+
+def _contiguous_work(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
+    device = deltas[0].device
+    plan = tiling.tile_plan([d.shape for d in deltas], chunk, k, device, groups=[g.dtype for g in grads])
+    if kernel_path(device) == "torch":
+        return ef_encode_reference(deltas, grads, beta, lr, chunk, k, alpha=alpha, value_dtype=value_dtype)
+    work = [_contiguous_work(d) for d in deltas]
+    grads = [g.contiguous() for g in grads]
+    idx = torch.empty(plan.payload_numel, dtype=plan.index_dtype, device=device)
+    vals = torch.empty(plan.payload_numel, dtype=value_dtype, device=device)
+    for cls in plan.classes:
+        members = list(cls.tensors)
+        pointers = tiling.pointer_table([[work[i] for i in members], [grads[i] for i in members]], device)
+        _ef_encode_kernel[(cls.n_programs,)](
+            cls.geometry, pointers, plan.basis_bank, work[members[0]], grads[members[0]], idx, vals,
+            float(beta), float(lr), float(alpha),
+            G_COLS=tiling.G_COLS, TWO_D=not cls.one_d, BLOCK_ROWS=cls.block_rows,
+            BLOCK_W=cls.block_w, num_warps=4,
+        )
+    for d, wk in zip(deltas, work):
+        if wk is not d:
+            d.copy_(wk)
+    return idx, vals
+
+
+def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
+    device = params[0].device
+    plan = tiling.tile_plan([p.shape for p in params], chunk, k, device, groups=[p.dtype for p in params])
+    if kernel_path(device) == "torch":
+        ef_decode_reference(params, indices, values, chunk, k, lr, weight_decay=weight_decay, use_sign=use_sign)
+        return
+    work = [_contiguous_work(p) for p in params]
+    indices, values = indices.contiguous(), values.contiguous()
+    total = sum(t.numel for t in plan.tilings)
+    scratch = torch.empty(2, total, dtype=torch.float32, device=device)
+    starts = [0]
+    for t in plan.tilings:
+        starts.append(starts[-1] + t.numel)
+    sums = [scratch[0, s:e] for s, e in zip(starts, starts[1:])]
+    counts = [scratch[1, s:e] for s, e in zip(starts, starts[1:])]
+    for cls in plan.classes:
+        members = list(cls.tensors)
+        pointers = tiling.pointer_table(
+            [[work[i] for i in members], [sums[i] for i in members], [counts[i] for i in members]], device
+        )
+        _ef_decode_kernel[(cls.n_programs,)](
+            cls.geometry, pointers, plan.basis_bank, work[members[0]], scratch, indices, values,
+            indices.shape[0], plan.payload_numel, float(lr), 1.0 - float(lr) * float(weight_decay),
+            G_COLS=tiling.G_COLS, TWO_D=not cls.one_d, USE_SIGN=use_sign,
+            BLOCK_ROWS=cls.block_rows, BLOCK_W=cls.block_w, K_POW2=tiling.next_pow2(cls.max_k),
+            num_warps=4,
+        )
+    for p, wk in zip(params, work):
+        if wk is not p:
+            p.copy_(wk)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ef_encode_reference(
+    deltas: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    beta: float,
+    lr: float,
+    chunk: int,
+    k: int,
+    *,
+    alpha: float = 1.0,
+    value_dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch encode, math in ``dtype``; updates ``deltas`` in place, returns the payload."""
+    all_idx, all_vals = [], []
+    plan = tiling.tile_plan([d.shape for d in deltas], chunk, k)
+    for d, g, t in zip(deltas, grads, plan.tilings):
+        buf = beta * d.to(dtype) + lr * g.to(dtype)
+        coeffs = dct_encode_reference(buf, chunk, dtype)
+        idx, vals = chunk_topk_reference(coeffs, k)
+        sparse = torch.zeros_like(coeffs).scatter_(1, idx.long(), vals)
+        buf -= alpha * dct_decode_reference(sparse, t.shape, chunk, dtype)
+        d.copy_(buf)
+        all_idx.append(idx.flatten().to(plan.index_dtype))
+        all_vals.append(vals.flatten().to(value_dtype))
+    return torch.cat(all_idx), torch.cat(all_vals)
+
+
+def ef_decode_reference(
+    params: Sequence[torch.Tensor],
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    chunk: int,
+    k: int,
+    lr: float,
+    *,
+    weight_decay: float = 0.0,
+    use_sign: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Pure-torch decode, math in ``dtype``: DeMo's mean over ranks, IDCT, sign, update."""
+    plan = tiling.tile_plan([p.shape for p in params], chunk, k)
+    ranks = indices.shape[0]
+    for p, t, off in zip(params, plan.tilings, plan.payload_offsets):
+        ke = t.k_eff(k)
+        span = slice(off, off + t.n_tiles * ke)
+        idx = indices[:, span].reshape(ranks, t.n_tiles, ke).transpose(0, 1).reshape(t.n_tiles, -1)
+        val = values[:, span].reshape(ranks, t.n_tiles, ke).transpose(0, 1).reshape(t.n_tiles, -1)
+        dense = torch.zeros(t.n_tiles, t.tile_numel, dtype=dtype, device=p.device)
+        dense.scatter_reduce_(1, idx.long(), val.to(dtype), reduce="mean", include_self=False)
+        update = dct_decode_reference(dense, t.shape, chunk, dtype)
+        if use_sign:
+            update = update.sign()
+        p.copy_(p.to(dtype) * (1 - lr * weight_decay) - lr * update)
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("cokit::ef_encode", mutates_args=("deltas",))
+def _ef_encode_op(
+    deltas: list[torch.Tensor], grads: list[torch.Tensor], beta: float, lr: float, alpha: float,
+    chunk: int, k: int, value_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype)
+
+
+@_ef_encode_op.register_fake
+def _(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
+    plan = tiling.tile_plan([d.shape for d in deltas], chunk, k)
+    return (deltas[0].new_empty(plan.payload_numel, dtype=plan.index_dtype),
+            deltas[0].new_empty(plan.payload_numel, dtype=value_dtype))
+
+
+@torch.library.custom_op("cokit::ef_decode", mutates_args=("params",))
+def _ef_decode_op(
+    params: list[torch.Tensor], indices: torch.Tensor, values: torch.Tensor, chunk: int, k: int,
+    lr: float, weight_decay: float, use_sign: bool,
+) -> None:
+    _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign)
+
+
+@_ef_decode_op.register_fake
+def _(params, indices, values, chunk, k, lr, weight_decay, use_sign):
+    return None
+
+
+def _check_scalar(name: str, value: object, low: float, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    v = float(value)
+    if not (v == v) or v in (float("inf"), float("-inf")) or v < low or (high is not None and v > high):
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be finite and {allowed}, got {value}")
+    return v
+
+
+def ef_encode(
+    deltas: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    *,
+    beta: float,
+    lr: float,
+    chunk: int = 64,
+    k: int = 32,
+    alpha: float = 1.0,
+    value_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused error-feedback encode of a bucket (module docstring); updates ``deltas``.
+
+    ``deltas`` are fp32 buffers shaped like ``grads`` (fp32/fp16/bf16). Returns the flat
+    payload ``(indices, values)`` of :func:`payload_layout` ``(shapes, chunk, k)``.
+    """
+    deltas = check_tensor_list("deltas", deltas)
+    grads = check_tensor_list("grads", grads)
+    if len(deltas) != len(grads):
+        raise ValueError(f"got {len(deltas)} deltas but {len(grads)} grads")
+    check_positive_int("chunk", chunk)
+    check_positive_int("k", k)
+    beta, lr, alpha = _check_scalar("beta", beta, 0.0, 1.0), _check_scalar("lr", lr, 0.0), _check_scalar("alpha", alpha, 0.0, 1.0)
+    if value_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"value_dtype must be torch.float32, float16 or bfloat16, got {value_dtype}")
+    for i, (d, g) in enumerate(zip(deltas, grads)):
+        check_float_tensor(f"deltas[{i}]", d, (torch.float32,))
+        check_float_tensor(f"grads[{i}]", g)
+        if d.shape != g.shape:
+            raise ValueError(f"deltas[{i}] has shape {tuple(d.shape)} but grads[{i}] has {tuple(g.shape)}")
+    check_same_device(**{f"deltas[{i}]": d for i, d in enumerate(deltas)}, **{f"grads[{i}]": g for i, g in enumerate(grads)})
+    kernel_path(deltas[0].device)
+    return torch.ops.cokit.ef_encode(deltas, grads, beta, lr, alpha, chunk, k, value_dtype)
+
+
+def _check_payload(plan: tiling.TilePlan, indices: torch.Tensor, values: torch.Tensor) -> None:
+    if indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"indices must be int16, int32 or int64, got {indices.dtype}")
+    check_float_tensor("values", values)
+    if indices.dim() != 2 or values.shape != indices.shape:
+        raise ValueError(
+            f"indices and values must both be (world_size, payload_numel), got {tuple(indices.shape)} "
+            f"and {tuple(values.shape)}"
+        )
+    if indices.shape[1] != plan.payload_numel:
+        raise ValueError(
+            f"payload has {indices.shape[1]} slots per rank, but these parameters with chunk={plan.chunk}, "
+            f"k={plan.k} need {plan.payload_numel}: payload and tensors do not match"
+        )
+    for t, off in zip(plan.tilings, plan.payload_offsets):
+        span = indices[:, off:off + t.n_tiles * t.k_eff(plan.k)]
+        bad = (span < 0) | (span >= t.tile_numel)
+        if bool(bad.any()):
+            rank, slot = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"payload index {int(span[rank, slot])} of rank {rank} (slot {off + slot}) is out of range "
+                f"[0, {t.tile_numel}) for a tensor of shape {t.shape}"
+            )
+        tiles = span.reshape(indices.shape[0], t.n_tiles, -1).sort(dim=-1).values
+        if bool((tiles[..., 1:] == tiles[..., :-1]).any()):
+            raise ValueError(f"payload repeats a position inside one tile of a tensor of shape {t.shape}")
+
+
+def ef_decode(
+    params: Sequence[torch.Tensor],
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    lr: float,
+    chunk: int = 64,
+    k: int = 32,
+    weight_decay: float = 0.0,
+    use_sign: bool = True,
+    validate: bool = True,
+) -> None:
+    """Decode gathered payloads ``(world_size, payload_numel)`` and update ``params`` in place.
+
+    ``validate`` checks every index against its tile (one cheap pass over the payload);
+    switch it off only for payloads produced by :func:`ef_encode` in this process.
+    """
+    params = check_tensor_list("params", params)
+    check_positive_int("chunk", chunk)
+    check_positive_int("k", k)
+    lr = _check_scalar("lr", lr, 0.0)
+    weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
+    for i, p in enumerate(params):
+        check_float_tensor(f"params[{i}]", p)
+    check_same_device(**{f"params[{i}]": p for i, p in enumerate(params)}, indices=indices, values=values)
+    kernel_path(params[0].device)
+    plan = tiling.tile_plan([p.shape for p in params], chunk, k)
+    if validate:
+        _check_payload(plan, indices, values)
+    torch.ops.cokit.ef_decode(params, indices, values, chunk, k, lr, weight_decay, bool(use_sign))

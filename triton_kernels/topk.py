@@ -1,0 +1,160 @@
+"""Per-chunk top-k: the ``k`` coefficients of largest magnitude in every tile.
+
+Input: a ``(n_tiles, tile_numel)`` matrix (what :func:`triton_kernels.dct.dct_encode`
+returns; any 2-D float tensor works). Output per tile: ``k`` positions and the signed
+values at them, ``k`` clamped to the tile size.
+
+Conventions (the same in the kernel, the reference and the fused error-feedback kernel):
+
+* **ties**: among equal magnitudes the lower position wins, so the result is a function of
+  the input alone, identical on every rank and every backend;
+* **order**: positions are returned in increasing order inside each tile;
+* **index dtype**: int16 when a tile has at most 32768 positions, else int32;
+* NaN counts as larger than every number (it is selected first); callers that must not
+  send NaN check for it before compressing (the DeMo optimizer does).
+
+How (any k, no sort): the int32 bit pattern of ``|x|`` orders like the float, so the k-th
+largest magnitude is found by a 31-step bitwise search of per-tile counts; entries above it
+are kept, ties at it go to the lowest positions, and a prefix sum gives each kept entry its
+slot. This is cheap on GPUs and in the interpreter alike (``tl.topk``'s bitonic network
+costs seconds per tile there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tiling
+from ._checks import check_float_tensor, check_positive_int
+from .backend import kernel_path
+
+__all__ = ["chunk_topk", "chunk_topk_reference", "index_dtype_for"]
+
+def index_dtype_for(tile_numel: int) -> torch.dtype:
+    """int16 when every position of a tile fits (<= 32768 positions), else int32."""
+    return torch.int16 if tile_numel <= 32768 else torch.int32
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def tile_sum(x, TWO_D: tl.constexpr):
+    """Per-tile sum of a block, broadcastable against it: (1, 1) in TWO_D, (rows, 1) else."""
+    s = tl.sum(x, axis=1, keep_dims=True)
+    if TWO_D:
+        s = tl.sum(s, axis=0, keep_dims=True)
+    return s
+
+
+@triton.jit
+def tile_cumsum(x, TWO_D: tl.constexpr):
+    """Inclusive prefix sum in position order inside each tile (row-major in TWO_D)."""
+    c = tl.cumsum(x, axis=1)
+    if TWO_D:
+        row_total = tl.sum(x, axis=1, keep_dims=True)
+        c += tl.cumsum(row_total, axis=0) - row_total
+    return c
+
+
+@triton.jit
+def topk_select(y, valid, k, TWO_D: tl.constexpr):
+    """Top-k by magnitude of an fp32 block.
+
+    TWO_D: the whole block is one tile; else every row is its own tile. ``k`` (runtime,
+    <= valid entries per tile) is the number kept. Returns ``(selected, slot)``: a mask of
+    the kept entries and, for each, its rank by position inside its tile (0..k-1).
+
+    The k-th largest magnitude is found bit by bit on the int32 pattern of ``|y|`` (it
+    orders like the float); entries above it are kept, and of those equal to it the
+    lowest positions fill the remaining slots.
+    """
+    mag = tl.where(valid, tl.abs(y).to(tl.int32, bitcast=True), -1)
+    kth = tile_sum(mag * 0, TWO_D)  # int32 zeros, one per tile
+    for i in range(31):
+        candidate = kth | (1 << (30 - i))
+        enough = tile_sum((mag >= candidate).to(tl.int32), TWO_D) >= k
+        kth = tl.where(enough, candidate, kth)
+    above = mag > kth
+    tied = valid & (mag == kth)
+    need = k - tile_sum(above.to(tl.int32), TWO_D)
+    selected = above | (tied & (tile_cumsum(tied.to(tl.int32), TWO_D) <= need))
+    slot = tile_cumsum(selected.to(tl.int32), TWO_D) - 1
+    return selected, slot
+
+
+@triton.jit
+def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    c = tl.arange(0, BLOCK_W)[None, :]
+    valid = (r < n_rows) & (c < n_cols)
+    v = tl.load(x + r * n_cols + c, mask=valid, other=0.0)
+    selected, slot = topk_select(v.to(tl.float32), valid, k, False)
+    out = r * k + slot
+    tl.store(idx_out + out, c.to(idx_out.dtype.element_ty) + r * 0, mask=selected)
+    tl.store(val_out + out, v, mask=selected)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _topk_impl(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    n_rows, n_cols = x.shape
+    k = min(k, n_cols)
+    if kernel_path(x.device) == "torch":
+        return chunk_topk_reference(x, k)
+    idx = torch.empty(n_rows, k, dtype=index_dtype_for(n_cols), device=x.device)
+    vals = torch.empty(n_rows, k, dtype=x.dtype, device=x.device)
+    block_w = tiling.next_pow2(n_cols)
+    block_rows = max(1, tiling.ONE_D_ELEMENTS // block_w)
+    grid = (triton.cdiv(n_rows, block_rows),)
+    _topk_kernel[grid](x, idx, vals, n_rows, n_cols, k, BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=4)
+    return idx, vals
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def chunk_topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch top-k with the same tie rule, order and dtypes as the kernel."""
+    k = min(k, x.shape[1])
+    order = torch.sort(x.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+    idx = order.sort(dim=1).values
+    return idx.to(index_dtype_for(x.shape[1])), x.gather(1, idx)
+
+
+# ----------------------------------------------------------------------------- op
+
+
+@torch.library.custom_op("cokit::chunk_topk", mutates_args=())
+def _chunk_topk_op(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _topk_impl(x, k)
+
+
+@_chunk_topk_op.register_fake
+def _(x, k):
+    n_rows, n_cols = x.shape
+    k = min(k, n_cols)
+    return x.new_empty((n_rows, k), dtype=index_dtype_for(n_cols)), x.new_empty((n_rows, k))
+
+
+def chunk_topk(coeffs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (tile) of ``coeffs``: the ``k`` largest-magnitude entries.
+
+    Returns ``(indices, values)``, both ``(n_tiles, min(k, tile_numel))``; indices are
+    positions inside the tile in increasing order (int16 or int32), values keep
+    ``coeffs.dtype``. Ties go to the lower position.
+    """
+    check_float_tensor("coeffs", coeffs)
+    check_positive_int("k", k)
+    if coeffs.dim() != 2:
+        raise ValueError(
+            f"coeffs must be 2-D (n_tiles, tile_numel), got shape {tuple(coeffs.shape)}; "
+            "dct_encode returns that layout"
+        )
+    kernel_path(coeffs.device)
+    return torch.ops.cokit.chunk_topk(coeffs, k)
