@@ -36,14 +36,20 @@ __all__ = [
 ]
 
 
-@functools.cache
-def triton_available() -> bool:
-    """True when ``import triton`` works."""
+def _import_triton() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:  # pragma: no cover - depends on the installation
         return False
     return True
+
+
+_TRITON_AVAILABLE = _import_triton()  # a constant, so that torch.compile traces no cache
+
+
+def triton_available() -> bool:
+    """True when ``import triton`` works."""
+    return _TRITON_AVAILABLE
 
 
 def interpreter_enabled() -> bool:

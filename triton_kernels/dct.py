@@ -129,7 +129,7 @@ def _encode_impl(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
     plan = tiling.tile_plan([x.shape for x in xs], chunk, device=device, groups=[x.dtype for x in xs])
     if kernel_path(device) == "torch":
         return [dct_encode_reference(x, chunk) for x in xs]
-    outs = [torch.empty(t.n_tiles, t.tile_numel, dtype=torch.float32, device=device) for t in plan.tilings]
+    outs = [tiling.empty_output((t.n_tiles, t.tile_numel), torch.float32, device) for t in plan.tilings]
     _launch(plan, xs, outs, inverse=False)
     return outs
 
@@ -140,7 +140,7 @@ def _decode_impl(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int
     plan = tiling.tile_plan(shapes, chunk, device=device, groups=[c.dtype for c in coeffs])
     if kernel_path(device) == "torch":
         return [dct_decode_reference(c, s, chunk).to(dtype) for c, s in zip(coeffs, shapes)]
-    outs = [torch.empty(tuple(s), dtype=dtype, device=device) for s in shapes]
+    outs = [tiling.empty_output(s, dtype, device) for s in shapes]
     _launch(plan, coeffs, outs, inverse=True)
     return outs
 

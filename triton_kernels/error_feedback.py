@@ -174,8 +174,8 @@ def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
         return ef_encode_reference(deltas, grads, beta, lr, chunk, k, alpha=alpha, value_dtype=value_dtype)
     work = [_contiguous_work(d) for d in deltas]
     grads = [g.contiguous() for g in grads]
-    idx = torch.empty(plan.payload_numel, dtype=plan.index_dtype, device=device)
-    vals = torch.empty(plan.payload_numel, dtype=value_dtype, device=device)
+    idx = tiling.empty_output((plan.payload_numel,), plan.index_dtype, device)
+    vals = tiling.empty_output((plan.payload_numel,), value_dtype, device)
     for cls in plan.classes:
         members = list(cls.tensors)
         pointers = tiling.pointer_table([[work[i] for i in members], [grads[i] for i in members]], device)
@@ -200,7 +200,7 @@ def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
     work = [_contiguous_work(p) for p in params]
     indices, values = indices.contiguous(), values.contiguous()
     total = sum(t.numel for t in plan.tilings)
-    scratch = torch.empty(2, total, dtype=torch.float32, device=device)
+    scratch = tiling.empty_output((2, total), torch.float32, device)
     starts = [0]
     for t in plan.tilings:
         starts.append(starts[-1] + t.numel)
@@ -294,9 +294,8 @@ def _ef_encode_op(
 
 @_ef_encode_op.register_fake
 def _(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
-    plan = tiling.tile_plan([d.shape for d in deltas], chunk, k)
-    return (deltas[0].new_empty(plan.payload_numel, dtype=plan.index_dtype),
-            deltas[0].new_empty(plan.payload_numel, dtype=value_dtype))
+    numel, index_dtype = tiling.payload_shape([d.shape for d in deltas], chunk, k)
+    return deltas[0].new_empty(numel, dtype=index_dtype), deltas[0].new_empty(numel, dtype=value_dtype)
 
 
 @torch.library.custom_op("cokit::ef_decode", mutates_args=("params",))
@@ -411,7 +410,6 @@ def ef_decode(
         check_float_tensor(f"params[{i}]", p)
     check_same_device(**{f"params[{i}]": p for i, p in enumerate(params)}, indices=indices, values=values)
     kernel_path(params[0].device)
-    plan = tiling.tile_plan([p.shape for p in params], chunk, k)
     if validate:
-        _check_payload(plan, indices, values)
+        _check_payload(tiling.tile_plan([p.shape for p in params], chunk, k), indices, values)
     torch.ops.cokit.ef_decode(params, indices, values, chunk, k, lr, weight_decay, bool(use_sign))

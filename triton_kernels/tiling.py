@@ -35,7 +35,9 @@ __all__ = [
     "TilePlan",
     "basis_matrix",
     "chunk_side",
+    "empty_output",
     "next_pow2",
+    "payload_shape",
     "pointer_table",
     "tile_plan",
 ]
@@ -133,6 +135,13 @@ def basis_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.devic
     return _basis64(n).to(dtype=dtype, device=device)
 
 
+def payload_shape(shapes: Sequence[Sequence[int]], chunk: int, k: int) -> tuple[int, torch.dtype]:
+    """(slots per rank, index dtype) of a bucket's payload; no tensors are built."""
+    tilings = [TensorTiling.of(s, chunk) for s in shapes]
+    numel = sum(t.n_tiles * t.k_eff(k) for t in tilings)
+    return numel, (torch.int16 if max(t.tile_numel for t in tilings) <= 32768 else torch.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ClassPlan:
     """Programs of one launch: same mode and padded block shape."""
@@ -215,7 +224,7 @@ def _tile_plan(
         geometry = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, G_COLS)
         max_k = max(tilings[i].k_eff(k) for i in members)
         classes.append(ClassPlan(one_d, brows, bw, max_k, tuple(members), geometry))
-    index_dtype = torch.int16 if max(t.tile_numel for t in tilings) <= 32768 else torch.int32
+    _, index_dtype = payload_shape(shapes, chunk, k)
     return TilePlan(
         tilings, chunk, k, tuple(offsets), p, tuple(classes),
         torch.cat(parts).to(torch.float32).to(device), index_dtype,
@@ -251,3 +260,8 @@ def pointer_table(columns: Sequence[Sequence[torch.Tensor]], device: torch.devic
     """``(n_tensors, n_columns)`` int64 table of data pointers, one column per argument."""
     rows = [[t.data_ptr() for t in row] for row in zip(*columns)]
     return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def empty_output(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Where every kernel output is allocated: tests replace it to poison outputs."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)

@@ -107,8 +107,8 @@ def _topk_impl(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     k = min(k, n_cols)
     if kernel_path(x.device) == "torch":
         return chunk_topk_reference(x, k)
-    idx = torch.empty(n_rows, k, dtype=index_dtype_for(n_cols), device=x.device)
-    vals = torch.empty(n_rows, k, dtype=x.dtype, device=x.device)
+    idx = tiling.empty_output((n_rows, k), index_dtype_for(n_cols), x.device)
+    vals = tiling.empty_output((n_rows, k), x.dtype, x.device)
     block_w = tiling.next_pow2(n_cols)
     block_rows = max(1, tiling.ONE_D_ELEMENTS // block_w)
     grid = (triton.cdiv(n_rows, block_rows),)

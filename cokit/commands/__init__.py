@@ -1,0 +1,1 @@
+"""Subcommands of the ``cokit`` CLI, one module each."""

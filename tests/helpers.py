@@ -1,0 +1,30 @@
+"""Shared test helpers: poisoned outputs and the shapes every kernel is checked on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_kernels import tiling
+
+SHAPES = [(1,), (7,), (3, 5), (64, 64), (96, 128), (130, 70), (16, 3, 3, 3)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _poisoned(shape, dtype, device):
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        return out.fill_(float("nan"))
+    return out.fill_(-7)
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every kernel output starts as NaN (floats) or -7 (indices)."""
+    monkeypatch.setattr(tiling, "empty_output", _poisoned)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or poisoned elements)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,61 @@
+"""Backend selection and architecture limits."""
+
+import pytest
+import torch
+
+from triton_kernels import backend
+
+
+def test_cpu_tensors_use_the_interpreter_in_tests(monkeypatch):
+    assert backend.kernel_path("cpu") == "interpreter"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend.kernel_path("cpu") == "torch"
+
+
+def test_unsupported_device_is_rejected():
+    with pytest.raises(ValueError, match="cuda .* or cpu"):
+        backend.kernel_path("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_device_without_gpu():
+    with pytest.raises(RuntimeError, match="torch sees no GPU"):
+        backend.kernel_path("cuda")
+    with pytest.raises(RuntimeError, match="arch_limits"):
+        backend.device_limits()
+
+
+def test_named_targets():
+    h100 = backend.arch_limits("sm_90")
+    assert (h100.max_shared_per_block, h100.warp_size, h100.num_sms) == (232448, 32, 132)
+    assert backend.arch_limits("sm_80").max_shared_per_block == 166912
+    mi300 = backend.arch_limits("gfx942")
+    assert (mi300.backend, mi300.warp_size, mi300.max_shared_per_block) == ("hip", 64, 65536)
+    assert backend.arch_limits("gfx90a").num_sms == 110
+    assert mi300.target_name == "gfx942" and h100.target_name == "sm_90"
+    with pytest.raises(ValueError, match="known targets: sm_80, sm_90, gfx90a, gfx942"):
+        backend.arch_limits("sm_75")
+
+
+def test_torch_path_matches_interpreter(monkeypatch):
+    """The pure-torch path (CPU without interpreter) gives the kernels' results."""
+    from triton_kernels.dct import dct_encode
+    from triton_kernels.error_feedback import ef_decode, ef_encode
+    from triton_kernels.topk import chunk_topk
+
+    x, g = torch.randn(96, 128), torch.randn(96, 128)
+
+    def run():
+        d, p = [torch.ones(96, 128)], [torch.ones(96, 128)]
+        idx, vals = ef_encode(d, [g], beta=0.9, lr=0.1, k=8)
+        ef_decode(p, idx[None], vals[None], lr=0.01, k=8, use_sign=False)
+        return dct_encode(x), chunk_topk(dct_encode(x), 8), idx, vals, d[0], p[0]
+
+    interp = run()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch_path = run()
+    assert torch.allclose(interp[0], torch_path[0], atol=1e-5)
+    assert torch.equal(interp[1][0], torch_path[1][0])
+    assert torch.equal(interp[2], torch_path[2])
+    for a, b in zip(interp[3:], torch_path[3:]):
+        assert torch.allclose(a, b, atol=1e-5)

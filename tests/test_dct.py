@@ -1,0 +1,101 @@
+"""Tiled DCT kernels vs a float64 reference, under the Triton interpreter."""
+
+import pytest
+import torch
+
+from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
+from triton_kernels import tiling
+from triton_kernels.dct import (
+    dct_decode,
+    dct_decode_multi,
+    dct_decode_reference,
+    dct_encode,
+    dct_encode_multi,
+    dct_encode_reference,
+)
+
+
+def test_chunk_side_is_largest_divisor_at_most_target():
+    assert tiling.chunk_side(130, 64) == 26
+    assert tiling.chunk_side(128, 64) == 64
+    assert tiling.chunk_side(67, 64) == 1  # a prime: tile side 1
+    assert tiling.chunk_side(7, 64) == 7
+    t = tiling.TensorTiling.of((16, 3, 3, 3), 64)
+    assert (t.rows, t.cols, t.h, t.w, t.n_tiles) == (16, 27, 16, 27, 1)
+
+
+def test_basis_is_orthonormal():
+    for n in (1, 5, 64):
+        b = tiling.basis_matrix(n, torch.float64)
+        assert torch.allclose(b @ b.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+
+
+def test_reference_matches_direct_dct_formula():
+    x = torch.randn(6, 10, dtype=torch.float64)
+    y = dct_encode_reference(x, chunk=64, dtype=torch.float64).reshape(6, 10)
+    n0, n1 = torch.arange(6.0, dtype=torch.float64), torch.arange(10.0, dtype=torch.float64)
+    k0, k1 = 2, 3
+    direct = (x * torch.cos(torch.pi * (2 * n0[:, None] + 1) * k0 / 12)
+              * torch.cos(torch.pi * (2 * n1[None, :] + 1) * k1 / 20)).sum() * (2 / 6) ** 0.5 * (2 / 10) ** 0.5
+    assert torch.allclose(y[k0, k1], direct)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_encode_decode_vs_float64(shape, dtype, poison):
+    x = torch.randn(shape).to(dtype)
+    coeffs = dct_encode(x, chunk=64)
+    ref = dct_encode_reference(x.double(), 64, torch.float64)
+    assert coeffs.dtype == torch.float32 and coeffs.shape == ref.shape
+    assert rel_err(coeffs, ref) < 2e-6
+    # Parseval: an orthonormal transform keeps the sum of squares
+    assert abs(coeffs.double().square().sum() / x.double().square().sum() - 1) < 1e-5
+    back = dct_decode(coeffs, shape, chunk=64)
+    assert back.shape == x.shape
+    assert rel_err(back, x.double()) < 2e-6
+    assert rel_err(back, dct_decode_reference(coeffs.double(), shape, 64, torch.float64)) < 2e-6
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 32])
+def test_other_chunk_targets(chunk, poison):
+    x = torch.randn(40, 24)
+    coeffs = dct_encode(x, chunk)
+    assert rel_err(coeffs, dct_encode_reference(x.double(), chunk, torch.float64)) < 2e-6
+    assert rel_err(dct_decode(coeffs, x.shape, chunk), x) < 2e-6
+
+
+def test_prime_rows_make_one_d_tiles(poison):
+    x = torch.randn(67, 48)  # 67 is prime: tiles are 1 x 48 rows
+    coeffs = dct_encode(x, 64)
+    assert coeffs.shape == (67, 48)
+    assert rel_err(coeffs, dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
+
+
+def test_decode_to_low_precision(poison):
+    x = torch.randn(32, 48)
+    back = dct_decode(dct_encode(x), x.shape, dtype=torch.float16)
+    assert back.dtype == torch.float16
+    assert rel_err(back, x) < 1e-3
+
+
+def test_multi_tensor_bucket_equals_single(poison):
+    xs = [torch.randn(s) for s in SHAPES] + [torch.randn(33).half()]
+    multi = dct_encode_multi(xs, 64)
+    for x, c in zip(xs, multi):
+        assert torch.allclose(c, dct_encode(x, 64), rtol=0, atol=1e-6)
+    backs = dct_decode_multi(multi, [x.shape for x in xs], 64)
+    for x, b in zip(xs, backs):
+        assert rel_err(b, x.float()) < 2e-6
+
+
+def test_bucket_uses_one_launch_per_tile_class():
+    plan = tiling.tile_plan([(64, 64), (128, 64), (64, 128), (64,), (128,)], 64)
+    # three 64x64 tensors share one 2-D class; the two 1-D tensors share one 1-D class
+    assert len(plan.classes) == 2
+    assert sorted(len(c.tensors) for c in plan.classes) == [2, 3]
+
+
+def test_non_contiguous_input(poison):
+    x = torch.randn(96, 64).t()  # (64, 96), transposed view
+    assert not x.is_contiguous()
+    assert rel_err(dct_encode(x), dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6

@@ -1,0 +1,126 @@
+"""Fused error-feedback encode/decode vs float64 references."""
+
+import pytest
+import torch
+
+from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
+from triton_kernels.error_feedback import (
+    ef_decode,
+    ef_decode_reference,
+    ef_encode,
+    ef_encode_reference,
+    payload_layout,
+)
+
+
+@pytest.mark.parametrize("k", [1, 3, 32, 4096])
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+def test_encode_vs_float64(k, grad_dtype, poison):
+    grads = [torch.randn(s).to(grad_dtype) for s in SHAPES]
+    deltas = [torch.randn(s) for s in SHAPES]
+    ref_deltas = [d.double() for d in deltas]
+    before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads)]
+    idx, vals = ef_encode(deltas, grads, beta=0.9, lr=0.05, chunk=64, k=k, alpha=0.8)
+    ref_idx, ref_vals = ef_encode_reference(ref_deltas, [g.double() for g in grads], 0.9, 0.05, 64, k,
+                                            alpha=0.8, value_dtype=torch.float64, dtype=torch.float64)
+    layout = payload_layout(SHAPES, 64, k)
+    assert idx.shape == (layout.payload_numel,) and idx.dtype == torch.int16
+    assert torch.equal(idx.long(), ref_idx.long())
+    assert rel_err(vals, ref_vals) < 1e-6
+    for d, r, b in zip(deltas, ref_deltas, before):
+        assert d.dtype == torch.float32 and torch.isfinite(d).all()
+        # relative to the buffer before the update (after it, k = tile size leaves ~0)
+        assert (d.double() - r).norm() < 1e-6 * b.norm()
+
+
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
+def test_encode_compact_values(value_dtype, poison):
+    grads, deltas = [torch.randn(96, 128)], [torch.zeros(96, 128)]
+    ref = [d.clone() for d in deltas]
+    _, vals = ef_encode(deltas, grads, beta=0.999, lr=1.0, k=8, value_dtype=value_dtype)
+    _, ref_vals = ef_encode_reference(ref, grads, 0.999, 1.0, 64, 8)
+    assert vals.dtype == value_dtype
+    tol = 1e-3 if value_dtype == torch.float16 else 1e-2
+    assert rel_err(vals, ref_vals) < tol
+    # the buffer subtracts the unquantized selection
+    assert rel_err(deltas[0], ref[0]) < 1e-6
+
+
+def test_error_feedback_keeps_what_was_not_sent(poison):
+    g = torch.randn(64, 64)
+    delta = [torch.zeros(64, 64)]
+    idx, vals = ef_encode(delta, [g], beta=0.0, lr=1.0, k=4096)  # send everything
+    assert delta[0].abs().max() < 1e-5
+    delta = [torch.zeros(64, 64)]
+    ef_encode(delta, [g], beta=0.0, lr=1.0, k=32)
+    # what is left is g minus its 32 largest DCT components: smaller, but not zero
+    assert 0 < delta[0].norm() < g.norm()
+
+
+def gathered_payloads(shapes, k, ranks, value_dtype=torch.float32):
+    """Payloads of `ranks` ranks; the last rank repeats rank 0's positions (overlap)."""
+    idx, vals = [], []
+    for r in range(ranks):
+        deltas = [torch.randn(s) for s in shapes]
+        i, v = ef_encode(deltas, [torch.randn(s) for s in shapes], beta=0.5, lr=1.0, k=k, value_dtype=value_dtype)
+        idx.append(idx[0] if r == ranks - 1 and r > 0 else i)
+        vals.append(v)
+    return torch.stack(idx), torch.stack(vals)
+
+
+@pytest.mark.parametrize("use_sign", [True, False])
+@pytest.mark.parametrize("k", [1, 3, 32])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_decode_vs_float64(ranks, k, use_sign, poison):
+    idx, vals = gathered_payloads(SHAPES, k, ranks)
+    params = [torch.randn(s) for s in SHAPES]
+    ref = [p.double() for p in params]
+    ef_decode(params, idx, vals, lr=0.01, k=k, weight_decay=0.1, use_sign=use_sign)
+    ef_decode_reference(ref, idx, vals.double(), 64, k, 0.01, weight_decay=0.1, use_sign=use_sign, dtype=torch.float64)
+    for p, r in zip(params, ref):
+        if use_sign:  # a sign may flip where the decoded value is ~0: count mismatches
+            assert ((p.double() - r).abs() > 1e-6).float().mean() < 0.01
+        else:
+            assert rel_err(p, r) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_low_precision_params(dtype, poison):
+    idx, vals = gathered_payloads([(96, 128), (7,)], 8, 2, torch.float16)
+    params = [torch.randn(96, 128).to(dtype), torch.randn(7).to(dtype)]
+    ref = [p.double() for p in params]
+    ef_decode(params, idx, vals, lr=0.01, k=8, use_sign=False)
+    ef_decode_reference(ref, idx, vals.double(), 64, 8, 0.01, use_sign=False, dtype=torch.float64)
+    for p, r in zip(params, ref):
+        assert p.dtype == dtype
+        assert rel_err(p, r) < 1e-2  # one rounding to the parameter dtype
+
+
+def test_decode_is_deterministic(poison):
+    idx, vals = gathered_payloads([(130, 70), (64,)], 16, 3)
+    start = [torch.randn(130, 70), torch.randn(64)]
+    a = [p.clone() for p in start]
+    b = [p.clone() for p in start]
+    ef_decode(a, idx, vals, lr=0.1, k=16, use_sign=False)
+    ef_decode(b, idx, vals, lr=0.1, k=16, use_sign=False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_mean_over_ranks_that_chose_a_position(poison):
+    # one 1x8 tile; rank 0 picks positions {0, 1}, rank 1 picks {1, 2}
+    idx = torch.tensor([[0, 1], [1, 2]], dtype=torch.int16)
+    vals = torch.tensor([[4.0, 2.0], [6.0, 8.0]])
+    p = [torch.zeros(8)]
+    ef_decode(p, idx, vals, lr=1.0, k=2, chunk=8, use_sign=False)
+    dense = torch.tensor([[4.0, 4.0, 8.0, 0, 0, 0, 0, 0]])  # position 1: mean(2, 6)
+    from triton_kernels.dct import dct_decode_reference
+    assert torch.allclose(p[0], -dct_decode_reference(dense, (8,), 8), atol=1e-6)
+
+
+def test_non_contiguous_buffers_are_updated_in_place(poison):
+    base = torch.randn(64, 96)
+    delta = torch.zeros(96, 64).t()  # non-contiguous (64, 96)
+    ef_encode([delta], [base], beta=0.0, lr=1.0, k=4)
+    ref = [torch.zeros(64, 96)]
+    ef_encode_reference(ref, [base], 0.0, 1.0, 64, 4)
+    assert rel_err(delta, ref[0]) < 1e-6

@@ -1,0 +1,42 @@
+"""The cokit:: ops: schema/fake/autograd registration (opcheck) and torch.compile."""
+
+import torch
+
+from triton_kernels.dct import dct_decode, dct_encode
+from triton_kernels.error_feedback import ef_decode, ef_encode
+from triton_kernels.topk import chunk_topk
+
+
+def test_opcheck_every_op():
+    xs = [torch.randn(96, 128), torch.randn(7).half()]
+    torch.library.opcheck(torch.ops.cokit.dct_encode_multi.default, (xs, 64))
+    coeffs = [torch.randn(4, 3072), torch.randn(1, 7)]
+    torch.library.opcheck(torch.ops.cokit.dct_decode_multi.default, (coeffs, [96, 128, 7], [2, 1], 64, torch.float32))
+    torch.library.opcheck(torch.ops.cokit.chunk_topk.default, (torch.randn(5, 40), 3))
+    deltas, grads = [torch.randn(64, 64), torch.randn(7)], [torch.randn(64, 64), torch.randn(7)]
+    torch.library.opcheck(torch.ops.cokit.ef_encode.default, (deltas, grads, 0.9, 0.1, 1.0, 64, 4, torch.float16))
+    idx, vals = ef_encode([torch.randn(64, 64), torch.randn(7)], grads, beta=0.9, lr=0.1, k=4)
+    params = [torch.randn(64, 64), torch.randn(7)]
+    torch.library.opcheck(torch.ops.cokit.ef_decode.default,
+                          (params, idx[None], vals[None], 64, 4, 0.01, 0.0, True))
+
+
+def test_torch_compile_fullgraph():
+    def step(x, delta, grad, param):
+        coeffs = dct_encode(x, 64)
+        idx, vals = chunk_topk(coeffs, 8)
+        back = dct_decode(coeffs, x.shape, 64)
+        p_idx, p_vals = ef_encode([delta], [grad], beta=0.9, lr=0.1, k=8)
+        ef_decode([param], p_idx[None], p_vals[None], lr=0.01, k=8, validate=False)
+        return back * 2, idx, vals
+
+    x, g = torch.randn(96, 128), torch.randn(64, 64)
+    d_eager, d_comp = torch.randn(64, 64), None
+    d_comp = d_eager.clone()
+    p_eager = torch.randn(64, 64)
+    p_comp = p_eager.clone()
+    eager = step(x, d_eager, g, p_eager)
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, d_comp, g, p_comp)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    assert torch.equal(d_eager, d_comp) and torch.equal(p_eager, p_comp)

@@ -1,0 +1,69 @@
+"""Per-chunk top-k kernel vs the reference, ties, dtypes and index widths."""
+
+import pytest
+import torch
+
+from helpers import DTYPES, poison  # noqa: F401
+from triton_kernels.topk import chunk_topk, chunk_topk_reference
+
+
+def float64_topk(x: torch.Tensor, k: int):
+    """Independent float64 reference: sort by (-|x|, position), keep k, order by position."""
+    x = x.double()
+    out_i, out_v = [], []
+    for row in x:
+        order = sorted(range(row.numel()), key=lambda i: (-abs(row[i].item()), i))[:k]
+        order.sort()
+        out_i.append(order)
+        out_v.append([row[i].item() for i in order])
+    return torch.tensor(out_i), torch.tensor(out_v, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 7), (2, 15), (2, 4096), (5, 910), (4, 432)])
+@pytest.mark.parametrize("k", [1, 3, 32, "tile"])
+def test_topk_vs_float64(rows, cols, k, dtype, poison):
+    k = cols if k == "tile" else k
+    x = torch.randn(rows, cols).to(dtype)
+    idx, vals = chunk_topk(x, k)
+    ref_i, ref_v = float64_topk(x, min(k, cols))
+    assert idx.dtype == torch.int16 and vals.dtype == dtype
+    assert torch.equal(idx.long(), ref_i)
+    assert torch.equal(vals.double(), ref_v)
+
+
+def test_ties_lower_position_wins(poison):
+    x = torch.tensor([[1.0, -2.0, 2.0, 0.5, -2.0, 2.0, 1.0]])
+    idx, vals = chunk_topk(x, 3)
+    assert idx.tolist() == [[1, 2, 4]]
+    assert vals.tolist() == [[-2.0, 2.0, -2.0]]
+    zeros = torch.zeros(2, 40)
+    idx, _ = chunk_topk(zeros, 5)
+    assert idx.tolist() == [list(range(5))] * 2
+
+
+def test_reference_matches_kernel_on_many_ties(poison):
+    x = torch.randint(-3, 4, (6, 50)).float()
+    for k in (1, 7, 50):
+        i1, v1 = chunk_topk(x, k)
+        i2, v2 = chunk_topk_reference(x, k)
+        assert torch.equal(i1, i2) and torch.equal(v1, v2)
+
+
+def test_large_tile_uses_int32_indices(poison):
+    x = torch.randn(1, 40000)
+    idx, vals = chunk_topk(x, 5)
+    assert idx.dtype == torch.int32
+    ref_i, ref_v = float64_topk(x, 5)
+    assert torch.equal(idx.long(), ref_i) and torch.equal(vals.double(), ref_v)
+
+
+def test_k_larger_than_tile_is_clamped(poison):
+    idx, vals = chunk_topk(torch.randn(2, 6), 100)
+    assert idx.shape == (2, 6) and idx.tolist() == [list(range(6))] * 2
+
+
+def test_extreme_values(poison):
+    x = torch.tensor([[0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e38, 1.0, float("nan")]])
+    idx, _ = chunk_topk(x, 4)
+    assert idx.tolist() == [[2, 3, 5, 7]]  # NaN ranks above every number (documented)
