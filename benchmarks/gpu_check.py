@@ -8,6 +8,9 @@ prints time, achieved GB/s against a measured device-to-device copy bandwidth, a
 speedup over the torch reference. Writes everything to JSON. Sized to finish well under
 8 minutes on one H200.
 
+Then the GEMM part (benchmarks/gemm_bench.py): correctness, TFLOP/s vs torch.matmul and an
+occupancy sweep.
+
 On a CPU-only machine it runs the torch reference path only, at small sizes, and says so.
 """
 
@@ -23,7 +26,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
 from triton_kernels import backend, dct, error_feedback, tiling, topk  # noqa: E402
 
@@ -173,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     report["compression"] = check_kernels(device, on_gpu, args.quick, bw)
     print_table(report["compression"], on_gpu)
 
+    import gemm_bench  # beside this file; adds report["gemm"]
+
+    print("GEMM:")
+    report["gemm_rows"] = gemm_bench.run(report, quick=args.quick)
+
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(report, f, indent=2, default=str)
     print(f"wrote {args.out}")
     return 0
 

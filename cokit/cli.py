@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module defines add_parser(subparsers) and sets `func` (args -> exit code).
-SUBCOMMANDS = ("info",)
+SUBCOMMANDS = ("info", "occupancy")
 
 
 class CliError(Exception):

@@ -80,11 +80,14 @@ def compile_for_target(
     signature: dict[str, str],
     constexprs: dict[str, Any],
     target: str,
+    attrs: dict | None = None,
     **options: Any,
 ) -> CompiledKernel:
     """Build ``fn`` for ``target`` ('sm_80', 'sm_90', 'gfx90a', 'gfx942') without a GPU.
 
     ``signature`` maps every argument to a Triton type ('*fp32', 'i32', 'constexpr', ...);
+    ``attrs`` are specialization attributes (``{(arg_index,): [["tt.divisibility", 16]]}``),
+    what the JIT infers from real arguments on a GPU (aligned pointers, divisible sizes);
     ``options`` are launch options (num_warps, num_stages, maxnreg, waves_per_eu, ...).
     """
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -93,7 +96,7 @@ def compile_for_target(
     from triton.compiler import ASTSource
 
     limits = arch_limits(target)
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=compile_target(target), options=options)
     if limits.backend == "cuda":
         regs, spills = _cuda_registers(compiled.asm["cubin"])

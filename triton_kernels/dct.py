@@ -126,9 +126,9 @@ def _launch(plan: tiling.TilePlan, srcs: list[torch.Tensor], dsts: list[torch.Te
 def _encode_impl(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
     xs = [x.contiguous() for x in xs]
     device = xs[0].device
-    plan = tiling.tile_plan([x.shape for x in xs], chunk, device=device, groups=[x.dtype for x in xs])
     if kernel_path(device) == "torch":
         return [dct_encode_reference(x, chunk) for x in xs]
+    plan = tiling.tile_plan([x.shape for x in xs], chunk, device=device, groups=[x.dtype for x in xs])
     outs = [tiling.empty_output((t.n_tiles, t.tile_numel), torch.float32, device) for t in plan.tilings]
     _launch(plan, xs, outs, inverse=False)
     return outs
@@ -137,9 +137,9 @@ def _encode_impl(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
 def _decode_impl(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype) -> list[torch.Tensor]:
     coeffs = [c.contiguous() for c in coeffs]
     device = coeffs[0].device
-    plan = tiling.tile_plan(shapes, chunk, device=device, groups=[c.dtype for c in coeffs])
     if kernel_path(device) == "torch":
         return [dct_decode_reference(c, s, chunk).to(dtype) for c, s in zip(coeffs, shapes)]
+    plan = tiling.tile_plan(shapes, chunk, device=device, groups=[c.dtype for c in coeffs])
     outs = [tiling.empty_output(s, dtype, device) for s in shapes]
     _launch(plan, coeffs, outs, inverse=True)
     return outs

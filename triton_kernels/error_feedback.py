@@ -169,9 +169,9 @@ def _contiguous_work(t: torch.Tensor) -> torch.Tensor:
 
 def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
     device = deltas[0].device
-    plan = tiling.tile_plan([d.shape for d in deltas], chunk, k, device, groups=[g.dtype for g in grads])
     if kernel_path(device) == "torch":
         return ef_encode_reference(deltas, grads, beta, lr, chunk, k, alpha=alpha, value_dtype=value_dtype)
+    plan = tiling.tile_plan([d.shape for d in deltas], chunk, k, device, groups=[g.dtype for g in grads])
     work = [_contiguous_work(d) for d in deltas]
     grads = [g.contiguous() for g in grads]
     idx = tiling.empty_output((plan.payload_numel,), plan.index_dtype, device)
@@ -193,10 +193,10 @@ def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
 
 def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
     device = params[0].device
-    plan = tiling.tile_plan([p.shape for p in params], chunk, k, device, groups=[p.dtype for p in params])
     if kernel_path(device) == "torch":
         ef_decode_reference(params, indices, values, chunk, k, lr, weight_decay=weight_decay, use_sign=use_sign)
         return
+    plan = tiling.tile_plan([p.shape for p in params], chunk, k, device, groups=[p.dtype for p in params])
     work = [_contiguous_work(p) for p in params]
     indices, values = indices.contiguous(), values.contiguous()
     total = sum(t.numel for t in plan.tilings)

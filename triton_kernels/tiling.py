@@ -157,10 +157,6 @@ class ClassPlan:
     def n_programs(self) -> int:
         return self.geometry.shape[0]
 
-    @property
-    def tiles_per_program(self) -> int:
-        return self.block_rows if self.one_d else 1
-
 
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
@@ -174,10 +170,6 @@ class TilePlan:
     classes: tuple[ClassPlan, ...]
     basis_bank: torch.Tensor  # every DCT matrix the plan needs, fp32, flattened
     index_dtype: torch.dtype  # int16 when every tile has <= 32768 positions, else int32
-
-    @property
-    def max_tile_numel(self) -> int:
-        return max(t.tile_numel for t in self.tilings)
 
 
 def _geometry_rows(t: TensorTiling, local: int, bank_off: dict[int, int], p_off: int, k: int):

@@ -1,0 +1,383 @@
+"""GEMM kernel under the Triton interpreter vs a float64 reference; configs; tuning cache;
+the cokit::matmul custom op (autograd, opcheck, torch.compile)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from triton_kernels.backend import arch_limits
+from triton_kernels.gemm import gemm, gemm_reference, matmul
+from triton_kernels.gemm_configs import (
+    GemmConfig,
+    TuningCache,
+    autotune,
+    config_space,
+    estimate_shared_bytes,
+    interpreter_config,
+    parse_config_spec,
+    prune_configs,
+    shape_bucket,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+SHAPES = [(1, 1, 1), (17, 33, 65), (128, 96, 200)]
+# unit roundoff of the output dtype (the kernel rounds its fp32 accumulator once)
+OUT_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def _tolerance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, ref: torch.Tensor,
+               precision: str) -> torch.Tensor:
+    """Elementwise error bound, by precision.
+
+    |c - ref| <= eps_out * |ref|                      (final rounding to the output dtype)
+               + (K * 2^-24 + eps_dot) * (|A| @ |B|)  (fp32 accumulation; tf32 operand rounding)
+    with eps_dot = 2^-10 for tf32 (10-bit mantissa inputs, both operands) and 0 otherwise,
+    doubled as a safety margin.
+    """
+    K = a.shape[1]
+    eps_dot = 2.0**-10 if (precision == "tf32" and a.dtype == torch.float32) else 0.0
+    mag = a.double().abs() @ b.double().abs()
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    return 2 * (OUT_EPS[a.dtype] * ref.abs() + (K * 2.0**-24 + eps_dot) * mag) + 1e-30
+
+
+def _check(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           precision: str = "ieee") -> None:
+    ref = a.double() @ b.double()
+    if bias is not None:
+        ref = ref + bias.double()
+    assert c.dtype == a.dtype and c.shape == ref.shape
+    assert torch.isfinite(c).all(), "output not fully written (NaN poison left)"
+    err = (c.double() - ref).abs()
+    tol = _tolerance(a, b, bias, ref, precision)
+    worst = (err / tol).max().item()
+    assert worst <= 1.0, f"error exceeds bound by {worst:.2f}x (max abs err {err.max().item():.3g})"
+
+
+def _poisoned(M: int, N: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((M, N), float("nan"), dtype=dtype)
+
+
+# ---------------------------------------------------------------------- numerics
+@pytest.mark.parametrize("persistent", [False, True], ids=["tiled", "persistent"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "dtype,precision",
+    [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"), (torch.float32, "tf32")],
+    ids=["fp16", "bf16", "fp32-ieee", "fp32-tf32"],
+)
+def test_gemm_vs_float64(dtype, precision, shape, persistent):
+    M, N, K = shape
+    a = torch.randn(M, K).to(dtype)
+    b = torch.randn(K, N).to(dtype)
+    bias = torch.randn(N).to(dtype) if M > 1 else None
+    c = gemm(a, b, bias, precision=precision, persistent=persistent, out=_poisoned(M, N, dtype))
+    _check(c, a, b, bias, precision)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["tiled", "persistent"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+def test_gemm_transposed_and_strided_operands(dtype, persistent):
+    M, N, K = 17, 33, 65
+    a_t = torch.randn(K, M).to(dtype).t()  # column-major A
+    b_t = torch.randn(N, K).to(dtype).t()  # column-major B
+    assert not a_t.is_contiguous() and not b_t.is_contiguous()
+    _check(gemm(a_t, b_t, persistent=persistent), a_t, b_t)
+    a_s = torch.randn(M, 2 * K).to(dtype)[:, ::2]  # every other column: stride 2 along K
+    bias_s = torch.randn(2 * N).to(dtype)[::2]
+    out = torch.full((N, M), float("nan"), dtype=dtype).t()  # strided output
+    c = gemm(a_s, b_t, bias_s, persistent=persistent, out=out)
+    assert c.data_ptr() == out.data_ptr()
+    _check(c, a_s, b_t, bias_s)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        GemmConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=2, num_stages=2),
+        GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, persistent=True, num_sms=3),
+        GemmConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, GROUP_M=3, persistent=True, num_sms=1),
+    ],
+    ids=["tiled-grouped", "persistent-3", "persistent-1"],
+)
+def test_gemm_explicit_configs_cover_many_tiles(config):
+    """Several tiles, partial edge tiles, grouped ordering and persistent striding."""
+    M, N, K = 33, 47, 65
+    a = torch.randn(M, K, dtype=torch.bfloat16)
+    b = torch.randn(K, N, dtype=torch.bfloat16)
+    bias = torch.randn(N, dtype=torch.bfloat16)
+    _check(gemm(a, b, bias, config=config, out=_poisoned(M, N, torch.bfloat16)), a, b, bias)
+
+
+def test_gemm_degenerate_shapes():
+    a = torch.randn(3, 0)
+    b = torch.randn(0, 5)
+    assert torch.equal(gemm(a, b), torch.zeros(3, 5))
+    bias = torch.randn(5)
+    assert torch.equal(gemm(a, b, bias), bias.expand(3, 5))
+    assert gemm(torch.randn(0, 4), torch.randn(4, 6)).shape == (0, 6)
+
+
+def test_torch_path_without_interpreter(monkeypatch):
+    """CPU tensors without TRITON_INTERPRET run the torch reference with the same semantics."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    a = torch.randn(17, 65, dtype=torch.bfloat16)
+    b = torch.randn(65, 33, dtype=torch.bfloat16)
+    c = gemm(a, b)
+    assert torch.equal(c, gemm_reference(a, b))
+    _check(c, a, b)
+
+
+# ---------------------------------------------------------------------- input errors
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: (torch.randn(4, 5), torch.randn(6, 3)), "a.shape\\[1\\] must equal b.shape\\[0\\]"),
+        (lambda: (torch.randn(4, 5), torch.randn(5, 3, dtype=torch.float16)), "same dtype"),
+        (lambda: (torch.randn(4), torch.randn(4, 3)), "a must be 2-D"),
+        (lambda: (torch.randn(4, 5).double(), torch.randn(5, 3).double()), "not supported; allowed: fp16, bf16, fp32"),
+    ],
+)
+def test_gemm_rejects_bad_inputs(make, match):
+    a, b = make()
+    with pytest.raises(ValueError, match=match):
+        gemm(a, b)
+
+
+def test_gemm_rejects_bad_bias_precision_out_and_form():
+    a, b = torch.randn(4, 5), torch.randn(5, 3)
+    with pytest.raises(ValueError, match=r"bias must have shape \(3,\)"):
+        gemm(a, b, torch.randn(4))
+    with pytest.raises(ValueError, match="precision='fp64' is invalid; allowed: ieee, tf32"):
+        gemm(a, b, precision="fp64")
+    with pytest.raises(ValueError, match="out must be a 4x3"):
+        gemm(a, b, out=torch.empty(3, 4))
+    with pytest.raises(ValueError, match="contradicts config.persistent"):
+        gemm(a, b, config=GemmConfig(), persistent=True)
+
+
+# ---------------------------------------------------------------------- configs
+@pytest.mark.parametrize(
+    "config,backend,match",
+    [
+        (GemmConfig(BLOCK_M=96), "cuda", "BLOCK_M=96 is invalid; allowed: a power of 2 from 16 to 256"),
+        (GemmConfig(BLOCK_K=8), "cuda", "BLOCK_K=8 is invalid"),
+        (GemmConfig(num_warps=3), "cuda", "num_warps=3 is invalid on cuda; allowed: 1, 2, 4, 8, 16, 32"),
+        (GemmConfig(num_warps=32), "hip", "num_warps=32 is invalid on hip; allowed: 1, 2, 4, 8, 16"),
+        (GemmConfig(num_stages=0), "cuda", "num_stages=0 is invalid"),
+        (GemmConfig(GROUP_M=0), "cuda", "GROUP_M=0 is invalid"),
+        (GemmConfig(num_sms=10), "cuda", "num_sms=10 applies to the persistent form only"),
+        (GemmConfig(persistent=True, num_sms=500), "cuda", r"num_sms=500 is invalid; allowed: 1 to 132"),
+        (GemmConfig(waves_per_eu=2), "cuda", "waves_per_eu is an AMD \\(hip\\) knob"),
+        (GemmConfig(kpack=2), "cuda", "kpack is an AMD \\(hip\\) knob"),
+        (GemmConfig(matrix_instr_nonkdim=16), "cuda", "matrix_instr_nonkdim is an AMD"),
+        (GemmConfig(maxnreg=128), "hip", "maxnreg is an NVIDIA \\(cuda\\) knob"),
+        (GemmConfig(maxnreg=300), "cuda", "maxnreg=300 is invalid; allowed: an integer from 16 to 255"),
+        (GemmConfig(kpack=3), "hip", "kpack=3 is invalid; allowed: 1, 2"),
+        (GemmConfig(matrix_instr_nonkdim=8), "hip", "matrix_instr_nonkdim=8 is invalid"),
+        (GemmConfig(smem_bytes=300_000), "cuda", "smem_bytes=300000 is above the device limit of 232448"),
+        (GemmConfig(smem_bytes=70_000), "hip", "smem_bytes=70000 is above the device limit of 65536"),
+        # default tiles 128x128x64 bf16, 3 stages on sm_90 (wgmma): 3 * 64 * (128 + 128) * 2 = 98304 B
+        (GemmConfig(smem_bytes=1000), "cuda", "smem_bytes=1000 is below the 98304 B of shared memory"),
+    ],
+)
+def test_config_validation_errors(config, backend, match):
+    limits = arch_limits("sm_90" if backend == "cuda" else "gfx942")
+    with pytest.raises(ValueError, match=match):
+        config.validate(backend, limits, dtype=torch.bfloat16)
+
+
+def test_valid_vendor_configs_pass():
+    GemmConfig(maxnreg=128, smem_bytes=150_000).validate("cuda", arch_limits("sm_90"), dtype=torch.bfloat16)
+    GemmConfig(num_stages=2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=2, smem_bytes=65536).validate(
+        "hip", arch_limits("gfx942"), dtype=torch.bfloat16)
+    for backend in ("cuda", "hip"):
+        for cfg in config_space(backend):
+            cfg.validate(backend)
+
+
+def test_interpreter_rejects_smem_below_estimate():
+    a, b = torch.randn(4, 5), torch.randn(5, 3)
+    with pytest.raises(ValueError, match="smem_bytes=16 is below"):
+        gemm(a, b, config=GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, smem_bytes=16))
+    # a footprint above the need is accepted (it only changes occupancy on a GPU)
+    cfg = GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_stages=2, smem_bytes=100_000)
+    _check(gemm(a, b, config=cfg), a, b)
+
+
+def test_parse_config_spec_round_trip_and_errors():
+    cfg = parse_config_spec("BLOCK_M=128, block_n=64,BLOCK_K=32,num_warps=8,num_stages=4,smem_bytes=96k,"
+                            "persistent=true,num_sms=100,maxnreg=128")
+    assert cfg == GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=4,
+                             smem_bytes=96 * 1024, persistent=True, num_sms=100, maxnreg=128)
+    assert parse_config_spec(cfg.spec()) == cfg
+    assert GemmConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="unknown config key 'BLOCKM'; allowed: BLOCK_M"):
+        parse_config_spec("BLOCKM=128")
+    with pytest.raises(ValueError, match="num_warps='eight' is invalid; allowed: an integer"):
+        parse_config_spec("num_warps=eight")
+    with pytest.raises(ValueError, match="is not KEY=VALUE"):
+        parse_config_spec("BLOCK_M")
+    with pytest.raises(ValueError, match="persistent='maybe' is invalid; allowed: true, false"):
+        parse_config_spec("persistent=maybe")
+
+
+def test_shared_memory_estimate_and_pruning():
+    """The estimate follows the per-backend model (checked against real builds in
+    test_gemm_compile.py); pruning drops what cannot fit."""
+    cfg = GemmConfig(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
+    tile = 64 * (128 + 256) * 2  # bf16 A and B tiles of one stage = 49152 B
+    assert estimate_shared_bytes(cfg, torch.bfloat16, "sm_80") == 2 * tile  # num_stages - 1
+    assert estimate_shared_bytes(cfg, torch.bfloat16, "sm_90") == 3 * tile  # wgmma: num_stages
+    assert estimate_shared_bytes(cfg.replace(num_stages=2), torch.bfloat16, "gfx942") == tile
+    # fp32 ieee on sm_90 has no wgmma: num_stages - 1 buffers of 4-byte elements
+    assert estimate_shared_bytes(cfg, torch.float32, "sm_90") == 2 * 64 * 384 * 4
+    gfx = arch_limits("gfx942")
+    kept = prune_configs(config_space("hip"), torch.float32, gfx)
+    dropped = set(config_space("hip")) - set(kept)
+    assert dropped and all(estimate_shared_bytes(c, torch.float32, gfx) > 65536 for c in dropped)
+    assert all(estimate_shared_bytes(c, torch.float32, gfx) <= 65536 for c in kept)
+    # a small problem keeps only tiles that do not dwarf it
+    small = prune_configs(config_space("cuda"), torch.bfloat16, arch_limits("sm_90"), 64, 64, 64)
+    assert small and all(c.BLOCK_M <= 64 and c.BLOCK_N <= 64 for c in small)
+
+
+def test_interpreter_config_is_deterministic_and_large():
+    assert interpreter_config(17, 33, 65) == interpreter_config(17, 33, 65)
+    cfg = interpreter_config(4096, 100, 3)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (128, 128, 16)
+    assert interpreter_config(5, 5, 5, persistent=True).num_sms == 2
+
+
+# ---------------------------------------------------------------------- tuning cache
+def _count_bench():
+    calls: list[str] = []
+
+    def bench(fn):
+        fn()
+        calls.append("x")
+        return float(len(calls) % 3)  # deterministic fake timings: 1, 2, 0, 1, ...
+
+    return bench, calls
+
+
+def test_autotune_persists_and_second_run_does_not_tune(tmp_path):
+    configs = config_space("cuda")[:4]
+    ran: list[GemmConfig] = []
+    bench, calls = _count_bench()
+    key = TuningCache.key("NVIDIA H200", torch.bfloat16, 4096, 4096, 4096)
+    best, timings = autotune(configs, ran.append, bench, cache=TuningCache(tmp_path), key=key)
+    assert len(calls) == 4 and len(timings) == 4
+    assert best == configs[2]  # fake times 1, 2, 0, 1 -> the third wins
+    data = json.loads((tmp_path / TuningCache.FILENAME).read_text())
+    assert data["entries"][key]["config"] == best.to_dict()
+    # a second run (fresh cache object, same dir) reads the winner and times nothing
+    best2, timings2 = autotune(configs, ran.append, bench, cache=TuningCache(tmp_path), key=key)
+    assert best2 == best and timings2 == {} and len(calls) == 4
+    # another shape bucket is a different key
+    assert shape_bucket(4000, 4096, 4097) == "4096x4096x8192"
+    assert TuningCache.key("NVIDIA H200", torch.bfloat16, 4000, 4096, 4097) != key
+
+
+def test_cache_dir_from_env_and_argument(tmp_path, monkeypatch):
+    monkeypatch.setenv("COKIT_CACHE_DIR", str(tmp_path / "env"))
+    assert TuningCache().path == tmp_path / "env" / TuningCache.FILENAME
+    assert TuningCache(tmp_path / "arg").path == tmp_path / "arg" / TuningCache.FILENAME
+    TuningCache().store("k", GemmConfig())
+    assert TuningCache().load("k") == GemmConfig()
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"entries": 3}', ""])
+def test_corrupt_cache_is_ignored_with_warning(tmp_path, content):
+    (tmp_path / TuningCache.FILENAME).write_text(content)
+    cache = TuningCache(tmp_path)
+    bench, calls = _count_bench()
+    with pytest.warns(UserWarning, match="ignoring corrupt GEMM tuning cache"):
+        best, _ = autotune(config_space("cuda")[:2], lambda c: None, bench, cache=cache, key="k")
+    assert len(calls) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rewritten: valid now
+        assert cache.load("k") == best
+
+
+def test_bad_cache_entry_is_ignored_with_warning(tmp_path):
+    (tmp_path / TuningCache.FILENAME).write_text(json.dumps({"entries": {"k": {"config": {"BLOCK_Q": 1}}}}))
+    with pytest.warns(UserWarning, match="ignoring bad tuning cache entry"):
+        assert TuningCache(tmp_path).load("k") is None
+
+
+def test_autotune_skips_failing_configs():
+    configs = config_space("cuda")[:3]
+
+    def run(cfg):
+        if cfg is configs[0]:
+            raise RuntimeError("out of resources")
+
+    best, timings = autotune(configs, run, lambda fn: (fn(), 1.0)[1])
+    assert best == configs[1] and len(timings) == 2
+    with pytest.raises(RuntimeError, match="no config ran"):
+        autotune(configs[:1], run, lambda fn: (fn(), 1.0)[1])
+
+
+# ---------------------------------------------------------------------- custom op
+def test_matmul_autograd_through_the_kernel():
+    a = torch.randn(17, 65, requires_grad=True)
+    b = torch.randn(65, 33, requires_grad=True)
+    bias = torch.randn(33, requires_grad=True)
+    out = matmul(a, b, bias)
+    g = torch.randn_like(out)
+    out.backward(g)
+    _check(a.grad, g, b.detach().t())
+    _check(b.grad, a.detach().t(), g)
+    torch.testing.assert_close(bias.grad, g.sum(0))
+
+
+def test_matmul_opcheck():
+    a, b, bias = torch.randn(9, 20), torch.randn(20, 7), torch.randn(7)
+    torch.library.opcheck(torch.ops.cokit.matmul.default, (a, b, bias, "ieee", False))
+    torch.library.opcheck(torch.ops.cokit.matmul.default, (a.t().contiguous().t(), b, None, "tf32", True))
+
+
+def test_matmul_torch_compile_fullgraph():
+    a = torch.randn(17, 65, requires_grad=True)
+    b = torch.randn(65, 33, requires_grad=True)
+    bias = torch.randn(33, requires_grad=True)
+    fn = torch.compile(lambda x, y, z: matmul(x, y, z), fullgraph=True)
+    out = fn(a, b, bias)
+    _check(out.detach(), a.detach(), b.detach(), bias.detach())
+    out.sum().backward()
+    torch.testing.assert_close(bias.grad, torch.full((33,), 17.0))
+    assert a.grad is not None and b.grad is not None
+    dyn = torch.compile(lambda x, y: matmul(x, y).sum(), fullgraph=True, dynamic=True, backend="aot_eager")
+    for M, K, N in ((5, 7, 3), (6, 9, 4)):
+        x, y = torch.randn(M, K), torch.randn(K, N)
+        torch.testing.assert_close(dyn(x, y), (x @ y).sum(), rtol=1e-5, atol=1e-4)
+
+
+def test_gpu_tuning_flow_with_a_fake_device(monkeypatch, tmp_path):
+    """gemm() without a config on a 'GPU' (faked: sm_90 limits, interpreter execution, a fake
+    timer): the pruned config space is timed once, the winner persists in the JSON cache under
+    COKIT_CACHE_DIR, and the second call does not tune again."""
+    import triton_kernels.gemm as G
+
+    monkeypatch.setattr(G, "kernel_path", lambda device=None: "cuda")
+    monkeypatch.setattr(G, "_limits_for", lambda path, device: arch_limits("sm_90"))
+    monkeypatch.setattr(G, "_device_name", lambda index: "FakeGPU")
+    bench, calls = _count_bench()
+    monkeypatch.setattr(G, "_bench_gpu", bench)
+    monkeypatch.setenv("COKIT_CACHE_DIR", str(tmp_path))
+    a, b = torch.randn(64, 48, dtype=torch.float16), torch.randn(48, 40, dtype=torch.float16)
+    candidates = prune_configs(config_space("cuda"), torch.float16, arch_limits("sm_90"), 64, 40, 48)
+    _check(gemm(a, b), a, b)
+    assert len(calls) == len(candidates) >= 2
+    entries = TuningCache(tmp_path).entries()
+    assert list(entries) == ["FakeGPU|fp16|tiled|ieee|64x64x64"]
+    _check(gemm(a, b), a, b)
+    assert len(calls) == len(candidates)  # second run: cache hit, nothing timed
+    gemm(a, b, persistent=True)  # the persistent form is tuned under its own key
+    assert "FakeGPU|fp16|persistent|ieee|64x64x64" in TuningCache(tmp_path).entries()

@@ -1,0 +1,519 @@
+"""GEMM with a controllable resource footprint: ``C = A @ B (+ bias)``.
+
+Liger-Kernel layout: the Triton kernels, the launcher (:func:`gemm`: shapes, strides, grid,
+config choice), the pure-torch reference (:func:`gemm_reference`) and the ``cokit::matmul``
+custom op (:func:`matmul`, autograd through the same kernel).
+
+Two forms from one tile routine:
+
+* tiled      -- one program per ``BLOCK_M x BLOCK_N`` output tile, grouped ordering;
+* persistent -- ``num_sms`` programs loop over the tiles, so SMs/CUs can be left free for a
+  communication kernel (SM carve-out, DESIGN.md 1.2).
+
+fp16, bf16 and fp32 inputs (fp32 with ``precision='tf32'`` or ``'ieee'``), any M, N, K
+(masked edges), any strides (transposed operands need no copy), fp32 accumulation; the
+output has the input dtype. ``GemmConfig.smem_bytes`` launches the same compiled code with a
+larger per-block shared-memory reservation (:func:`triton_kernels.occupancy.with_shared_memory`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import ArchLimits, arch_limits, device_limits, kernel_path
+from .gemm_configs import (
+    GemmConfig,
+    TuningCache,
+    autotune,
+    config_space,
+    interpreter_config,
+    parse_dtype,
+    prune_configs,
+)
+
+__all__ = [
+    "PRECISIONS",
+    "compile_gemm",
+    "gemm",
+    "gemm_reference",
+    "matmul",
+    "select_config",
+    "warmup_gemm",
+]
+
+#: fp32 dot precisions: 'ieee' (exact fp32 products) or 'tf32' (NVIDIA tensor cores).
+PRECISIONS = ("ieee", "tf32")
+
+
+# ---------------------------------------------------------------------- kernels
+@triton.jit
+def _gemm_tile(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    tile_id,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """Compute output tile ``tile_id`` (grouped ordering) and store it."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_in_group
+    first_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((tile_id % num_in_group) % group_size_m)
+    pid_n = (tile_id % num_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows/columns past the edge are clamped (wrapped) instead of masked: loads stay in
+    # bounds and unmasked along M/N; the store below is masked.
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:  # interpreter: bf16 dot is wrong there, fp32 is exact
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """Tiled form: program ``i`` computes tile ``i``."""
+    _gemm_tile(
+        a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+        tl.program_id(0),
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS, EVEN_K, UPCAST, INPUT_PRECISION,
+    )
+
+
+@triton.jit
+def _gemm_persistent_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """Persistent form: the grid's programs (``num_sms`` of them) stride over all tiles."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        _gemm_tile(
+            a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+            tile_id,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS, EVEN_K, UPCAST, INPUT_PRECISION,
+        )
+
+
+# ---------------------------------------------------------------------- reference
+def gemm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                   precision: str = "ieee") -> torch.Tensor:
+    """Pure-torch GEMM with the kernel's semantics: fp32 accumulation, output in a's dtype."""
+    del precision  # the reference computes in full fp32
+    out = a.float() @ b.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(a.dtype)
+
+
+# ---------------------------------------------------------------------- launcher
+def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (got shape {tuple(t.shape)})")
+    parse_dtype(a.dtype)
+    if b.dtype != a.dtype:
+        raise ValueError(f"a and b must have the same dtype (got {a.dtype} and {b.dtype})")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on the same device (got {a.device} and {b.device})")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (b.shape[1],):
+            raise ValueError(f"bias must have shape ({b.shape[1]},) (got {tuple(bias.shape)})")
+        if bias.dtype != a.dtype or bias.device != a.device:
+            raise ValueError(f"bias must have a's dtype and device ({a.dtype}, {a.device}); got {bias.dtype}, {bias.device}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
+
+
+@functools.cache
+def _cached_limits(index: int) -> ArchLimits:
+    return device_limits(torch.device("cuda", index))
+
+
+def _device_index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def _limits_for(path: str, device: torch.device) -> ArchLimits | None:
+    if path not in ("cuda", "hip"):
+        return None
+    return _cached_limits(_device_index(device))
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _bench_gpu(fn: Callable[[], Any]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=20)
+
+
+def select_config(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    persistent: bool = False,
+    precision: str = "ieee",
+    cache_dir: str | os.PathLike | None = None,
+    tune: bool = True,
+    bias: torch.Tensor | None = None,
+) -> GemmConfig:
+    """The config :func:`gemm` uses when none is given.
+
+    Interpreter: a fixed config of large tiles (deterministic). GPU: the winner cached for
+    (device, dtype, form, precision, shape bucket); on a miss, the backend's config space
+    pruned by shared memory is timed (``tune=True``, result stored) or its first config used.
+    """
+    M, K = a.shape
+    N = b.shape[1]
+    path = kernel_path(a.device)
+    if path not in ("cuda", "hip"):
+        return interpreter_config(M, N, K, persistent)
+    limits = _limits_for(path, a.device)
+    configs = prune_configs(config_space(path, persistent), a.dtype, limits, M, N, K, precision)
+    if not configs:
+        raise RuntimeError(f"no GEMM config fits {limits.name} for {a.dtype}")
+    if not tune:
+        return configs[0]
+    cache = TuningCache(cache_dir)
+    key = TuningCache.key(_device_name(_device_index(a.device)), a.dtype, M, N, K, persistent, precision)
+    out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if cache.load(key) is None:
+        _precompile(a, b, bias, out, configs, precision, path, limits)
+    best, _ = autotune(
+        configs,
+        lambda cfg: _launch(a, b, bias, out, cfg, precision, path, limits),
+        _bench_gpu,
+        cache=cache,
+        key=key,
+    )
+    return best
+
+
+def _prepare(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
+    cfg: GemmConfig, precision: str, path: str, limits: ArchLimits | None,
+) -> tuple[Any, tuple[int], dict[str, Any], dict[str, Any]]:
+    """(kernel, grid, kernel arguments by name, launch options) of one launch."""
+    M, K = a.shape
+    N = b.shape[1]
+    tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
+    args: dict[str, Any] = dict(
+        a_ptr=a, b_ptr=b, c_ptr=c, bias_ptr=bias if bias is not None else c,
+        M=M, N=N, K=K,
+        stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
+        stride_cm=c.stride(0), stride_cn=c.stride(1),
+        stride_bias=bias.stride(0) if bias is not None else 0,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0,
+        UPCAST=path == "interpreter" and a.dtype == torch.bfloat16,
+        # precision only matters for fp32 operands; one spelling for 16-bit avoids recompiles
+        INPUT_PRECISION=precision if a.dtype == torch.float32 else "ieee",
+    )
+    if cfg.persistent:
+        sms = cfg.num_sms or (limits.num_sms if limits is not None else 2)
+        programs = min(sms, tiles)
+        kernel = _gemm_persistent_kernel
+    else:
+        programs = tiles
+        kernel = _gemm_kernel
+    opts = cfg.launch_options(path) if path in ("cuda", "hip") else {}
+    return kernel, (programs,), args, opts
+
+
+def _precompile(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
+    configs: list[GemmConfig], precision: str, path: str, limits: ArchLimits | None,
+) -> None:
+    """Compile tuning candidates in parallel threads (Triton's AsyncCompileMode) so timing
+    them later hits the JIT cache. Best effort: a failure here only costs time later."""
+    async_mode = getattr(triton, "AsyncCompileMode", None)
+    if async_mode is None or len(configs) < 2:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1, 16)) as pool:
+            with async_mode(pool, ignore_errors=True):
+                for cfg in configs:
+                    kernel, grid, args, opts = _prepare(a, b, bias, c, cfg, precision, path, limits)
+                    kernel.warmup(**args, **opts, grid=grid)
+    except Exception:  # noqa: BLE001 - tuning compiles again on demand
+        pass
+
+
+# (kernel hash, device, smem_bytes) -> the shaped copy, loaded once per device
+_SHAPED: dict[tuple[str, int, int], Any] = {}
+
+
+def _launch(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
+    cfg: GemmConfig, precision: str, path: str, limits: ArchLimits | None,
+) -> None:
+    kernel, grid, args, opts = _prepare(a, b, bias, c, cfg, precision, path, limits)
+    if cfg.smem_bytes is None or path == "interpreter":
+        kernel[grid](**args, **opts)
+        return
+    from .occupancy import with_shared_memory
+
+    compiled = kernel.warmup(**args, **opts, grid=grid)
+    key = (compiled.hash, _device_index(a.device), cfg.smem_bytes)
+    shaped = _SHAPED.get(key)
+    if shaped is None:
+        shaped = _SHAPED[key] = with_shared_memory(compiled, cfg.smem_bytes, limits)
+    shaped[grid](*(args[name] for name in kernel.arg_names))
+
+
+def warmup_gemm(
+    config: GemmConfig,
+    dtype: torch.dtype | str,
+    M: int = 4096,
+    N: int = 4096,
+    K: int = 4096,
+    *,
+    precision: str = "ieee",
+    device: torch.device | str | None = None,
+) -> Any:
+    """Compile (without running) the GEMM for ``config`` on the live GPU; returns Triton's
+    ``CompiledKernel`` (``smem_bytes`` not applied; see ``occupancy.with_shared_memory``)."""
+    dtype = parse_dtype(dtype)
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    path = kernel_path(device)
+    if path not in ("cuda", "hip"):
+        raise RuntimeError(f"warmup_gemm needs a GPU (tensors on {device} run on the {path} path)")
+    limits = device_limits(device)
+    config.validate(path, limits)
+    a = torch.empty((M, K), dtype=dtype, device=device)
+    b = torch.empty((K, N), dtype=dtype, device=device)
+    c = torch.empty((M, N), dtype=dtype, device=device)
+    kernel, grid, args, opts = _prepare(a, b, None, c, config, precision, path, limits)
+    return kernel.warmup(**args, **opts, grid=grid)
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemmConfig | None = None,
+    precision: str = "ieee",
+    persistent: bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    tune: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``a @ b (+ bias)`` for 2-D fp16/bf16/fp32 tensors of any shape and strides.
+
+    ``config`` fixes every knob (validated against the device); without it the tuned config
+    is used (:func:`select_config`; ``persistent`` picks the form, ``cache_dir`` the tuning
+    cache, default ``$COKIT_CACHE_DIR``). ``precision`` ('ieee' or 'tf32') applies to fp32
+    inputs; 'tf32' needs NVIDIA. CPU tensors run the interpreter (``TRITON_INTERPRET=1``) or
+    the torch reference.
+    """
+    _check_inputs(a, b, bias, precision)
+    M, K = a.shape
+    N = b.shape[1]
+    path = kernel_path(a.device)
+    if path == "hip" and precision == "tf32" and a.dtype == torch.float32:
+        raise ValueError("precision='tf32' is not available on AMD GPUs in Triton; allowed there: 'ieee'")
+    if config is not None and persistent is not None and persistent != config.persistent:
+        raise ValueError(
+            f"persistent={persistent} contradicts config.persistent={config.persistent}; pass one of them"
+        )
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:
+        raise ValueError(
+            f"out must be a {M}x{N} {a.dtype} tensor on {a.device}; got {tuple(out.shape)} {out.dtype} {out.device}"
+        )
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.copy_(bias.expand(M, N) if bias is not None else torch.zeros((), dtype=a.dtype))
+        return out
+    if path == "torch":
+        if config is not None:
+            config.validate("interpreter", dtype=a.dtype)
+        out.copy_(gemm_reference(a, b, bias, precision))
+        return out
+    limits = _limits_for(path, a.device)
+    if config is None:
+        config = select_config(
+            a, b, persistent=bool(persistent), precision=precision, cache_dir=cache_dir, tune=tune, bias=bias
+        )
+    else:
+        # On a GPU the exact need is checked against the compiled kernel in with_shared_memory.
+        config.validate(path, limits, dtype=a.dtype if path == "interpreter" else None)
+    _launch(a, b, bias, out, config, precision, path, limits)
+    return out
+
+
+# ---------------------------------------------------------------------- compile-only
+_TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def compile_gemm(
+    config: GemmConfig,
+    dtype: torch.dtype | str,
+    target: str,
+    *,
+    precision: str = "ieee",
+    has_bias: bool = False,
+    even_k: bool = True,
+    aligned: bool = True,
+    extra_options: dict[str, Any] | None = None,
+):
+    """Compile the GEMM for a named target ('sm_80', 'sm_90', 'gfx90a', 'gfx942') without a GPU.
+
+    Returns :class:`triton_kernels.compile_only.CompiledKernel` (shared bytes, registers,
+    spills, and the Triton kernel object in ``.compiled``). ``config.smem_bytes`` is not applied
+    here: pass the result to :func:`triton_kernels.occupancy.with_shared_memory`. The build is
+    specialized as the JIT does on a GPU: 16-byte aligned pointers, unit inner strides and,
+    with ``aligned``, M/N/K and row strides divisible by 16. ``extra_options`` are passed to
+    the compiler as is (e.g. ``min_shared_mem`` on CUDA). Needs a process without
+    ``TRITON_INTERPRET``.
+    """
+    from .compile_only import compile_for_target
+
+    dtype = parse_dtype(dtype)
+    limits = arch_limits(target)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
+    if limits.backend == "hip" and precision == "tf32" and dtype == torch.float32:
+        raise ValueError("precision='tf32' is not available on AMD GPUs in Triton; allowed there: 'ieee'")
+    config.validate(limits.backend, limits)
+    ptr = "*" + _TRITON_DTYPE[dtype]
+    kernel = _gemm_persistent_kernel if config.persistent else _gemm_kernel
+    signature: dict[str, str] = {
+        "a_ptr": ptr, "b_ptr": ptr, "c_ptr": ptr, "bias_ptr": ptr,
+        "M": "i32", "N": "i32", "K": "i32",
+        "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32", "stride_bn": "constexpr",
+        "stride_cm": "i32", "stride_cn": "constexpr", "stride_bias": "constexpr",
+    }
+    constexprs: dict[str, Any] = dict(
+        stride_ak=1, stride_bn=1, stride_cn=1, stride_bias=1,
+        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
+        HAS_BIAS=has_bias, EVEN_K=even_k, UPCAST=False,
+        INPUT_PRECISION=precision if dtype == torch.float32 else "ieee",
+    )
+    for name in constexprs:
+        signature[name] = "constexpr"
+    attrs = _specialization_attrs(kernel, limits.backend, aligned)
+    options = {**config.launch_options(limits.backend), **(extra_options or {})}
+    return compile_for_target(kernel, signature, constexprs, target, attrs=attrs, **options)
+
+
+def _specialization_attrs(kernel: Any, backend: str, aligned: bool) -> dict[tuple[int, ...], list]:
+    """What the JIT would specialize on a GPU: 16-byte aligned pointers (and, on AMD, buffers
+    under 2 GB: buffer loads), and, when ``aligned``, M, N, K and row strides divisible by 16."""
+    names = kernel.arg_names
+    pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")
+    ints = ("M", "N", "K", "stride_am", "stride_bk", "stride_cm") if aligned else ()
+    attrs: dict[tuple[int, ...], list] = {}
+    for name in pointers + ints:
+        attr = [["tt.divisibility", 16]]
+        if backend == "hip" and name in pointers:
+            attr.append(["tt.pointer_range", 32])
+        attrs[(names.index(name),)] = attr
+    return attrs
+
+
+# ---------------------------------------------------------------------- custom op
+@torch.library.custom_op("cokit::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool) -> torch.Tensor:
+    return gemm(a, b, bias, precision=precision, persistent=persistent)
+
+
+@_matmul_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool) -> torch.Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "cokit::matmul: a and b must be 2-D")
+    torch._check(a.shape[1] == b.shape[0], lambda: "cokit::matmul: a.shape[1] must equal b.shape[0]")
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _matmul_setup(ctx, inputs, output) -> None:
+    a, b, bias, precision, persistent = inputs
+    ctx.save_for_backward(a, b)
+    ctx.has_bias = bias is not None
+    ctx.precision = precision
+    ctx.persistent = persistent
+
+
+def _matmul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    grad_a = grad_b = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_a = _matmul_op(grad, b.t(), None, ctx.precision, ctx.persistent)  # dA = dC B^T
+    if ctx.needs_input_grad[1]:
+        grad_b = _matmul_op(a.t(), grad, None, ctx.precision, ctx.persistent)  # dB = A^T dC
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = grad.float().sum(0).to(grad.dtype)
+    return grad_a, grad_b, grad_bias, None, None
+
+
+_matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+           precision: str = "ieee", persistent: bool = False) -> torch.Tensor:
+    """``cokit::matmul``: differentiable, ``torch.compile``-able ``a @ b (+ bias)``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
+    return _matmul_op(a, b, bias, precision, bool(persistent))
