@@ -31,10 +31,8 @@ def test_torch_compile_fullgraph():
         return back * 2, idx, vals
 
     x, g = torch.randn(96, 128), torch.randn(64, 64)
-    d_eager, d_comp = torch.randn(64, 64), None
-    d_comp = d_eager.clone()
-    p_eager = torch.randn(64, 64)
-    p_comp = p_eager.clone()
+    d_eager, p_eager = torch.randn(64, 64), torch.randn(64, 64)
+    d_comp, p_comp = d_eager.clone(), p_eager.clone()
     eager = step(x, d_eager, g, p_eager)
     compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, d_comp, g, p_comp)
     for a, b in zip(eager, compiled):
