@@ -9,11 +9,13 @@ rank fails the test with that rank's traceback. Workers must be module-level fun
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -35,7 +37,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         try:
-            queue.put((rank, True, fn(rank, world_size, *args)))
+            buffer = io.BytesIO()  # plain bytes: tensors must not travel as shared memory
+            torch.save(fn(rank, world_size, *args), buffer)
+            queue.put((rank, True, buffer.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent test
@@ -59,7 +63,7 @@ def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) 
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout)
             if ok:
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

@@ -1,0 +1,114 @@
+"""How a step's parameters are split into communication buckets.
+
+Per param group, tensors whose compressed payload would not be smaller than a dense
+all-reduce of their buffer (prime dimensions, tiny 1-D tensors, 0-D scalars) go into one
+*dense* bucket; the rest are packed, in reverse parameter order (the order in which backward
+produces gradients), into *compressed* buckets of at most ``cap_bytes`` of fp32 buffer each.
+Each compressed bucket travels as one all-gather of one byte buffer (``reference`` payloads
+keep the DeMo reference's two all-gathers per tensor instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from compress.payload import PayloadCodec, PayloadKind, reference_nbytes
+from triton_kernels import tiling
+from triton_kernels.error_feedback import payload_layout
+
+
+@dataclasses.dataclass
+class Bucket:
+    """Tensors that are encoded together and share one collective."""
+
+    group: int  # param group index
+    members: list[int]  # positions in the step's entry list
+    dense: bool
+    plan: tiling.TilePlan | None = None
+    codec: PayloadCodec | None = None  # None for dense and reference buckets
+
+    def payload_nbytes(self, numels: list[int]) -> int:
+        """Bytes this rank contributes to the bucket's collective."""
+        if self.dense:
+            return 4 * sum(numels[i] for i in self.members)
+        if self.codec is not None:
+            return self.codec.nbytes
+        return reference_nbytes(self.plan)
+
+
+def compressed_nbytes(shape: tuple[int, ...], chunk: int, k: int, kind: PayloadKind, value_dtype: torch.dtype) -> int:
+    """Payload bytes per rank for one tensor sent alone."""
+    plan = payload_layout([shape], chunk, k)
+    if kind == "reference":
+        return reference_nbytes(plan)
+    return PayloadCodec(plan, kind, value_dtype).nbytes
+
+
+def sends_dense(shape: tuple[int, ...], chunk: int, k: int, kind: PayloadKind, value_dtype: torch.dtype,
+                world_size: int) -> bool:
+    """True when a dense all-reduce of the fp32 buffer costs no more than the all-gather of
+    its compressed payload (ring volumes; world size taken as at least 2)."""
+    if len(shape) == 0:
+        return True
+    w = max(world_size, 2)
+    dense = 2 * (w - 1) * 4 * _numel(shape) / w
+    return (w - 1) * compressed_nbytes(shape, chunk, k, kind, value_dtype) >= dense
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def make_buckets(
+    groups: list[int],
+    shapes: list[tuple[int, ...]],
+    settings: list[dict],
+    kind: PayloadKind,
+    value_dtype: torch.dtype,
+    cap_bytes: int,
+    dense_fallback: bool,
+    world_size: int,
+) -> list[Bucket]:
+    """Buckets for a step whose entries have param-group ``groups[i]`` and ``shapes[i]``.
+
+    ``settings[g]`` holds ``compression_chunk`` and ``compression_topk`` of group ``g``.
+    Dense buckets come first so that their all-reduce starts before any encoding.
+    """
+    dense: dict[int, list[int]] = {}
+    compressed: dict[int, list[int]] = {}
+    for i in reversed(range(len(shapes))):
+        g = groups[i]
+        chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
+        to_dense = len(shapes[i]) == 0 or (
+            dense_fallback and sends_dense(shapes[i], chunk, k, kind, value_dtype, world_size)
+        )
+        (dense if to_dense else compressed).setdefault(g, []).append(i)
+
+    buckets = [Bucket(g, members, dense=True) for g, members in dense.items()]
+    for g, members in compressed.items():
+        chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
+        if kind == "reference":
+            buckets += [Bucket(g, [i], False, payload_layout([shapes[i]], chunk, k)) for i in members]
+            continue
+        current: list[int] = []
+        size = 0
+        for i in members:
+            nbytes = 4 * _numel(shapes[i])
+            if current and size + nbytes > cap_bytes:
+                buckets.append(_compressed_bucket(g, current, shapes, chunk, k, kind, value_dtype))
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(_compressed_bucket(g, current, shapes, chunk, k, kind, value_dtype))
+    return buckets
+
+
+def _compressed_bucket(g, members, shapes, chunk, k, kind, value_dtype) -> Bucket:
+    plan = payload_layout([shapes[i] for i in members], chunk, k)
+    return Bucket(g, list(members), False, plan, PayloadCodec(plan, kind, value_dtype))

@@ -1,0 +1,160 @@
+"""A DDP communication hook: DCT + top-k compressed gradients with error feedback.
+
+    from compress.hooks import DCTTopKState, dct_topk_hook
+    state = DCTTopKState(topk=32, chunk=64, warmup_steps=10)
+    ddp_model.register_comm_hook(state, dct_topk_hook)
+
+Per DDP bucket and rank: ``e = decay * e + grad``; the top-k DCT coefficients per tile of
+``e`` are sent (one all-gather of one compact/sign payload per bucket) and subtracted from
+``e``. Every rank then sums the gathered coefficients in rank order, divides by the world
+size and inverse-transforms: the gradient DDP hands to the optimizer is the average of the
+ranks' decompressed gradients, bit-identical on every rank. Tensors whose payload would not
+be smaller than a dense all-reduce (biases, norms) are all-reduced dense alongside.
+``warmup_steps`` dense iterations come first (like PowerSGD's ``start_powerSGD_iter``);
+the error buffers live in the state, keyed by bucket, and are rebuilt when DDP rebuilds its
+buckets (after its first iteration).
+"""
+
+# No `from __future__ import annotations`: DDP compares the hook's annotations to the real types.
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from compress.buckets import sends_dense
+from compress.payload import PayloadCodec
+from compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
+from triton_kernels.dct import dct_decode_multi
+from triton_kernels.error_feedback import ef_encode, payload_layout
+
+__all__ = ["DCTTopKState", "dct_topk_hook"]
+
+
+@dataclasses.dataclass
+class DCTTopKState:
+    """Settings and error-feedback buffers of :func:`dct_topk_hook`.
+
+    ``comm_stats`` counts this rank's bytes per iteration (ring volumes) and the dense
+    all-reduce bytes of the same gradients.
+    """
+
+    process_group: Any = None
+    topk: int = 32
+    chunk: int = 64
+    payload: str = "compact"
+    value_dtype: torch.dtype = torch.bfloat16
+    decay: float = 1.0
+    warmup_steps: int = 0
+    iteration: int = 0
+    comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
+    _buffers: dict = dataclasses.field(default_factory=dict, repr=False)
+    _pending: list = dataclasses.field(default_factory=lambda: [0, 0, 0], repr=False)
+
+    def __post_init__(self):
+        for name in ("topk", "chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"DCTTopKState: {name} must be a positive integer, got {v!r}")
+        if self.payload not in ("compact", "sign"):
+            raise ValueError(f"DCTTopKState: payload must be 'compact' or 'sign', got {self.payload!r}")
+        if self.value_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"DCTTopKState: value_dtype must be float16, bfloat16 or float32, got {self.value_dtype}")
+        if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay <= 1.0):
+            raise ValueError(f"DCTTopKState: decay must be in [0, 1], got {self.decay!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"DCTTopKState: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+
+    def _count(self, sent: int, dense: int, last: bool) -> None:
+        self._pending[0] += sent
+        self._pending[1] += dense
+        if last:
+            self.comm_stats.record(self._pending[0], self._pending[0], self._pending[1])
+            self._pending[0] = self._pending[1] = 0
+            self.iteration += 1
+
+
+def _world(state: DCTTopKState) -> int:
+    return dist.get_world_size(state.process_group)
+
+
+def _dense_mean(state: DCTTopKState, tensor: torch.Tensor) -> torch.futures.Future:
+    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    world = _world(state)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
+
+
+def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the average of every rank's DCT/top-k-compressed gradient (module doc)."""
+    buffer = bucket.buffer()
+    world = _world(state)
+    dense_bytes = ring_allreduce_bytes(buffer.numel() * buffer.element_size(), world)
+    if state.iteration < state.warmup_steps:
+        state._count(dense_bytes, dense_bytes, bucket.is_last())
+        return _dense_mean(state, buffer)
+
+    grads = bucket.gradients()
+    shapes = [tuple(g.shape) for g in grads]
+    dense_idx = [i for i, s in enumerate(shapes)
+                 if sends_dense(s, state.chunk, state.topk, state.payload, state.value_dtype, world)]
+    sparse_idx = [i for i in range(len(grads)) if i not in dense_idx]
+    futures: list[torch.futures.Future] = []
+    sent = 0
+
+    if dense_idx:
+        flat = torch.cat([grads[i].reshape(-1) for i in dense_idx])
+        sent += ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
+        futures.append(_dense_mean(state, flat))
+
+    if sparse_idx:
+        key = (bucket.index(), tuple(shapes[i] for i in sparse_idx))
+        deltas = state._buffers.get(key)
+        if deltas is None:  # first use, or DDP rebuilt its buckets: start the error at zero
+            state._buffers = {k: v for k, v in state._buffers.items() if k[0] != bucket.index()}
+            deltas = [torch.zeros(shapes[i], dtype=torch.float32, device=buffer.device) for i in sparse_idx]
+            state._buffers[key] = deltas
+        value_dtype = torch.float32 if state.payload == "sign" else state.value_dtype
+        idx, vals = ef_encode(deltas, [grads[i] for i in sparse_idx], beta=state.decay, lr=1.0,
+                              chunk=state.chunk, k=state.topk, value_dtype=value_dtype)
+        plan = payload_layout([shapes[i] for i in sparse_idx], state.chunk, state.topk)
+        codec = PayloadCodec(plan, state.payload, state.value_dtype)
+        packed = codec.pack(idx, vals)
+        gathered = packed.new_empty(world * packed.numel())
+        work = dist.all_gather_single(gathered, packed, group=state.process_group, async_op=True)
+        sent += ring_allgather_bytes(packed.numel(), world)
+        futures.append(work.get_future().then(lambda _: gathered.view(world, -1)))
+    state._count(sent, dense_bytes, bucket.is_last())
+
+    def assemble(fut: torch.futures.Future) -> torch.Tensor:
+        results = [f.value() for f in fut.value()]
+        if dense_idx:
+            flat, pos = results.pop(0), 0
+            for i in dense_idx:
+                grads[i].copy_(flat[pos:pos + grads[i].numel()].view(shapes[i]))
+                pos += grads[i].numel()
+        if sparse_idx:
+            decoded = _average_decoded(codec, results.pop(0), [shapes[i] for i in sparse_idx], state.chunk)
+            for i, d in zip(sparse_idx, decoded):
+                grads[i].copy_(d)
+        return buffer
+
+    return torch.futures.collect_all(futures).then(assemble)
+
+
+def _average_decoded(codec: PayloadCodec, gathered: torch.Tensor, shapes: list[tuple[int, ...]],
+                     chunk: int) -> list[torch.Tensor]:
+    """Sum every rank's coefficients in rank order, divide by the world size, inverse DCT."""
+    indices, values = codec.unpack(gathered)
+    world = indices.shape[0]
+    plan = codec.plan
+    coeffs = []
+    for t, off in zip(plan.tilings, plan.payload_offsets):
+        ke = t.k_eff(plan.k)
+        span = slice(off, off + t.n_tiles * ke)
+        dense = torch.zeros(t.n_tiles, t.tile_numel, dtype=torch.float32, device=gathered.device)
+        for r in range(world):  # positions are unique within one rank's tile: deterministic
+            dense.scatter_add_(1, indices[r, span].long().view(t.n_tiles, ke),
+                               values[r, span].float().view(t.n_tiles, ke))
+        coeffs.append(dense.div_(world))
+    return dct_decode_multi(coeffs, shapes, chunk, torch.float32)

@@ -1,0 +1,379 @@
+"""DeMo: decoupled momentum with DCT + top-k compression (DESIGN.md section 1.1).
+
+Each rank keeps an fp32 momentum / error-feedback buffer ``delta`` per parameter. A step:
+
+    delta  = decay * delta + lr * grad
+    send   = top-k(DCT(delta)) per tile;   delta -= alpha * IDCT(send)
+    all-gather `send` from every rank; per position, mean over the ranks that sent it
+    p      = p * (1 - lr * wd) - lr * sign(IDCT(mean))
+
+Payloads: ``reference`` (int64 indices + fp32 values, two all-gathers per tensor: DeMo's
+reference), ``compact`` (int16 indices + fp16/bf16 values) or ``sign`` (int16 indices, 1 bit
+per value and one scale per tile). Compact and sign payloads of many tensors travel in one
+all-gather per bucket, launched asynchronously so that encoding bucket i+1 overlaps the
+collective of bucket i. Tensors whose payload would not be smaller than a dense all-reduce go
+dense. Every rank decodes the same gathered bytes in rank order, so parameters stay
+bit-identical across ranks.
+
+Kernels: Triton on cuda/hip tensors, torch references on CPU tensors (the Triton interpreter
+when ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import zlib
+from typing import Any, Callable, Iterable
+
+import torch
+
+from compress.buckets import Bucket, make_buckets
+from compress.comm import Communicator, Pending
+from compress.payload import PAYLOAD_KINDS
+from compress.stats import CommStats, ring_allreduce_bytes
+from triton_kernels.error_feedback import ef_decode, ef_encode
+
+__all__ = ["DeMo"]
+
+_VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NONFINITE = ("error", "skip")
+# Per-parameter status travelling in the step's flag exchange.
+_OK, _BAD, _NO_GRAD = 0, 1, 2
+
+
+class DeMo(torch.optim.Optimizer):
+    """Decoupled-momentum optimizer that sends only a top-k DCT selection per tile.
+
+    Args:
+        params: parameters, named parameters or param groups (per-group ``lr``,
+            ``weight_decay``, ``compression_decay``, ``compression_topk``,
+            ``compression_chunk``, ``alpha``).
+        lr: learning rate (the update is ``lr * sign(...)``: think Adam-scale values).
+        compression_decay: momentum decay ``beta`` of the error-feedback buffer, in [0, 1].
+        compression_topk: coefficients kept per tile (clamped to the tile size).
+        compression_chunk: tile side target; each dimension uses its largest divisor <= chunk.
+        weight_decay: decoupled weight decay.
+        process_group: the group to synchronize over (default: the world; none initialized or
+            world size 1 means local steps without communication).
+        alpha: fraction of the transmitted part removed from the buffer (1.0 = DeMo; DeMo v2
+            reports ~0.2 best).
+        payload: ``"compact"`` (default), ``"sign"`` or ``"reference"``.
+        value_dtype: value dtype of compact payloads and of sign-payload scales
+            (bf16 default, fp16 or fp32).
+        bucket_cap_mb: fp32 buffer megabytes per compressed bucket (one collective each).
+        dense_fallback: send a tensor dense when compression would not save bytes (default:
+            on for compact/sign, off for reference, which follows DeMo's reference exactly).
+        full_sync_every: every N steps, average parameters with a dense all-reduce.
+        nonfinite: ``"error"`` raises on every rank, naming the parameter and rank, before
+            anything is sent; ``"skip"`` skips the step on every rank (counted in
+            ``skipped_steps``).
+        timeout: seconds (or timedelta) to wait for a collective before raising an error that
+            names this optimizer (default: the process group's timeout).
+        validate_payload: check every received index against its tile before decoding.
+
+    ``state_dict()`` holds each parameter's ``delta`` buffer: it differs per rank, so every
+    rank saves and loads its own.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, torch.Tensor]],
+        lr: float = 1e-3,
+        compression_decay: float = 0.999,
+        compression_topk: int = 32,
+        compression_chunk: int = 64,
+        weight_decay: float = 0.0,
+        process_group=None,
+        *,
+        alpha: float = 1.0,
+        payload: str = "compact",
+        value_dtype: torch.dtype = torch.bfloat16,
+        bucket_cap_mb: float = 25.0,
+        dense_fallback: bool | None = None,
+        full_sync_every: int | None = None,
+        nonfinite: str = "error",
+        timeout: float | datetime.timedelta | None = None,
+        validate_payload: bool = False,
+    ):
+        if payload not in PAYLOAD_KINDS:
+            raise ValueError(f"DeMo: payload must be one of {PAYLOAD_KINDS}, got {payload!r}")
+        if value_dtype not in _VALUE_DTYPES:
+            raise TypeError(f"DeMo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}")
+        if not (isinstance(bucket_cap_mb, (int, float)) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+            raise ValueError(f"DeMo: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        if full_sync_every is not None and not _positive_int(full_sync_every):
+            raise ValueError(f"DeMo: full_sync_every must be a positive integer or None, got {full_sync_every!r}")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"DeMo: nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+        defaults = dict(
+            lr=lr, compression_decay=compression_decay, compression_topk=compression_topk,
+            compression_chunk=compression_chunk, weight_decay=weight_decay, alpha=alpha,
+        )
+        self.payload = payload
+        self.value_dtype = value_dtype if payload != "reference" else torch.float32
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.dense_fallback = (payload != "reference") if dense_fallback is None else bool(dense_fallback)
+        self.full_sync_every = full_sync_every
+        self.nonfinite = nonfinite
+        self.validate_payload = bool(validate_payload)
+        self.comm = Communicator(process_group, owner="DeMo.step", timeout=timeout)
+        self.comm_stats = CommStats()
+        self.skipped_steps = 0
+        self._steps = 0
+        self._checked_layout: tuple | None = None
+        self._bucket_cache: dict[tuple, list[Bucket]] = {}
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its settings (see the class docstring)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        where = f"DeMo param group {len(self.param_groups) - 1}"
+        _check_number(where, "lr", group["lr"], 0.0)
+        _check_number(where, "weight_decay", group["weight_decay"], 0.0)
+        _check_number(where, "compression_decay", group["compression_decay"], 0.0, 1.0)
+        _check_number(where, "alpha", group["alpha"], 0.0, 1.0)
+        if group["alpha"] == 0:
+            raise ValueError(f"{where}: alpha must be in (0, 1]; 0 would never drain the buffer")
+        for key in ("compression_topk", "compression_chunk"):
+            if not _positive_int(group[key]):
+                raise ValueError(f"{where}: {key} must be a positive integer, got {group[key]!r}")
+        for p in group["params"]:
+            if p.dtype not in _VALUE_DTYPES:
+                raise TypeError(f"{where}: DeMo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}")
+        self._bucket_cache.clear()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The torch.optim state (with each parameter's fp32 ``delta``) plus step counters."""
+        sd = super().state_dict()
+        sd["demo"] = {"steps": self._steps, "skipped_steps": self.skipped_steps,
+                      "comm_stats": self.comm_stats.as_dict()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by this rank; ``delta`` buffers stay fp32 whatever the param dtype."""
+        deltas = {k: v["delta"].detach().clone() for k, v in state_dict["state"].items() if "delta" in v}
+        extra = state_dict.get("demo", {})
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "demo"})
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, delta in deltas.items():
+            p = params[key]
+            if delta.shape != p.shape:
+                raise ValueError(f"DeMo.load_state_dict: delta of parameter {key} has shape "
+                                 f"{tuple(delta.shape)}, the parameter has {tuple(p.shape)}")
+            self.state[p]["delta"] = delta.to(device=p.device, dtype=torch.float32)
+        self._steps = int(extra.get("steps", 0))
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        stats = {k: v for k, v in extra.get("comm_stats", {}).items() if k != "ratio"}
+        self.comm_stats = CommStats(**stats)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        """One synchronized step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+        self.comm.reset_counts()
+        if self._checked_layout is None:
+            self._check_layout(entries)
+
+        status = self._exchange_status(entries)
+        if status is None:  # skipped consistently on every rank
+            self._record(dense=0)
+            return loss
+        active = [e for e, has_grad in zip(entries, status) if has_grad]
+        dense_bytes = ring_allreduce_bytes(
+            sum(p.grad.numel() * p.grad.element_size() for _, _, p in active), self.comm.world_size
+        )
+        if active:
+            self._sync(active)
+        self._steps += 1
+        if self.full_sync_every is not None and self._steps % self.full_sync_every == 0:
+            self._full_sync([p for _, _, p in entries])
+        self._record(dense=dense_bytes)
+        return loss
+
+    def _record(self, dense: int) -> None:
+        sent, received = self.comm.reset_counts()
+        self.comm_stats.record(sent, received, dense)
+
+    def _name(self, gi: int, i: int, p: torch.Tensor) -> str:
+        names = self.param_groups[gi].get("param_names")
+        label = f"'{names[i]}'" if names else f"group {gi} param {i}"
+        return f"{label} {tuple(p.shape)}"
+
+    def _check_layout(self, entries) -> None:
+        """First step: every rank must hold the same parameters and settings."""
+        settings = [(g["compression_chunk"], g["compression_topk"]) for g in self.param_groups]
+        desc = [(gi, tuple(p.shape), str(p.dtype)) for gi, _, p in entries]
+        key = repr((self.payload, str(self.value_dtype), self.dense_fallback, settings, desc)).encode()
+        mine = torch.tensor([zlib.crc32(key)], dtype=torch.int64)
+        seen = self.comm.all_gather(mine, "parameter layout check").wait().flatten().tolist()
+        if len(set(seen)) > 1:
+            everyone = self.comm.gather_objects(desc, "layout report")
+            for r, other in enumerate(everyone):
+                for (gi, i, p), mine_d, theirs in zip(entries, desc, other):
+                    if mine_d != theirs:
+                        raise ValueError(
+                            f"DeMo: parameter {self._name(gi, i, p)} is {mine_d[1:]} on rank {self.comm.rank} "
+                            f"but {theirs[1:]} on rank {r}: every rank must build the same model"
+                        )
+                if len(other) != len(desc):
+                    raise ValueError(f"DeMo: rank {r} has {len(other)} parameters, rank {self.comm.rank} has "
+                                     f"{len(desc)}: every rank must build the same model")
+            raise ValueError("DeMo: ranks were built with different settings (payload, value_dtype, "
+                             "dense_fallback, compression_chunk or compression_topk)")
+        self._checked_layout = tuple(seen)
+
+    def _exchange_status(self, entries) -> list[bool] | None:
+        """Agree with every rank on which parameters step; None when the step is skipped."""
+        flags = torch.full((len(entries),), _NO_GRAD, dtype=torch.uint8)
+        for n, (gi, i, p) in enumerate(entries):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise TypeError(f"DeMo: parameter {self._name(gi, i, p)} has a sparse gradient; "
+                                "DeMo needs dense gradients")
+            if p.grad.shape != p.shape:
+                raise ValueError(f"DeMo: gradient of {self._name(gi, i, p)} has shape {tuple(p.grad.shape)}")
+            flags[n] = _OK
+        with_grad = [n for n in range(len(entries)) if flags[n] != _NO_GRAD]
+        if with_grad:
+            finite = torch.stack([torch.isfinite(entries[n][2].grad).all() for n in with_grad]).cpu()
+            flags[with_grad] = torch.where(finite, _OK, _BAD).to(torch.uint8)
+        everyone = self.comm.all_gather(flags, "gradient status exchange").wait()
+        has_grad = everyone != _NO_GRAD
+        mixed = (has_grad.any(0) & ~has_grad.all(0)).nonzero().flatten().tolist()
+        if mixed:
+            gi, i, p = entries[mixed[0]]
+            ranks = has_grad[:, mixed[0]].nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"DeMo: parameter {self._name(gi, i, p)} has a gradient on ranks {ranks} only; every rank "
+                "must produce the same set of gradients (use zero_grad(set_to_none=False) or make "
+                "unused parameters take part in the loss)"
+            )
+        bad = (everyone == _BAD).nonzero().tolist()
+        if bad:
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                return None
+            r, n = bad[0]
+            gi, i, p = entries[n]
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise FloatingPointError(
+                f"DeMo: non-finite gradient in {self._name(gi, i, p)} on rank {r}{more}; nothing was "
+                "sent and no parameter changed. Fix the loss scale / data, or pass nonfinite='skip' "
+                "to skip such steps on every rank"
+            )
+        return has_grad[0].tolist()
+
+    def _buckets(self, active) -> list[Bucket]:
+        key = tuple((gi, i) for gi, i, _ in active)
+        buckets = self._bucket_cache.get(key)
+        if buckets is None:
+            buckets = make_buckets(
+                [gi for gi, _, _ in active], [tuple(p.shape) for _, _, p in active], self.param_groups,
+                self.payload, self.value_dtype, self.bucket_cap_bytes, self.dense_fallback,
+                self.comm.world_size,
+            )
+            self._bucket_cache[key] = buckets
+        return buckets
+
+    def _delta(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "delta" not in state:
+            state["delta"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return state["delta"]
+
+    def _sync(self, active) -> None:
+        """Encode every bucket and launch its collective, then decode them in order."""
+        finishers = [self._launch(b, [active[i][2] for i in b.members]) for b in self._buckets(active)]
+        for finish in finishers:
+            finish()
+
+    def _launch(self, bucket: Bucket, params: list[torch.Tensor]) -> Callable[[], None]:
+        group = self.param_groups[bucket.group]
+        lr, wd = group["lr"], group["weight_decay"]
+        beta, alpha = group["compression_decay"], group["alpha"]
+        chunk, k = group["compression_chunk"], group["compression_topk"]
+        deltas = [self._delta(p) for p in params]
+        grads = [p.grad for p in params]
+
+        if bucket.dense:
+            send = torch.cat([_dense_encode(d, g, beta, lr, alpha) for d, g in zip(deltas, grads)])
+            pending = self.comm.all_reduce_mean(send, "dense all-reduce")
+            return lambda: _dense_decode(params, pending.wait(), lr, wd)
+
+        value_dtype = torch.float32 if self.payload == "sign" else self.value_dtype
+        idx, vals = ef_encode(deltas, grads, beta=beta, lr=lr, chunk=chunk, k=k, alpha=alpha,
+                              value_dtype=value_dtype)
+        if bucket.codec is None:  # reference: two all-gathers, int64 indices + fp32 values
+            pending_idx = self.comm.all_gather(idx.to(torch.int64), "index all-gather")
+            pending_val = self.comm.all_gather(vals, "value all-gather")
+            gathered: Callable[[], tuple[torch.Tensor, torch.Tensor]] = (
+                lambda: (pending_idx.wait(), pending_val.wait())
+            )
+        else:
+            codec, pending = bucket.codec, self.comm.all_gather(bucket.codec.pack(idx, vals), "payload all-gather")
+            gathered = lambda: codec.unpack(pending.wait())  # noqa: E731
+
+        def finish() -> None:
+            indices, values = gathered()
+            ef_decode(params, indices, values, lr=lr, chunk=chunk, k=k, weight_decay=wd,
+                      use_sign=True, validate=self.validate_payload)
+
+        return finish
+
+    def _full_sync(self, params: list[torch.Tensor]) -> None:
+        """Average parameters with a dense all-reduce (one per dtype)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        pending: list[tuple[list[torch.Tensor], Pending]] = []
+        for ps in by_dtype.values():
+            flat = torch.cat([p.reshape(-1) for p in ps])
+            pending.append((ps, self.comm.all_reduce_mean(flat, "full parameter sync")))
+        for ps, pend in pending:
+            _scatter_flat(ps, pend.wait())
+
+
+def _dense_encode(delta: torch.Tensor, grad: torch.Tensor, beta: float, lr: float, alpha: float) -> torch.Tensor:
+    """Dense version of the encode: everything is transmitted."""
+    delta.mul_(beta).add_(grad.float(), alpha=lr)
+    send = delta.reshape(-1).clone()
+    delta.mul_(1.0 - alpha)
+    return send
+
+
+def _dense_decode(params: list[torch.Tensor], mean: torch.Tensor, lr: float, wd: float) -> None:
+    pos = 0
+    for p in params:
+        update = mean[pos:pos + p.numel()].view(p.shape).sign()
+        p.copy_(p.float() * (1.0 - lr * wd) - lr * update)
+        pos += p.numel()
+
+
+def _scatter_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    pos = 0
+    for p in params:
+        p.copy_(flat[pos:pos + p.numel()].view(p.shape))
+        pos += p.numel()
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _check_number(where: str, name: str, value: object, low: float, high: float | None = None) -> None:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{where}: {name} must be a finite number {bound}, got {value!r}")
