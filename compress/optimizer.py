@@ -21,6 +21,7 @@ when ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import zlib
@@ -71,6 +72,12 @@ class DeMo(torch.optim.Optimizer):
         timeout: seconds (or timedelta) to wait for a collective before raising an error that
             names this optimizer (default: the process group's timeout).
         validate_payload: check every received index against its tile before decoding.
+        overlap_backward: encode each bucket and launch its collective from post-accumulate-grad
+            hooks, as soon as backward has produced all of its gradients, so communication
+            overlaps the rest of backward; ``step()`` then waits and decodes. Every parameter
+            must get a gradient every step, with one backward per step (no accumulation).
+            Encoding works on copies of the buffers so that a non-finite gradient found late
+            can still leave every rank unchanged (one extra buffer copy per step).
 
     ``state_dict()`` holds each parameter's ``delta`` buffer: it differs per rank, so every
     rank saves and loads its own.
@@ -95,6 +102,7 @@ class DeMo(torch.optim.Optimizer):
         nonfinite: str = "error",
         timeout: float | datetime.timedelta | None = None,
         validate_payload: bool = False,
+        overlap_backward: bool = False,
     ):
         if payload not in PAYLOAD_KINDS:
             raise ValueError(f"DeMo: payload must be one of {PAYLOAD_KINDS}, got {payload!r}")
@@ -123,7 +131,14 @@ class DeMo(torch.optim.Optimizer):
         self._steps = 0
         self._checked_layout: tuple | None = None
         self._bucket_cache: dict[tuple, list[Bucket]] = {}
+        self.overlap_backward = bool(overlap_backward)
+        self._inflight: dict[int, _Inflight] = {}
+        self._ready: set[int] = set()
+        self._bucket_of: tuple[list[Bucket], dict[int, int]] | None = None
         super().__init__(params, defaults)
+        if self.overlap_backward:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                           for g in self.param_groups for p in g["params"]]
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -178,26 +193,92 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
-        self.comm.reset_counts()
+        entries = self._entries()
         if self._checked_layout is None:
             self._check_layout(entries)
-
-        status = self._exchange_status(entries)
-        if status is None:  # skipped consistently on every rank
+        if self.overlap_backward:
+            active = self._finish_overlapped(entries)
+        else:
+            active = self._step_now(entries)
+        if active is None:  # skipped consistently on every rank
             self._record(dense=0)
             return loss
-        active = [e for e, has_grad in zip(entries, status) if has_grad]
         dense_bytes = ring_allreduce_bytes(
             sum(p.grad.numel() * p.grad.element_size() for _, _, p in active), self.comm.world_size
         )
-        if active:
-            self._sync(active)
         self._steps += 1
         if self.full_sync_every is not None and self._steps % self.full_sync_every == 0:
             self._full_sync([p for _, _, p in entries])
         self._record(dense=dense_bytes)
         return loss
+
+    def _entries(self) -> list[tuple[int, int, torch.Tensor]]:
+        return [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+
+    def _step_now(self, entries):
+        """Agree on the gradients, then encode, send and decode every bucket."""
+        status = self._exchange_status(entries)
+        if status is None:
+            return None
+        active = [e for e, has_grad in zip(entries, status) if has_grad]
+        if active:
+            finishers = [self._launch(b, [active[i][2] for i in b.members]) for b in self._buckets(active)]
+            for finish in finishers:
+                finish()
+        return active
+
+    # ------------------------------------------------------------------ overlap with backward
+    @torch.no_grad()
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: launch the bucket of ``p`` once all of it is ready."""
+        entries = self._entries()
+        if self._checked_layout is None:
+            self._check_layout(entries)
+        buckets = self._buckets(entries)
+        if self._bucket_of is None or self._bucket_of[0] is not buckets:
+            self._bucket_of = (buckets, {id(entries[i][2]): b for b, bk in enumerate(buckets) for i in bk.members})
+        where = self._bucket_of[1][id(p)]
+        if where in self._inflight:
+            raise RuntimeError(
+                "DeMo(overlap_backward=True): a second backward reached a bucket that is already being "
+                "sent; call step() after every backward (gradient accumulation needs overlap_backward=False)"
+            )
+        self._ready.add(id(p))
+        if all(id(entries[i][2]) in self._ready for i in buckets[where].members):
+            self._inflight[where] = self._launch_copy(buckets[where], [entries[i][2] for i in buckets[where].members])
+
+    def _launch_copy(self, bucket: Bucket, params: list[torch.Tensor]) -> _Inflight:
+        """Encode into copies of the buffers and send the bucket with its finite flags."""
+        for p in params:
+            if p.grad is None or p.grad.is_sparse:
+                raise RuntimeError("DeMo(overlap_backward=True): every parameter needs a dense gradient each step")
+        flags = torch.stack([~torch.isfinite(p.grad).all() for p in params]).to(torch.uint8)
+        work = [self._delta(p).clone() for p in params]
+        finish = self._launch(bucket, params, work)
+        return _Inflight(finish, self.comm.all_gather(flags, "gradient status exchange"), work, params)
+
+    def _finish_overlapped(self, entries):
+        buckets = self._buckets(entries)
+        for b, bucket in enumerate(buckets):  # buckets whose hooks did not fire (grads set by hand)
+            if b not in self._inflight:
+                self._inflight[b] = self._launch_copy(bucket, [entries[i][2] for i in bucket.members])
+        inflight, self._inflight, self._ready = self._inflight, {}, set()
+        bad = []
+        for b, run in sorted(inflight.items()):
+            flags = run.flags.wait()
+            bad += [(r, buckets[b].members[n]) for r, n in (flags != _OK).nonzero().tolist()]
+        if bad:
+            self.comm.reset_counts()
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                return None
+            r, n = min(bad)
+            raise FloatingPointError(self._nonfinite_message(entries[n], r, len(bad)))
+        for _, run in sorted(inflight.items()):
+            run.finish()
+            for p, delta in zip(run.params, run.work):
+                self.state[p]["delta"] = delta
+        return entries
 
     def _record(self, dense: int) -> None:
         sent, received = self.comm.reset_counts()
@@ -251,6 +332,7 @@ class DeMo(torch.optim.Optimizer):
         has_grad = everyone != _NO_GRAD
         mixed = (has_grad.any(0) & ~has_grad.all(0)).nonzero().flatten().tolist()
         if mixed:
+            self.comm.reset_counts()
             gi, i, p = entries[mixed[0]]
             ranks = has_grad[:, mixed[0]].nonzero().flatten().tolist()
             raise RuntimeError(
@@ -263,15 +345,18 @@ class DeMo(torch.optim.Optimizer):
             if self.nonfinite == "skip":
                 self.skipped_steps += 1
                 return None
+            self.comm.reset_counts()
             r, n = bad[0]
-            gi, i, p = entries[n]
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            raise FloatingPointError(
-                f"DeMo: non-finite gradient in {self._name(gi, i, p)} on rank {r}{more}; nothing was "
-                "sent and no parameter changed. Fix the loss scale / data, or pass nonfinite='skip' "
-                "to skip such steps on every rank"
-            )
+            raise FloatingPointError(self._nonfinite_message(entries[n], r, len(bad)))
         return has_grad[0].tolist()
+
+    def _nonfinite_message(self, entry, rank: int, n_bad: int) -> str:
+        more = f" (and {n_bad - 1} more)" if n_bad > 1 else ""
+        return (
+            f"DeMo: non-finite gradient in {self._name(*entry)} on rank {rank}{more}; no parameter "
+            "and no buffer changed. Fix the loss scale / data, or pass nonfinite='skip' to skip "
+            "such steps on every rank"
+        )
 
     def _buckets(self, active) -> list[Bucket]:
         key = tuple((gi, i) for gi, i, _ in active)
@@ -291,18 +376,14 @@ class DeMo(torch.optim.Optimizer):
             state["delta"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return state["delta"]
 
-    def _sync(self, active) -> None:
-        """Encode every bucket and launch its collective, then decode them in order."""
-        finishers = [self._launch(b, [active[i][2] for i in b.members]) for b in self._buckets(active)]
-        for finish in finishers:
-            finish()
-
-    def _launch(self, bucket: Bucket, params: list[torch.Tensor]) -> Callable[[], None]:
+    def _launch(self, bucket: Bucket, params: list[torch.Tensor],
+                deltas: list[torch.Tensor] | None = None) -> Callable[[], None]:
+        """Encode a bucket (updating ``deltas``) and start its collective; returns its decode."""
         group = self.param_groups[bucket.group]
         lr, wd = group["lr"], group["weight_decay"]
         beta, alpha = group["compression_decay"], group["alpha"]
         chunk, k = group["compression_chunk"], group["compression_topk"]
-        deltas = [self._delta(p) for p in params]
+        deltas = [self._delta(p) for p in params] if deltas is None else deltas
         grads = [p.grad for p in params]
 
         if bucket.dense:
@@ -341,6 +422,16 @@ class DeMo(torch.optim.Optimizer):
             pending.append((ps, self.comm.all_reduce_mean(flat, "full parameter sync")))
         for ps, pend in pending:
             _scatter_flat(ps, pend.wait())
+
+
+@dataclasses.dataclass
+class _Inflight:
+    """A bucket launched during backward: its decode, flags, buffer copies and params."""
+
+    finish: Callable[[], None]
+    flags: Pending
+    work: list[torch.Tensor]
+    params: list[torch.Tensor]
 
 
 def _dense_encode(delta: torch.Tensor, grad: torch.Tensor, beta: float, lr: float, alpha: float) -> torch.Tensor:

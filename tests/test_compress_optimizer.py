@@ -231,12 +231,23 @@ def _hook_full_k(rank: int, world: int):
     compressed.register_comm_hook(DCTTopKState(topk=4096, chunk=64, value_dtype=torch.float32), dct_topk_hook)
     for net in (dense, compressed):
         torch.nn.functional.mse_loss(net(x), y).backward()
-    return [(a.grad - b.grad).abs().max().item() for a, b in zip(dense.parameters(), compressed.parameters())]
+    diffs = [(a.grad - b.grad).abs().max().item() for a, b in zip(dense.parameters(), compressed.parameters())]
+
+    params = _params([(16, 16), (5,)])
+    opt = DeMo(params, lr=0.01, full_sync_every=2)
+    sent = []
+    for step in range(2):
+        for p, g in zip(params, _grads(rank, step, [(16, 16), (5,)])):
+            p.grad = g
+        opt.step()
+        sent.append(opt.comm_stats.step_sent_bytes)
+    return diffs, sent
 
 
-def test_ddp_hook_with_every_coefficient_returns_the_dense_average():
-    for diffs in run_gloo(3, _hook_full_k):
+def test_ddp_hook_with_every_coefficient_returns_the_dense_average_and_full_sync_is_counted():
+    for diffs, sent in run_gloo(3, _hook_full_k):
         assert max(diffs) < 1e-5
+        assert sent[1] - (sent[0] - 2 * 8) == 2 * 2 * 4 * (16 * 16 + 5) // 3  # + one dense all-reduce
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -341,6 +352,46 @@ def test_sparse_gradients_and_integer_params_are_rejected():
         DeMo([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
 
 
+# ----------------------------------------------------------------------------- payload codecs
+
+
+def _codec(kind, value_dtype=torch.bfloat16):
+    from compress.payload import PayloadCodec
+    from triton_kernels.error_feedback import payload_layout
+
+    return PayloadCodec(payload_layout([(40, 24), (9,)], 8, 3), kind, value_dtype)
+
+
+def test_compact_payload_round_trips_indices_and_values():
+    codec = _codec("compact", torch.float16)
+    slots = codec.plan.payload_numel
+    idx = torch.randint(0, 64, (slots,), dtype=torch.int16)
+    vals = torch.randn(slots)
+    rows = torch.stack([codec.pack(idx, vals), codec.pack(idx.flip(0), -vals)])
+    assert rows.dtype == torch.uint8 and rows.shape[1] % 8 == 0
+    got_idx, got_vals = codec.unpack(rows)
+    assert torch.equal(got_idx[0], idx) and torch.equal(got_idx[1], idx.flip(0))
+    assert torch.equal(got_vals[0], vals.half()) and torch.equal(got_vals[1], (-vals).half())
+
+
+def test_sign_payload_sends_one_bit_per_value_and_a_scale_per_tile():
+    codec = _codec("sign")
+    slots = codec.plan.payload_numel  # 15 tiles of (8, 8) x 3 slots + 3 tiles of 3 x 3 slots
+    assert codec.n_tiles == 18 and slots == 54
+    assert codec.nbytes == 112 + 8 + 40  # int16 indices, 7 bytes of signs, 18 bf16 scales (aligned)
+    idx = torch.arange(slots, dtype=torch.int16) % 3
+    vals = torch.randn(slots)
+    got_idx, got = codec.unpack(codec.pack(idx, vals)[None])
+    scales = vals.abs().view(18, 3).mean(1).bfloat16().float().repeat_interleave(3)
+    assert torch.equal(got_idx[0], idx)
+    assert torch.equal(got[0], torch.where(vals < 0, -scales, scales))
+
+
+def test_unpack_rejects_a_payload_of_another_layout():
+    with pytest.raises(ValueError, match="the ranks disagree on the bucket layout"):
+        _codec("compact").unpack(torch.zeros(2, 24, dtype=torch.uint8))
+
+
 # ----------------------------------------------------------------------------- local runs
 
 
@@ -383,3 +434,42 @@ def test_triton_interpreter_and_torch_paths_agree(monkeypatch, dtype):
         tol = dict(atol=1e-5, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=3 * 2**-7)
         close = torch.isclose(a.float(), b.float(), **tol)
         assert close.float().mean() > 0.99
+
+
+# ----------------------------------------------------------------------------- overlap with backward
+
+
+def _overlap_backward(rank: int, world: int):
+    _torch_path()
+    x, y = _data(rank, 64)
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        opt = DeMo(model.parameters(), lr=3e-3, compression_topk=8, bucket_cap_mb=0.01,
+                   overlap_backward=overlap, nonfinite="skip")
+        _train(model, opt, x, y, 4)
+        runs[overlap] = ([p.detach().clone() for p in model.parameters()],
+                         [opt.state[p]["delta"].clone() for p in model.parameters()], opt)
+    params, deltas, opt = runs[True]
+    model_params = list(opt.param_groups[0]["params"])
+    bad_x = x.clone()
+    if rank == 1:
+        bad_x[0, 0] = float("nan")
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(torch.nn.functional.linear(bad_x, torch.zeros(1, 24)) + 0 * sum(
+        p.sum() for p in model_params), y)
+    loss.backward()
+    opt.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(params, model_params)) and all(
+        torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model_params))
+    n_buckets = len(opt._buckets(opt._entries()))
+    return runs[False][0], runs[False][1], params, deltas, unchanged, opt.skipped_steps, n_buckets
+
+
+def test_overlap_backward_gives_the_same_steps_and_still_skips_nonfinite():
+    for sync_p, sync_d, ovl_p, ovl_d, unchanged, skipped, n_buckets in run_gloo(2, _overlap_backward):
+        assert n_buckets >= 3  # the small cap splits the model into several buckets
+        assert all(torch.equal(a, b) for a, b in zip(sync_p, ovl_p))
+        assert all(torch.equal(a, b) for a, b in zip(sync_d, ovl_d))
+        assert unchanged and skipped == 1
