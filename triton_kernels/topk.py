@@ -121,9 +121,14 @@ def _topk_impl(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def chunk_topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch top-k with the same tie rule, order and dtypes as the kernel."""
-    k = min(k, x.shape[1])
-    order = torch.sort(x.abs(), dim=1, descending=True, stable=True).indices[:, :k]
-    idx = order.sort(dim=1).values
+    n = x.shape[1]
+    k = min(k, n)
+    # One int64 key per entry: the bits of |x| (ordered like the values for non-negative
+    # floats, NaN highest), then the reversed position, so ties go to the lower position.
+    bits = x.abs().float().view(torch.int32).to(torch.int64)
+    keys = (bits << 32) | (n - 1 - torch.arange(n, device=x.device))
+    top = torch.topk(keys, k, dim=1, sorted=False).values
+    idx = (n - 1 - (top & 0xFFFFFFFF)).sort(dim=1).values
     return idx.to(index_dtype_for(x.shape[1])), x.gather(1, idx)
 
 
