@@ -9,7 +9,9 @@ speedup over the torch reference. Writes everything to JSON. Sized to finish wel
 8 minutes on one H200.
 
 Then the GEMM part (benchmarks/gemm_bench.py): correctness, TFLOP/s vs torch.matmul and an
-occupancy sweep.
+occupancy sweep. Then the overlap part (benchmarks/overlap_bench.py): a one-GPU study of a
+GEMM next to an EMULATED communication kernel over num_warps / smem_bytes / num_sms /
+priority (speedup over sequential, % of ideal); on CPU, a real 2-process gloo measurement.
 
 On a CPU-only machine it runs the torch reference path only, at small sizes, and says so.
 """
@@ -181,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print("GEMM:")
     report["gemm_rows"] = gemm_bench.run(report, quick=args.quick)
+
+    import overlap_bench  # beside this file; adds report["overlap"] (one GPU: EMULATED comm)
+
+    print("overlap:")
+    report["overlap_rows"] = overlap_bench.run(report, quick=args.quick, budget_s=90.0 if args.quick else 240.0)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

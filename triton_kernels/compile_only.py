@@ -145,6 +145,11 @@ def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     sig = {"x": "*fp32", "idx_out": "*i16", "val_out": "*fp32", "n_rows": "i32", "n_cols": "i32", "k": "i32",
            "BLOCK_ROWS": "constexpr", "BLOCK_W": "constexpr"}
     specs.append(("chunk_topk", topk._topk_kernel, sig, {"BLOCK_ROWS": 1, "BLOCK_W": 4096}))
+    from . import sm_copy  # the emulated communication side of overlap/ (a persistent copy)
+
+    specs.append(("sm_copy", sm_copy._sm_copy_kernel,
+                  {"src": "*fp32", "dst": "*fp32", "n": "i64", "passes": "i32", "BLOCK": "constexpr"},
+                  {"BLOCK": 4096}))
     return specs
 
 

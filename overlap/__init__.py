@@ -1,0 +1,51 @@
+"""Compute/communication overlap: occupancy-shaped compute next to asynchronous collectives.
+
+DESIGN.md 1.2 (Cui & Pericas): give the compute kernel a shaped footprint (more shared
+memory per block, fewer SMs for a persistent GEMM) and run communication on high-priority
+streams, so that collectives hide behind compute on NVIDIA and AMD alike.
+
+* :mod:`overlap.streams`   -- comm stream with a priority, high-priority process group (CPU no-ops)
+* :mod:`overlap.guard`     -- the starvation guard (bounds on SMs reserved, footprint inflation)
+* :mod:`overlap.metrics`   -- the metric formulas
+* :mod:`overlap.measure`   -- alone / sequential / overlapped timing with repeats
+* :mod:`overlap.schedules` -- GEMM + all-reduce/reduce-scatter, all-gather + GEMM, generic Overlap
+* :mod:`overlap.emulate`   -- one-GPU emulated communication (labelled as such)
+* :mod:`overlap.sweep`     -- sweeps, CSV/JSON records, heatmaps and timelines (``cokit sweep``)
+* :mod:`overlap.tuner`     -- online tuner for training loops
+"""
+
+from .emulate import EmulatedComm
+from .guard import GuardViolation, StarvationGuard
+from .measure import OverlapResult, measure
+from .metrics import OverlapMetrics, compute_metrics
+from .schedules import (
+    AllGatherGemm,
+    GemmCollective,
+    Overlap,
+    Scheduled,
+    all_gather_gemm,
+    gemm_all_reduce,
+    gemm_reduce_scatter,
+)
+from .streams import CommStream, high_priority_group
+from .tuner import OnlineTuner
+
+__all__ = [
+    "AllGatherGemm",
+    "CommStream",
+    "EmulatedComm",
+    "GemmCollective",
+    "GuardViolation",
+    "OnlineTuner",
+    "Overlap",
+    "OverlapMetrics",
+    "OverlapResult",
+    "Scheduled",
+    "StarvationGuard",
+    "all_gather_gemm",
+    "compute_metrics",
+    "gemm_all_reduce",
+    "gemm_reduce_scatter",
+    "high_priority_group",
+    "measure",
+]
