@@ -1,0 +1,534 @@
+"""Distributed training runner: the same workload, seed and data order under several methods.
+
+A *method* turns each rank's local gradients into a parameter update across ranks and reports
+the bytes this rank put on the wire. Built in:
+
+* ``"adamw"`` -- dense: one flat all-reduce (mean) of all gradients, then ``torch.optim.AdamW``;
+  bytes counted as a ring all-reduce of the fp32 gradients.
+* ``"sgd"`` -- the same exchange, then ``torch.optim.SGD`` (pass ``momentum`` in ``options``).
+* ``"demo"`` -- ``compress.DeMo``: it does its own (compressed) communication; bytes from its
+  ``comm_stats``.
+
+More can be added with :func:`register_method`. :func:`run_method` runs one method on every rank
+of an initialised process group; :func:`run_distributed` starts that group: ``world_size``
+local processes on loopback (spawn), or, under ``torchrun``, the group the environment describes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import time
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from compress.stats import ring_allreduce_bytes
+
+Log = Callable[[str], None]
+SCHEDULES = ("constant", "cosine")
+
+
+class Workload(Protocol):
+    """What the runner needs from a workload (see :class:`cokit.workloads.TextWorkload`)."""
+
+    def build_model(self, seed: int) -> nn.Module: ...
+    def train_batch(self, seed: int, step: int, rank: int, world_size: int) -> Any: ...
+    def heldout_batches(self) -> list[Any]: ...
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+    def info(self) -> dict: ...
+
+
+class WorkloadFactory(Protocol):
+    """A picklable recipe that builds a :class:`Workload` inside each rank's process."""
+
+    def build(self, device: torch.device | str) -> Workload: ...
+
+
+# --------------------------------------------------------------------------------------------
+# methods
+
+
+@dataclass
+class MethodSpec:
+    """A method and its hyper-parameters.
+
+    ``options`` are passed as keyword arguments to the method's optimizer (for ``"demo"``:
+    ``compression_topk``, ``compression_chunk``, ``compression_decay``, ``payload``, ...; for
+    ``"adamw"``: ``betas``, ``eps``). ``label`` names the run in tables and plots.
+    ``schedule`` (``"constant"`` or ``"cosine"``) and ``warmup`` shape the learning rate.
+    """
+
+    name: str
+    lr: float
+    weight_decay: float = 0.0
+    options: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None
+    schedule: str = "constant"
+    warmup: float = 0.0
+
+    def lr_factor(self, step: int, steps: int) -> float:
+        """Multiplier of ``lr`` at ``step`` (1-based) of ``steps``: linear warm-up over the
+        first ``warmup`` fraction of steps, then constant or cosine decay to 10%."""
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        warm = int(self.warmup * steps)
+        if step <= warm:
+            return step / (warm + 1)
+        if self.schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, steps - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    @property
+    def display(self) -> str:
+        """The name shown in tables, plots and file rows."""
+        return self.label or self.name
+
+
+class Method(ABC):
+    """Exchange gradients across ranks and update the parameters with ``self.optimizer``."""
+
+    optimizer: torch.optim.Optimizer
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Scale every param group's initial learning rate by ``factor`` for the next step."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+
+    @abstractmethod
+    def step(self) -> tuple[int, int]:
+        """Communicate and update; return (bytes this rank sent, bytes a dense ring all-reduce
+        of the same gradients would have sent)."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Clear the gradients."""
+
+
+MethodBuilder = Callable[[MethodSpec, nn.Module, "dist.ProcessGroup | None"], Method]
+METHODS: dict[str, MethodBuilder] = {}
+
+
+def register_method(name: str) -> Callable[[MethodBuilder], MethodBuilder]:
+    """Decorator: make ``builder(spec, model, group) -> Method`` available as ``name``."""
+
+    def deco(builder: MethodBuilder) -> MethodBuilder:
+        METHODS[name] = builder
+        return builder
+
+    return deco
+
+
+def build_method(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None = None) -> Method:
+    """The :class:`Method` named by ``spec`` for ``model``'s parameters."""
+    if spec.name not in METHODS:
+        raise ValueError(f"unknown method {spec.name!r}; known: {', '.join(sorted(METHODS))}")
+    return METHODS[spec.name](spec, model, group)
+
+
+class DenseAllReduce(Method):
+    """Average gradients with one flat all-reduce, then step a local torch optimizer."""
+
+    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = optimizer
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.bytes_per_step = ring_allreduce_bytes(nbytes, self.world_size)
+
+    def step(self) -> tuple[int, int]:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.world_size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.world_size
+            offset = 0
+            for p, g in zip(self.params, grads):
+                p.grad = flat[offset:offset + g.numel()].view_as(p)
+                offset += g.numel()
+        self.optimizer.step()
+        return self.bytes_per_step, self.bytes_per_step
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@register_method("adamw")
+def _build_adamw(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> Method:
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, **spec.options)
+    return DenseAllReduce(params, opt, group)
+
+
+@register_method("sgd")
+def _build_sgd(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> Method:
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay, **spec.options)
+    return DenseAllReduce(params, opt, group)
+
+
+class DeMoMethod(Method):
+    """``compress.DeMo``: compressed momentum exchange inside ``step()``."""
+
+    def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        from compress import DeMo  # lazy: the runner works without the optimizer module
+
+        self.optimizer = DeMo(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
+                              process_group=group, **spec.options)
+
+    def step(self) -> tuple[int, int]:
+        self.optimizer.step()
+        stats = self.optimizer.comm_stats
+        return int(stats.step_sent_bytes), int(stats.step_dense_bytes)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+register_method("demo")(DeMoMethod)
+
+
+# --------------------------------------------------------------------------------------------
+# one run
+
+
+@dataclass
+class RunResult:
+    """Per-step records and a summary of one method's run (as seen from rank 0).
+
+    ``train_loss[i]`` is the mean over ranks of step ``i+1``'s loss; ``bytes_sent`` is what
+    rank 0 sent at that step; ``step_s`` the wall time of the whole step (batch, forward,
+    backward, exchange, update), ``opt_s`` that of the exchange and update, ``wall_s`` the
+    time since the run started (evaluations included). ``evals`` holds
+    ``(step, held-out loss)`` at step 0, every ``eval_every`` steps and at the last step.
+    """
+
+    spec: MethodSpec
+    world_size: int
+    seed: int
+    train_loss: list[float] = field(default_factory=list)
+    bytes_sent: list[int] = field(default_factory=list)
+    dense_bytes: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    opt_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    max_replica_diff: float = 0.0
+    num_params: int = 0
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        """Number of steps taken."""
+        return len(self.train_loss)
+
+    def summary(self, tail: int | None = None) -> dict[str, Any]:
+        """Final losses and per-step costs. ``final_train_loss`` is the mean over the last
+        ``tail`` steps (default: a tenth of the run, at least one step); times are medians
+        over the steps after the first (which pays one-off costs)."""
+        n = self.steps
+        tail = max(1, tail or n // 10)
+        sent = sum(self.bytes_sent)
+        dense = sum(self.dense_bytes)
+        return {
+            "method": self.spec.display,
+            "steps": n,
+            "final_train_loss": sum(self.train_loss[-tail:]) / len(self.train_loss[-tail:]) if n else math.nan,
+            "final_heldout_loss": self.evals[-1][1] if self.evals else math.nan,
+            "bytes_per_step": sent / n if n else 0.0,
+            "dense_bytes_per_step": dense / n if n else 0.0,
+            "total_bytes_sent": sent,
+            "compression_ratio": dense / sent if sent else math.inf,
+            "time_per_step_s": _median(self.step_s[1:] or self.step_s),
+            "opt_time_per_step_s": _median(self.opt_s[1:] or self.opt_s),
+            "total_time_s": self.wall_s[-1] if self.wall_s else 0.0,
+            "max_replica_diff": self.max_replica_diff,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: spec, summary and every per-step series."""
+        return {
+            "spec": asdict(self.spec),
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "num_params": self.num_params,
+            "environment": self.environment,
+            "summary": self.summary(),
+            "evals": [{"step": s, "heldout_loss": v} for s, v in self.evals],
+            "series": {
+                "train_loss": self.train_loss,
+                "bytes_sent": self.bytes_sent,
+                "dense_bytes": self.dense_bytes,
+                "step_s": self.step_s,
+                "opt_s": self.opt_s,
+                "wall_s": self.wall_s,
+            },
+        }
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else math.nan
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def _heldout_sum(workload: Workload, model: nn.Module, batches: list[Any], rank: int, world_size: int) -> float:
+    """Sum of this rank's share (batches ``rank::world_size``) of the held-out batch losses."""
+    model.eval()
+    total = sum(float(workload.loss(model, b)) for b in batches[rank::world_size])
+    model.train()
+    return total
+
+
+def _max_replica_diff(model: nn.Module, group: dist.ProcessGroup | None) -> float:
+    """Largest |p - p_rank0| over all parameters and ranks (0.0 when replicas agree)."""
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    diff = (flat - ref).abs().max().reshape(1)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+    return float(diff)
+
+
+def run_environment(device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Where a run executes: device, collective backend, kernel path, threads, versions."""
+    from triton_kernels.backend import kernel_path
+
+    return {
+        "device": str(device),
+        "backend": dist.get_backend(group),
+        "kernel_path": kernel_path(device),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
+def run_method(spec: MethodSpec, workload: Workload, steps: int, seed: int, *,
+               eval_every: int = 25, group: dist.ProcessGroup | None = None,
+               log: Log | None = None) -> RunResult:
+    """Train a fresh model (init from ``seed``) for ``steps`` steps with ``spec`` on every rank.
+
+    Call on every rank of an initialised process group. Each rank draws its batches from
+    ``workload.train_batch(seed, step, rank, world_size)``; held-out loss is computed over
+    ``workload.heldout_batches()`` (split across ranks, summed) at step 0, every ``eval_every``
+    steps and at the end. ``log`` (used on rank 0 only) receives one progress line per
+    evaluation. The result is complete on every rank.
+    """
+    if steps < 1 or eval_every < 1:
+        raise ValueError("steps and eval_every must be >= 1")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(seed)
+    model = workload.build_model(seed)
+    model.train()
+    device = _device_of(model)
+    method = build_method(spec, model, group)
+    heldout = workload.heldout_batches()
+    result = RunResult(spec=spec, world_size=world, seed=seed,
+                       num_params=sum(p.numel() for p in model.parameters()),
+                       environment=run_environment(device, group))
+    pending: list[float] = []  # local train losses not yet averaged over ranks
+    say = log if (log is not None and rank == 0) else None
+
+    def checkpoint(step: int) -> None:
+        """Average pending train losses over ranks and evaluate held-out loss (one collective)."""
+        local = pending + [_heldout_sum(workload, model, heldout, rank, world)]
+        buf = torch.tensor(local, dtype=torch.float64, device=device)
+        dist.all_reduce(buf, group=group)
+        buf = buf.cpu() / world
+        result.train_loss.extend(buf[:-1].tolist())
+        heldout_loss = float(buf[-1]) * world / len(heldout)
+        result.evals.append((step, heldout_loss))
+        pending.clear()
+        if say is not None:
+            recent = result.train_loss[-eval_every:]
+            train = f"{sum(recent) / len(recent):.3f}" if recent else "  -  "
+            elapsed = time.perf_counter() - start
+            say(f"[{spec.display}] step {step:>{len(str(steps))}}/{steps}  train {train}  "
+                f"held-out {heldout_loss:.3f}  {elapsed:6.1f} s")
+
+    start = time.perf_counter()
+    checkpoint(0)
+    for step in range(1, steps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        method.set_lr_factor(spec.lr_factor(step, steps))
+        batch = workload.train_batch(seed, step, rank, world)
+        loss = workload.loss(model, batch)
+        loss.backward()
+        _sync(device)
+        t1 = time.perf_counter()
+        sent, dense = method.step()
+        method.zero_grad()
+        _sync(device)
+        t2 = time.perf_counter()
+        pending.append(float(loss.detach()))
+        result.bytes_sent.append(sent)
+        result.dense_bytes.append(dense)
+        result.step_s.append(t2 - t0)
+        result.opt_s.append(t2 - t1)
+        result.wall_s.append(t2 - start)
+        if step % eval_every == 0 or step == steps:
+            checkpoint(step)
+            result.wall_s[-1] = time.perf_counter() - start
+    result.max_replica_diff = _max_replica_diff(model, group)
+    return result
+
+
+def run_methods(rank: int, world_size: int, specs: list[MethodSpec], factory: WorkloadFactory,
+                steps: int, seed: int, eval_every: int, device: str, log: bool = True) -> list[RunResult]:
+    """Worker body: build the workload on this rank's device and run each spec in turn."""
+    workload = factory.build(local_device(device))
+    printer: Log | None = (lambda line: print(line, flush=True)) if log else None
+    return [run_method(s, workload, steps, seed, eval_every=eval_every, log=printer) for s in specs]
+
+
+# --------------------------------------------------------------------------------------------
+# launching
+
+
+def in_torchrun() -> bool:
+    """True when the environment describes a process group (``torchrun`` or similar)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_device(device: str) -> torch.device:
+    """``cpu``, or this process's GPU (``cuda:LOCAL_RANK``)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def backend_for(device: str) -> str:
+    """gloo for CPU tensors, NCCL (RCCL on ROCm) for GPU tensors."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port that is free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_device(local_device(device))
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device), init_method="env://")
+
+
+def _spawn_entry(rank: int, world_size: int, port: int, device: str, threads: int,
+                 fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    torch.set_num_threads(threads)
+    try:
+        _init_group(device)
+        try:
+            out = fn(rank, world_size, *args)
+            queue.put((rank, True, out if rank == 0 else None))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+@contextlib.contextmanager
+def _child_env(**env: str | None) -> Iterator[None]:
+    """Set (or, with None, remove) variables while child processes are started."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_distributed(fn: Callable, *args: Any, world_size: int, device: str = "cpu",
+                    interpret: bool = False, timeout: float = 3600.0) -> Any:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
+
+    Under ``torchrun`` this process is one rank of the group the environment describes
+    (``world_size`` is ignored): it joins that group (or uses the one already initialised;
+    a group it created is destroyed at the end) and returns its result on rank 0 and
+    ``None`` elsewhere. Otherwise ``world_size`` processes are spawned on
+    loopback (gloo for ``cpu``, NCCL for ``cuda`` with one GPU per rank) and rank 0's result
+    comes back here. Spawned workers run Triton kernels on CPU tensors through the torch
+    path unless ``interpret`` is set (the interpreter is slow).
+    """
+    if in_torchrun():
+        created = not dist.is_initialized()
+        _init_group(device)
+        try:
+            out = fn(dist.get_rank(), dist.get_world_size(), *args)
+            return out if dist.get_rank() == 0 else None
+        finally:
+            if created:
+                dist.destroy_process_group()
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = [
+        ctx.Process(target=_spawn_entry, args=(r, world_size, port, device, threads, fn, args, queue),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    with _child_env(TRITON_INTERPRET="1" if interpret else None):
+        for p in procs:
+            p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except Exception:  # queue.Empty: check the workers are alive
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout:.0f} s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(results) == world_size else 1)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return results[0]

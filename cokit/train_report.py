@@ -1,0 +1,163 @@
+"""Tables, JSON, CSV and plots for :class:`cokit.train.RunResult` lists."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import os
+from typing import Any, Sequence
+
+from cokit.train import RunResult
+
+CSV_FIELDS = ("method", "step", "train_loss", "heldout_loss", "bytes_sent", "cum_bytes_sent",
+              "dense_bytes", "step_s", "opt_s", "wall_s")
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def summary_table(results: Sequence[RunResult], uniform_loss: float | None = None) -> str:
+    """One row per method: final losses, bytes per step, compression ratio, time per step."""
+    header = ("method", "train loss", "held-out loss", "bytes/step/rank", "compression", "time/step", "opt/step")
+    rows = []
+    for r in results:
+        s = r.summary()
+        ratio = s["compression_ratio"]
+        rows.append((
+            s["method"], f"{s['final_train_loss']:.3f}", f"{s['final_heldout_loss']:.3f}",
+            human_bytes(s["bytes_per_step"]), "inf" if math.isinf(ratio) else f"{ratio:.1f}x",
+            f"{s['time_per_step_s'] * 1e3:.0f} ms", f"{s['opt_time_per_step_s'] * 1e3:.0f} ms",
+        ))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    lines = [fmt(header), fmt(tuple("-" * w for w in widths)), *(fmt(row) for row in rows)]
+    by_name = {r.spec.name: r.summary() for r in results}
+    if "demo" in by_name and "adamw" in by_name and by_name["demo"]["bytes_per_step"] > 0:
+        times = by_name["adamw"]["bytes_per_step"] / by_name["demo"]["bytes_per_step"]
+        lines.append(f"demo sends {times:.0f}x fewer bytes per step than adamw's dense all-reduce")
+    if uniform_loss is not None:
+        lines.append(f"(uniform guess: {uniform_loss:.3f} nats/char; train loss = mean of the last 10% of steps; "
+                     "times are medians; compression = dense all-reduce bytes / bytes sent)")
+    return "\n".join(lines)
+
+
+def csv_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """One dict per (method, step); step 0 carries only the initial held-out loss."""
+    rows: list[dict[str, Any]] = []
+    for r in results:
+        evals = dict(r.evals)
+        rows.append({**dict.fromkeys(CSV_FIELDS, ""), "method": r.spec.display, "step": 0,
+                     "heldout_loss": evals.get(0, ""), "cum_bytes_sent": 0})
+        cum = 0
+        for i in range(r.steps):
+            cum += r.bytes_sent[i]
+            rows.append({
+                "method": r.spec.display, "step": i + 1, "train_loss": r.train_loss[i],
+                "heldout_loss": evals.get(i + 1, ""), "bytes_sent": r.bytes_sent[i],
+                "cum_bytes_sent": cum, "dense_bytes": r.dense_bytes[i], "step_s": r.step_s[i],
+                "opt_s": r.opt_s[i], "wall_s": r.wall_s[i],
+            })
+    return rows
+
+
+def _smooth(xs: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot_runs(path: str, results: Sequence[RunResult], uniform_loss: float | None = None,
+              title: str = "") -> None:
+    """Two panels: loss vs step (train smoothed, held-out markers) and loss vs cumulative
+    bytes sent per rank (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(results):
+        c = colors[i % len(colors)]
+        window = max(1, r.steps // 40)
+        steps = list(range(1, r.steps + 1))
+        train = _smooth(r.train_loss, window)
+        cum, total = [], 0
+        for b in r.bytes_sent:
+            total += b
+            cum.append(total)
+        ev_steps = [s for s, _ in r.evals]
+        ev_loss = [v for _, v in r.evals]
+        name = r.spec.display
+        ax_step.plot(steps, train, color=c, alpha=0.45, lw=1, label=f"{name} train")
+        ax_step.plot(ev_steps, ev_loss, "o-", color=c, ms=3, lw=1.5, label=f"{name} held-out")
+        pos = [(cum[s - 1], v) for s, v in r.evals if s > 0 and cum[s - 1] > 0]
+        if any(cum):
+            ax_bytes.plot([x for x in cum if x > 0], [t for x, t in zip(cum, train) if x > 0],
+                          color=c, alpha=0.45, lw=1, label=f"{name} train")
+        if pos:
+            ax_bytes.plot(*zip(*pos), "o-", color=c, ms=3, lw=1.5, label=f"{name} held-out")
+    for ax in (ax_step, ax_bytes):
+        if uniform_loss is not None:
+            ax.axhline(uniform_loss, color="gray", ls=":", lw=1, label="uniform guess")
+        ax.set_ylabel("loss (nats/char)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_step.set_xlabel("step")
+    ax_step.set_title("loss vs step")
+    ax_bytes.set_xscale("log")
+    ax_bytes.set_xlabel("cumulative bytes sent per rank")
+    ax_bytes.set_title("loss vs bytes sent")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_outputs(out_dir: str, info: dict[str, Any], results: Sequence[RunResult], stem: str = "demo",
+                  title: str = "") -> list[str]:
+    """Write ``<stem>.json`` (info, summaries, every series), ``<stem>.csv`` and ``<stem>.png``
+    into ``out_dir``; return their paths."""
+    from cokit import __version__
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"{stem}.{ext}") for ext in ("json", "csv", "png")]
+    doc = {
+        "cokit_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": info,
+        "summary": [r.summary() for r in results],
+        "methods": [r.to_dict() for r in results],
+    }
+    with open(paths[0], "w") as f:
+        json.dump(_jsonable(doc), f, indent=1)
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(csv_rows(results))
+    uniform = info.get("workload", {}).get("uniform_loss")
+    plot_runs(paths[2], results, uniform, title=title)
+    return paths

@@ -1,0 +1,127 @@
+"""The demo/validation workloads: stdlib char corpus, batches, the char transformer, the runner."""
+
+import math
+
+import pytest
+import torch
+
+from cokit.workloads import CharCorpus, CharTransformer, CorpusConfig, ModelConfig, TextWorkload, TextWorkloadConfig
+from cokit.workloads.text import UNKNOWN_ID, VOCAB, VOCAB_SIZE, decode, encode, stdlib_sources
+
+SMALL = CorpusConfig(max_chars=200_000)
+TOY = ModelConfig.preset("toy", VOCAB_SIZE)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return TextWorkload(TextWorkloadConfig(corpus=SMALL, model=TOY, batch_size=4, eval_batches=3))
+
+
+def test_vocabulary_round_trip_and_unknown():
+    text = "def f(x):\n\treturn x  # ok\n"
+    ids = encode(text)
+    assert ids.dtype == torch.uint8 and ids.numel() == len(text)
+    assert decode(ids) == text
+    odd = encode("é€\x00a")
+    assert odd.tolist()[:3] == [UNKNOWN_ID] * 3 and odd[3] == VOCAB.index("a")
+    assert VOCAB_SIZE == len(VOCAB) + 1 == 98
+
+
+def test_sources_exclude_tests_and_packages():
+    files = stdlib_sources()
+    assert files == sorted(files) and len(files) > 100
+    assert "os.py" in files
+    for f in files:
+        parts = f.split("/")
+        assert not {"site-packages", "test", "tests", "__pycache__"} & set(parts), f
+
+
+def test_corpus_is_deterministic_and_split_by_file():
+    a = CharCorpus.build(SMALL)
+    b = CharCorpus.build(CorpusConfig(max_chars=200_000))  # equal config: same object from the cache
+    assert a.sha256 == b.sha256
+    assert a.num_chars == 200_000
+    assert not set(a.train_files) & set(a.heldout_files)
+    assert 0.05 < a.heldout.numel() / a.num_chars < 0.2
+    other = CharCorpus.read(CorpusConfig(max_chars=200_000, split_seed=1))
+    assert other.num_chars == a.num_chars and set(other.heldout_files) != set(a.heldout_files)
+    again = CharCorpus.read(SMALL)
+    assert again.sha256 == a.sha256 and torch.equal(again.train, a.train)
+    assert set(a.info()) >= {"files", "chars", "train_chars", "heldout_chars", "sha256", "vocab_size"}
+
+
+def test_batches_depend_only_on_seed_step_rank(workload):
+    x, y = workload.train_batch(seed=3, step=7, rank=1, world_size=2)
+    x2, y2 = workload.train_batch(seed=3, step=7, rank=1, world_size=2)
+    assert x.shape == y.shape == (4, TOY.max_seq_len) and x.dtype == torch.int64
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next characters
+    assert not torch.equal(x, workload.train_batch(3, 8, 1, 2)[0])
+    assert not torch.equal(x, workload.train_batch(4, 7, 1, 2)[0])
+    assert not torch.equal(x, workload.train_batch(3, 7, 0, 2)[0])
+
+
+def test_each_rank_reads_its_own_shard(workload):
+    train = workload.corpus.train
+    shards = [workload.shard(r, 3) for r in range(3)]
+    assert sum(s.numel() for s in shards) == train.numel()
+    assert torch.equal(torch.cat(shards), train)
+    for rank in range(3):
+        x, y = workload.train_batch(0, 1, rank, 3)
+        window = torch.cat([x, y[:, -1:]], dim=1).to(torch.uint8)
+        hay = shards[rank]
+        for row in window:  # every sampled window lies inside this rank's shard
+            starts = (hay[: hay.numel() - row.numel() + 1] == row[0]).nonzero().flatten()
+            assert any(torch.equal(hay[s:s + row.numel()], row) for s in starts.tolist())
+    with pytest.raises(ValueError):
+        workload.shard(3, 3)
+
+
+def test_heldout_batches_are_fixed_and_from_heldout_text(workload):
+    a, b = workload.heldout_batches(), workload.heldout_batches()
+    assert len(a) == 3
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    held = decode(workload.corpus.heldout)
+    assert decode(a[1][0][0]) in held
+
+
+def test_model_shapes_params_and_seeded_init():
+    cfg = ModelConfig(VOCAB_SIZE, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    state = torch.random.get_rng_state()
+    m1, m2, m3 = CharTransformer(cfg, seed=1), CharTransformer(cfg, seed=1), CharTransformer(cfg, seed=2)
+    assert torch.equal(state, torch.random.get_rng_state())  # init leaves the global RNG alone
+    for (n, p1), p2, p3 in zip(m1.named_parameters(), m2.parameters(), m3.parameters()):
+        assert torch.equal(p1, p2), n
+        if p1.dim() == 2:
+            assert not torch.equal(p1, p3), n
+    dims = {p.dim() for p in m1.parameters()}
+    assert dims == {1, 2}
+    out = m1(torch.randint(0, VOCAB_SIZE, (3, 16)))
+    assert out.shape == (3, 16, VOCAB_SIZE)
+    tied = CharTransformer(ModelConfig(VOCAB_SIZE, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, tied_head=True))
+    assert tied.num_params() == m1.num_params() - VOCAB_SIZE * 32
+    assert tied(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, VOCAB_SIZE)
+    with pytest.raises(ValueError):
+        m1(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError):
+        ModelConfig(VOCAB_SIZE, d_model=30, n_heads=4)
+
+
+def test_model_is_causal():
+    m = CharTransformer(ModelConfig(VOCAB_SIZE, d_model=32, n_layers=2, n_heads=2, max_seq_len=12), seed=0)
+    m.eval()
+    x = torch.randint(0, VOCAB_SIZE, (2, 12))
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 5) % VOCAB_SIZE
+    with torch.no_grad():
+        a, b = m(x), m(y)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_initial_loss_is_near_uniform(workload):
+    model = workload.build_model(0)
+    with torch.no_grad():
+        loss = workload.loss(model, workload.heldout_batches()[0])
+    assert abs(float(loss) - math.log(VOCAB_SIZE)) < 0.3
