@@ -1,4 +1,4 @@
-# The README's two commands: `make run` (the main job) and `make test`.
+# The README's two commands: `make run` (the main job, `cokit demo`) and `make test`.
 # Both create .venv on first use: torch==2.13.0 (CPU build on our machines), triton, cokit.
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/cokit info
+	$(BIN)/cokit demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

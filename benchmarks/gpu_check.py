@@ -6,7 +6,8 @@ On a GPU: checks each Triton kernel against the torch reference (relative error,
 agreement), times both (median of CUDA-event timings via triton.testing.do_bench), and
 prints time, achieved GB/s against a measured device-to-device copy bandwidth, and the
 speedup over the torch reference. Writes everything to JSON. Sized to finish well under
-8 minutes on one H200.
+8 minutes on one H200. Then the optimizer-step time of DeMo (Triton kernels, world size 1)
+vs fused AdamW on transformer-shaped parameters (benchmarks/optimizer_bench.py).
 
 Then the GEMM part (benchmarks/gemm_bench.py): correctness, TFLOP/s vs torch.matmul and an
 occupancy sweep. Then the overlap part (benchmarks/overlap_bench.py): a one-GPU study of a
@@ -178,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     print("compression kernels:")
     report["compression"] = check_kernels(device, on_gpu, args.quick, bw)
     print_table(report["compression"], on_gpu)
+
+    import optimizer_bench  # beside this file; DeMo vs AdamW optimizer-step time (world size 1)
+
+    print("optimizer step:")
+    optimizer_bench.run(report, quick=args.quick)
 
     import gemm_bench  # beside this file; adds report["gemm"]
 
