@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compress import DeMo  # noqa: E402
+from overlap.launch import spawn  # noqa: E402
 
 
 def build_model(d_model: int = 128, layers: int = 4, vocab: int = 256) -> torch.nn.Module:
@@ -39,57 +37,38 @@ def build_model(d_model: int = 128, layers: int = 4, vocab: int = 256) -> torch.
     )
 
 
-def _worker(rank: int, world: int, port: int, cases: list[dict], steps: int, queue) -> None:
-    os.environ.setdefault("TRITON_INTERPRET", "0")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        rows = []
-        for case in cases:
-            torch.manual_seed(0)
-            model = build_model()
-            opt = DeMo(model.parameters(), lr=1e-3, compression_topk=case["topk"],
-                       compression_chunk=case["chunk"], payload=case["payload"])
-            gen = torch.Generator().manual_seed(rank)
-            step_times = []
-            for _ in range(steps):
-                tokens = torch.randint(0, 256, (8, 64), generator=gen)
-                logits = model(tokens)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
-                opt.zero_grad()
-                loss.backward()
-                start = time.perf_counter()
-                opt.step()
-                step_times.append(time.perf_counter() - start)
-            s = opt.comm_stats
-            rows.append({**case, "params": sum(p.numel() for p in model.parameters()),
-                         "sent_bytes_per_step": s.step_sent_bytes, "received_bytes_per_step": s.step_received_bytes,
-                         "dense_bytes_per_step": s.step_dense_bytes,
-                         "ratio": s.step_dense_bytes / max(s.step_sent_bytes, 1),
-                         "step_ms_median": 1e3 * sorted(step_times)[len(step_times) // 2]})
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, cases: list[dict], steps: int) -> list[dict]:
+    """One rank: every case in turn; returns this rank's rows."""
+    rows = []
+    for case in cases:
+        torch.manual_seed(0)
+        model = build_model()
+        opt = DeMo(model.parameters(), lr=1e-3, compression_topk=case["topk"],
+                   compression_chunk=case["chunk"], payload=case["payload"])
+        gen = torch.Generator().manual_seed(rank)
+        step_times = []
+        for _ in range(steps):
+            tokens = torch.randint(0, 256, (8, 64), generator=gen)
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+            opt.zero_grad()
+            loss.backward()
+            start = time.perf_counter()
+            opt.step()
+            step_times.append(time.perf_counter() - start)
+        s = opt.comm_stats
+        rows.append({**case, "params": sum(p.numel() for p in model.parameters()),
+                     "sent_bytes_per_step": s.step_sent_bytes, "received_bytes_per_step": s.step_received_bytes,
+                     "dense_bytes_per_step": s.step_dense_bytes,
+                     "ratio": s.step_dense_bytes / max(s.step_sent_bytes, 1),
+                     "step_ms_median": 1e3 * sorted(step_times)[len(step_times) // 2]})
+    return rows
 
 
 def run(world: int, topks: list[int], chunk: int, steps: int) -> list[dict]:
     """Spawn ``world`` gloo ranks and measure every (payload, topk) case."""
     cases = [{"payload": p, "topk": k, "chunk": chunk} for p in ("reference", "compact", "sign") for k in topks]
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, steps, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    rows = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
-    return rows
+    return spawn(world, _worker, cases, steps, timeout=1800, env={"TRITON_INTERPRET": None})[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,21 +16,19 @@ local processes on loopback (spawn), or, under ``torchrun``, the group the envir
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import socket
 import time
-import traceback
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from compress.stats import ring_allreduce_bytes
+from overlap.launch import in_torchrun
 
 Log = Callable[[str], None]
 SCHEDULES = ("constant", "cosine")
@@ -405,11 +403,6 @@ def run_methods(rank: int, world_size: int, specs: list[MethodSpec], factory: Wo
 # launching
 
 
-def in_torchrun() -> bool:
-    """True when the environment describes a process group (``torchrun`` or similar)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def local_device(device: str) -> torch.device:
     """``cpu``, or this process's GPU (``cuda:LOCAL_RANK``)."""
     if device == "cpu":
@@ -422,55 +415,11 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_group(device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(local_device(device))
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), init_method="env://")
-
-
-def _spawn_entry(rank: int, world_size: int, port: int, device: str, threads: int,
-                 fn: Callable, args: tuple, queue: Any) -> None:
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
-    torch.set_num_threads(threads)
-    try:
-        _init_group(device)
-        try:
-            out = fn(rank, world_size, *args)
-            queue.put((rank, True, out if rank == 0 else None))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
-
-
-@contextlib.contextmanager
-def _child_env(**env: str | None) -> Iterator[None]:
-    """Set (or, with None, remove) variables while child processes are started."""
-    saved = {k: os.environ.get(k) for k in env}
-    try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run_distributed(fn: Callable, *args: Any, world_size: int, device: str = "cpu",
@@ -495,40 +444,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int, device: str = "cp
             if created:
                 dist.destroy_process_group()
 
-    import torch.multiprocessing as mp
+    from overlap.launch import spawn
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    procs = [
-        ctx.Process(target=_spawn_entry, args=(r, world_size, port, device, threads, fn, args, queue),
-                    daemon=True)
-        for r in range(world_size)
-    ]
-    with _child_env(TRITON_INTERPRET="1" if interpret else None):
-        for p in procs:
-            p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world_size:
-            try:
-                rank, ok, value = queue.get(timeout=1.0)
-            except Exception:  # queue.Empty: check the workers are alive
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout:.0f} s") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == world_size else 1)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    return results[0]
+    interpreter = {"TRITON_INTERPRET": "1" if interpret else None}
+    return spawn(world_size, fn, *args, backend=backend_for(device), timeout=timeout, env=interpreter)[0]

@@ -1,16 +1,21 @@
 """Run a function on every rank of a local process group (loopback), or in the current one.
 
-Used by ``cokit sweep`` and the benchmarks: under ``torchrun`` (``RANK``/``WORLD_SIZE`` in
-the environment) the group is initialized from the environment; otherwise ``world_size``
-processes are spawned on this machine (gloo on CPU, NCCL/RCCL with one GPU per rank).
+The one launcher of cokit (``cokit demo``/``sweep``/``bench``, notebooks, benchmarks, tests):
+under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) the group comes from the
+environment; otherwise ``world_size`` processes are spawned on this machine (gloo on CPU,
+NCCL/RCCL with one GPU per rank), each with the usual torchrun variables set.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -29,28 +34,57 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable, args: tuple, queue) -> None:
+def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable, args: tuple,
+           queue) -> None:
     import torch.distributed as dist
 
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, **kwargs)
+        dist.init_process_group(backend, init_method="env://")
         try:
-            queue.put((rank, True, fn(rank, world_size, *args)))
+            buffer = io.BytesIO()  # plain bytes: tensors must not travel as shared memory
+            torch.save(fn(rank, world_size, *args), buffer)
+            queue.put((rank, True, buffer.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
 
 
-def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout: float = 900.0) -> list[Any]:
+@contextlib.contextmanager
+def _child_env(env: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (None: remove) variables while the children start, so they see them at import."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout: float = 900.0,
+          env: Mapping[str, str | None] | None = None) -> list[Any]:
     """Spawn ``world_size`` ranks on ``backend``, run ``fn(rank, world_size, *args)`` on each
-    (a module-level function), return the results in rank order; a failing rank raises
-    ``RuntimeError`` with its traceback. Each rank gets ``cpu_count // world_size`` threads."""
+    (a module-level function), return the results in rank order.
+
+    ``env`` sets (or with None removes) variables in the children from their start. A rank
+    that raises, dies or outlives ``timeout`` seconds raises ``RuntimeError``/``TimeoutError``
+    here with its traceback. Each rank gets ``cpu_count // world_size`` threads.
+    """
     import torch.multiprocessing as mp
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -65,23 +99,29 @@ def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", time
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads, fn, args, queue), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _child_env(env or {}):
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
-    errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout:.0f} s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
-            p.join(timeout=5 if errors else 60)
+            p.join(timeout=30 if len(results) == world_size else 1)
             if p.is_alive():
                 p.terminate()
-    if errors:
-        raise RuntimeError("\n".join(errors))
+                p.join(timeout=5)
     return [results[r] for r in range(world_size)]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cokit.cli import main
-from cokit.train import MethodSpec, RunResult, free_port, run_distributed, run_methods
+from cokit.train import MethodSpec, RunResult, run_distributed, run_methods
+from overlap.launch import free_port
 from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
 from cokit.workloads.text import VOCAB_SIZE
 from compress.stats import ring_allreduce_bytes
