@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module defines add_parser(subparsers) and sets `func` (args -> exit code).
-SUBCOMMANDS = ("info", "occupancy", "demo", "sweep")
+SUBCOMMANDS = ("info", "occupancy", "demo", "sweep", "bench")
 
 
 class CliError(Exception):

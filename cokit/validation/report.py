@@ -1,0 +1,192 @@
+"""The study's report: aggregate the per-run JSONs into tables (markdown, CSV) and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from typing import Any
+
+SUMMARY_FIELDS = ("final_train_loss", "final_heldout_loss", "heldout_accuracy", "bytes_per_step",
+                  "mean_bytes_per_step", "total_bytes_sent", "dense_bytes_per_step", "ratio_to_dense",
+                  "time_per_step_s", "opt_time_per_step_s", "total_time_s", "max_replica_diff")
+RUN_FIELDS = ("workload", "method", "family", "lr", "seed", "steps", "world_size", "status", *SUMMARY_FIELDS)
+TABLE_FIELDS = ("workload", "method", "family", "best_lr", "lr_at_edge", "lrs_tried", "seeds",
+                "final_train_loss_mean", "final_train_loss_std", "final_heldout_loss_mean",
+                "final_heldout_loss_std", "final_heldout_loss_min", "final_heldout_loss_max",
+                "heldout_accuracy_mean", "heldout_accuracy_std", "delta_heldout_vs_adamw",
+                "bytes_per_step", "total_bytes_sent", "ratio_to_dense", "time_per_step_s",
+                "opt_time_per_step_s", "failed_lrs")
+
+
+def human_bytes(n: float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    if n is None or not math.isfinite(n):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _stats(xs: list[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def aggregate(records: list[dict], methods: list[str], lrs_tried: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per method: best lr (seed 0), then mean/std over the seeds run at that lr."""
+    from cokit.validation.study import best_lr
+
+    rows = []
+    for m in methods:
+        mine = [r for r in records if r["method"] == m]
+        lr = best_lr(mine)
+        failed = sorted({r["lr"] for r in mine if r["seed"] == 0 and r.get("status") != "ok"})
+        grid = sorted({r["lr"] for r in mine if r["seed"] == 0})
+        row: dict[str, Any] = {"method": m, "family": mine[0]["family"] if mine else "", "best_lr": lr,
+                               "lr_at_edge": len(grid) > 1 and lr in (grid[0], grid[-1]),
+                               "lrs_tried": lrs_tried.get(m, 0), "failed_lrs": failed, "seeds": 0}
+        at = [r for r in mine if r["lr"] == lr and r.get("status") == "ok"] if lr is not None else []
+        if at:
+            row["seeds"] = len(at)
+            for f in ("final_train_loss", "final_heldout_loss", "heldout_accuracy"):
+                row[f"{f}_mean"], row[f"{f}_std"] = _stats([r["summary"][f] for r in at])
+            losses = [r["summary"]["final_heldout_loss"] for r in at]
+            row["final_heldout_loss_min"], row["final_heldout_loss_max"] = min(losses), max(losses)
+            s0 = next(r for r in at if r["seed"] == min(x["seed"] for x in at))["summary"]
+            for f in ("bytes_per_step", "total_bytes_sent", "ratio_to_dense"):
+                row[f] = s0[f]
+            for f in ("time_per_step_s", "opt_time_per_step_s"):
+                row[f] = statistics.median(r["summary"][f] for r in at)
+        rows.append(row)
+    base = next((r for r in rows if r["method"] == "adamw" and r.get("final_heldout_loss_mean") is not None), None)
+    for r in rows:
+        if base is not None and r.get("final_heldout_loss_mean") is not None:
+            r["delta_heldout_vs_adamw"] = r["final_heldout_loss_mean"] - base["final_heldout_loss_mean"]
+    return rows
+
+
+def pareto_front(points: list[tuple[str, float, float]]) -> list[str]:
+    """Labels of the points (label, bytes, loss) that no other point beats on both axes."""
+    front, best = [], math.inf
+    for label, _, loss in sorted(points, key=lambda p: (p[1], p[2])):
+        if loss < best:
+            front.append(label)
+            best = loss
+    return front
+
+
+def _fmt(mean: float | None, std: float | None, digits: int = 3, pct: bool = False) -> str:
+    if mean is None:
+        return "failed"
+    scale = 100.0 if pct else 1.0
+    s = f"{mean * scale:.{digits}f}"
+    return s + (f" ± {std * scale:.{digits}f}" if std is not None else "")
+
+
+def markdown_table(rows: list[dict], workload: str, steps: int, uniform: float | None) -> str:
+    """The per-workload table in markdown."""
+    head = ("| method | lr (best of N) | seeds | train loss | held-out loss | Δ vs AdamW | held-out acc % "
+            "| bytes/step/rank | total bytes/rank | ratio to dense | time/step | opt/step |")
+    lines = [f"**{workload}** ({steps} steps" + (f"; uniform-guess loss {uniform:.3f}" if uniform else "") + ")",
+             "", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lr = "-" if r["best_lr"] is None else f"{r['best_lr']:g} (of {r['lrs_tried']})"
+        if r.get("lr_at_edge"):
+            lr += " edge"
+        if r.get("failed_lrs"):
+            lr += " [" + ",".join(f"{x:g}" for x in r["failed_lrs"]) + " failed]"
+        d = r.get("delta_heldout_vs_adamw")
+        ratio = r.get("ratio_to_dense")
+        lines.append("| " + " | ".join([
+            r["method"], lr, str(r["seeds"]),
+            _fmt(r.get("final_train_loss_mean"), r.get("final_train_loss_std")),
+            _fmt(r.get("final_heldout_loss_mean"), r.get("final_heldout_loss_std")),
+            "-" if d is None else f"{d:+.3f}",
+            _fmt(r.get("heldout_accuracy_mean"), r.get("heldout_accuracy_std"), 1, pct=True),
+            human_bytes(r.get("bytes_per_step")), human_bytes(r.get("total_bytes_sent")),
+            "-" if ratio is None else f"{ratio:.1f}x",
+            "-" if r.get("time_per_step_s") is None else f"{r['time_per_step_s'] * 1e3:.0f} ms",
+            "-" if r.get("opt_time_per_step_s") is None else f"{r['opt_time_per_step_s'] * 1e3:.0f} ms",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out_dir: str, info: dict[str, Any], records: dict[str, list[dict]], cfg: Any) -> dict[str, Any]:
+    """Write ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots; return the
+    study document (with ``table_markdown`` and ``files``)."""
+    from cokit.validation.plots import plot_curves, plot_pareto
+
+    files: list[str] = []
+    tables: dict[str, list[dict]] = {}
+    md_parts = [_header(info)]
+    pareto: dict[str, list[str]] = {}
+    for wl in cfg.workloads:
+        recs = records.get(wl.name, [])
+        tried = {m: len(wl.grid(cfg.method(m).family, cfg.lr_points)) for m in cfg.methods}
+        rows = aggregate(recs, cfg.methods, tried)
+        for r in rows:
+            r["workload"] = wl.name
+        tables[wl.name] = rows
+        uniform = info.get("workload_info", {}).get(wl.name, {}).get("uniform_loss")
+        md_parts.append(markdown_table(rows, wl.name, wl.steps, uniform))
+        best = {r["method"]: r["best_lr"] for r in rows if r["best_lr"] is not None}
+        chosen = [r for r in recs if r["seed"] == 0 and r.get("status") == "ok" and best.get(r["method"]) == r["lr"]]
+        chosen.sort(key=lambda r: cfg.methods.index(r["method"]))
+        points = [(r["method"], float(r["summary"]["bytes_per_step"]), r["summary"]["final_heldout_loss"])
+                  for r in chosen if r["summary"]["bytes_per_step"] > 0]
+        pareto[wl.name] = pareto_front(points)
+        if chosen:
+            files += plot_curves(out_dir, wl.name, chosen, uniform, _title(info, wl))
+            files.append(plot_pareto(out_dir, wl.name, chosen, pareto[wl.name], uniform, _title(info, wl)))
+    md_parts.append(_footnotes(info))
+    md = "\n\n".join(md_parts) + "\n"
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out_dir, "table.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=TABLE_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for rows in tables.values():
+            w.writerows({**r, "failed_lrs": " ".join(f"{x:g}" for x in r.get("failed_lrs", []))} for r in rows)
+    with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RUN_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for recs in records.values():
+            for r in sorted(recs, key=lambda r: (r["method"], r["lr"], r["seed"])):
+                w.writerow({**r, **r.get("summary", {})})
+    files = ["table.md", "table.csv", "runs.csv", "study.json", *files]
+    doc = {**info, "tables": tables, "pareto_front": pareto, "files": files, "table_markdown": md}
+    with open(os.path.join(out_dir, "study.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    return doc
+
+
+def _title(info: dict, wl: Any) -> str:
+    return (f"{wl.name}: {wl.steps} steps, {info['world_size']} {info['backend']} ranks on CPU, "
+            f"best-of-{info['lr_points']} lr per method, seed 0 ({info['date']})")
+
+
+def _header(info: dict) -> str:
+    m = info["machine"]
+    return (f"Validation study, preset `{info['preset']}`, {info['date']}: {info['world_size']} ranks "
+            f"(`{info['backend']}`, {info['device']}) on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
+            f"triton {m['triton']}. Every method: same model, seed, batches and steps; lr = best of the "
+            f"method's grid by final held-out loss of seed 0 (the best-of-N is in the lr column); "
+            f"mean ± sample std over the seeds column.")
+
+
+def _footnotes(info: dict) -> str:
+    return ("lr \"edge\": the best lr is the smallest or largest of the grid (a wider grid might do "
+            "better). Train loss: mean of the last 10% of steps. Held-out loss/accuracy: after the last step "
+            "(text: next-character top-1 accuracy). Bytes: sent per rank per step (median; ring "
+            "all-reduce of fp32 gradients for dense methods; PowerSGD's 10% dense warm-up counts in its "
+            "total), ratio to dense = dense all-reduce bytes / bytes sent over the run. Times: medians "
+            "per step on a shared CPU with more ranks than cores; opt/step is the exchange + update "
+            "after backward (PowerSGD's exchange runs inside backward, in DDP's hook, so its opt/step "
+            "leaves it out). CPU/gloo times say nothing about GPU speed.")

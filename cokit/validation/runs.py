@@ -1,0 +1,173 @@
+"""One spawn of the study: run a list of jobs on every rank, write one JSON per finished run.
+
+A job is a (workload, method, lr, seed) point. Rank 0 writes ``job.path`` as soon as a run
+ends (atomically), so an interrupted study resumes by skipping the files that exist.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cokit.train import MethodSpec, RunResult, WorkloadFactory, local_device, run_method
+from cokit.validation.methods import EngineSlot  # importing it registers the "powersgd" method
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of the study and where its JSON goes."""
+
+    workload: str
+    method: str  # the study's label, e.g. "demo-compact-k32-c64"
+    family: str  # adamw / sgd / powersgd / demo
+    spec: MethodSpec
+    seed: int
+    steps: int
+    eval_every: int
+    path: str
+    key: str  # identifies the configuration; a JSON with another key is stale
+    extra: dict = field(default_factory=dict)
+
+
+class StudyWorkload:
+    """Wraps a workload: models come wrapped in :class:`EngineSlot` (so DDP-based methods can
+    hook the forward pass) and the last model built is kept for the final accuracy."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.last_model: EngineSlot | None = None
+
+    def build_model(self, seed: int) -> nn.Module:
+        self.last_model = EngineSlot(self.inner.build_model(seed))
+        return self.last_model
+
+    def train_batch(self, seed: int, step: int, rank: int, world_size: int) -> Any:
+        return self.inner.train_batch(seed, step, rank, world_size)
+
+    def heldout_batches(self) -> list[Any]:
+        return self.inner.heldout_batches()
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.inner.loss(model, batch)
+
+    def info(self) -> dict:
+        return self.inner.info()
+
+
+@torch.no_grad()
+def heldout_accuracy(workload: StudyWorkload, model: nn.Module, rank: int, world: int) -> float:
+    """Top-1 accuracy over all held-out targets (next character, or class), summed over ranks."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.float64)
+    for x, y in workload.heldout_batches()[rank::world]:
+        pred = model(x).argmax(-1)
+        counts += torch.tensor([float((pred == y).sum()), float(y.numel())], dtype=torch.float64)
+    model.train()
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1]) if counts[1] else math.nan
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else math.nan
+
+
+def _r(x: float, digits: int = 5) -> float | None:
+    """Round to ``digits`` significant digits (keeps the JSON small); NaN/inf -> None."""
+    if x is None or not math.isfinite(x):
+        return None
+    return float(f"{x:.{digits}g}")
+
+
+def run_record(job: Job, result: RunResult | None, accuracy: float, error: str | None,
+               world_size: int, elapsed: float) -> dict[str, Any]:
+    """The JSON document of one run: identity, status, summary and the per-step series."""
+    doc: dict[str, Any] = {
+        "key": job.key, "workload": job.workload, "method": job.method, "family": job.family,
+        "lr": job.spec.lr, "seed": job.seed, "steps": job.steps, "world_size": world_size,
+        "options": {k: v for k, v in job.spec.options.items()}, "extra": job.extra,
+        "elapsed_s": round(elapsed, 2),
+    }
+    if result is None:
+        return {**doc, "status": "failed", "error": error}
+    s = result.summary()
+    sent = result.bytes_sent
+    final_heldout = s["final_heldout_loss"]
+    finite = all(math.isfinite(v) for v in result.train_loss) and math.isfinite(final_heldout)
+    dense = _median(result.dense_bytes)
+    total = int(sum(sent))
+    doc.update({
+        "status": "ok" if finite else "diverged",
+        "num_params": result.num_params,
+        "summary": {
+            "final_train_loss": _r(s["final_train_loss"]),
+            "final_heldout_loss": _r(final_heldout),
+            "heldout_accuracy": _r(accuracy),
+            "bytes_per_step": int(_median(sent)) if sent else 0,
+            "mean_bytes_per_step": _r(total / len(sent)) if sent else 0,
+            "total_bytes_sent": total,
+            "dense_bytes_per_step": int(dense),
+            "ratio_to_dense": _r(sum(result.dense_bytes) / total) if total else None,
+            "time_per_step_s": _r(s["time_per_step_s"], 4),
+            "opt_time_per_step_s": _r(s["opt_time_per_step_s"], 4),
+            "total_time_s": _r(s["total_time_s"], 4),
+            "max_replica_diff": _r(s["max_replica_diff"], 3),
+        },
+        "evals": [{"step": st, "heldout_loss": _r(v)} for st, v in result.evals],
+        "series": {
+            "train_loss": [_r(v, 4) for v in result.train_loss],
+            "bytes_sent": list(sent),
+            "step_s": [_r(v, 3) for v in result.step_s],
+            "opt_s": [_r(v, 3) for v in result.opt_s],
+        },
+    })
+    return doc
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    """Write ``doc`` to ``path`` atomically (a temporary file, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=None, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[Job], factory: WorkloadFactory,
+             device: str = "cpu", verbose: bool = False) -> list[str]:
+    """Worker body: build the workload once, run every job, write each run's JSON on rank 0.
+
+    A run that raises (on every rank, as DeMo's non-finite check does) is recorded as
+    ``failed`` and the next job starts. Returns the status of each job (rank 0)."""
+    workload = StudyWorkload(factory.build(local_device(device)))
+    log = (lambda line: print("    " + line, flush=True)) if verbose and rank == 0 else None
+    statuses = []
+    for i, job in enumerate(jobs, 1):
+        t0 = time.perf_counter()
+        result, acc, error = None, math.nan, None
+        try:
+            result = run_method(job.spec, workload, job.steps, job.seed, eval_every=job.eval_every, log=log)
+            acc = heldout_accuracy(workload, workload.last_model, rank, world_size)
+        except Exception as exc:  # noqa: BLE001 - recorded; the study goes on
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            if verbose and rank == 0:
+                traceback.print_exc()
+        elapsed = time.perf_counter() - t0
+        doc = run_record(job, result, acc, error, world_size, elapsed)
+        statuses.append(doc["status"])
+        if rank == 0:
+            write_json(job.path, doc)
+            s = doc.get("summary", {})
+            detail = (f"held-out {s['final_heldout_loss']}  acc {s['heldout_accuracy']}  "
+                      f"{s['bytes_per_step']} B/step" if s else doc.get("error", "")[:200])
+            print(f"  [{i}/{len(jobs)}] {job.workload} {job.method} lr={job.spec.lr:g} seed={job.seed}: "
+                  f"{doc['status']}  {detail}  ({elapsed:.1f} s)", flush=True)
+    return statuses

@@ -1,0 +1,427 @@
+"""The validation study: DeMo vs AdamW vs SGD-momentum vs PowerSGD at small scale.
+
+    cokit bench validate               # full mode -> benchmarks/results/validation/
+    cokit bench validate --quick       # < 10 minutes on 2 CPU cores -> benchmarks/out/validation-quick/
+    python benchmarks/validate_compression.py --quick    # the same
+
+Two workloads, nothing downloaded: ``text`` (the demo's character-level transformer on the
+Python standard library's own sources) and ``digits`` (an MLP on scikit-learn's bundled 8x8
+digits). Every method trains the same model from the same seed on the same batches for the
+same number of steps, on ``--world-size`` local gloo ranks (CPU). Each method runs a small
+learning-rate grid (4 values, seed 0); the lr with the lowest final held-out loss is reported, and the
+headline methods are rerun at that lr with more seeds (mean and spread).
+
+Phases, each resumable (a run whose JSON exists with the same configuration is skipped):
+1. the lr grid of every method on every workload (seed 0);
+2. the headline methods at their best lr, seeds 1..N-1;
+3. the report: ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cokit.train import MethodSpec
+
+PRESETS = ("toy", "quick", "full")
+DEFAULT_OUT = {
+    "full": os.path.join("benchmarks", "results", "validation"),
+    "quick": os.path.join("benchmarks", "out", "validation-quick"),
+    "toy": os.path.join("benchmarks", "out", "validation-toy"),
+}
+DEMO_KS = (4, 8, 16, 32, 64)
+DEMO_CHUNKS = (32, 64)
+HEADLINE = ("adamw", "powersgd-r4", "demo-compact-k32-c64")
+
+
+# --------------------------------------------------------------------------------------------
+# methods and workloads
+
+
+@dataclass(frozen=True)
+class MethodDef:
+    """A method of the study: its label, family (for lr grids and colours) and runner options."""
+
+    label: str
+    family: str  # adamw | sgd | powersgd | demo
+    runner: str  # the cokit.train method name
+    options: tuple[tuple[str, Any], ...] = ()
+    about: str = ""
+
+    def spec(self, lr: float, seed: int, steps: int) -> MethodSpec:
+        """The runner spec of this method at ``lr`` (PowerSGD: 10% dense warm-up, seeded)."""
+        opts = dict(self.options)
+        if self.runner == "powersgd":
+            opts.update(start_iter=max(2, steps // 10), seed=seed)
+        return MethodSpec(self.runner, lr, options=opts, label=self.label)
+
+
+def method_catalog() -> dict[str, MethodDef]:
+    """Every method the study knows, by label, in table order."""
+    ms = [
+        MethodDef("adamw", "adamw", "adamw", about="AdamW, dense fp32 all-reduce (baseline)"),
+        MethodDef("sgd-momentum", "sgd", "sgd", (("momentum", 0.9),),
+                  about="SGD, momentum 0.9, dense fp32 all-reduce"),
+    ]
+    for r in (1, 4):
+        ms.append(MethodDef(f"powersgd-r{r}", "powersgd", "powersgd", (("rank", r),),
+                            about=f"torch DDP powerSGD_hook rank {r} (error feedback, warm start, "
+                                  "10% dense warm-up) + AdamW"))
+    for payload in ("reference", "sign"):
+        ms.append(MethodDef(f"demo-{payload}-k32-c64", "demo", "demo",
+                            (("compression_topk", 32), ("compression_chunk", 64), ("payload", payload)),
+                            about=f"DeMo k=32 chunk=64, {payload} payload"))
+    for chunk in DEMO_CHUNKS:
+        for k in DEMO_KS:
+            ms.append(MethodDef(f"demo-compact-k{k}-c{chunk}", "demo", "demo",
+                                (("compression_topk", k), ("compression_chunk", chunk), ("payload", "compact")),
+                                about=f"DeMo k={k} chunk={chunk}, compact payload (int16 idx + bf16 values)"))
+    return {m.label: m for m in ms}
+
+
+@dataclass(frozen=True)
+class WorkloadDef:
+    """A workload of the study: a picklable factory, its step budget and lr grid per family."""
+
+    name: str
+    factory: Any  # TextWorkloadConfig | DigitsWorkloadConfig (has .build(device))
+    steps: int
+    eval_every: int
+    lrs: tuple[tuple[str, tuple[float, ...]], ...]
+
+    def grid(self, family: str, points: int) -> tuple[float, ...]:
+        """The family's lr grid: all of it, or (``points == 1``) one value from its middle."""
+        grid = dict(self.lrs)[family]
+        return grid if points >= len(grid) else (grid[len(grid) // 2],)
+
+
+# Four points per family, half a decade apart. With three, DeMo's best lr moved between grid
+# edges with k and chunk (1e-3 for small k at chunk 64, 3e-3 at chunk 32); four bracket them all.
+GRID_POINTS = 4
+_TEXT_LRS = (("adamw", (3e-4, 1e-3, 3e-3, 1e-2)), ("sgd", (0.01, 0.03, 0.1, 0.3)),
+             ("powersgd", (3e-4, 1e-3, 3e-3, 1e-2)), ("demo", (3e-4, 1e-3, 3e-3, 1e-2)))
+_DIGITS_LRS = (("adamw", (1e-3, 3e-3, 1e-2, 3e-2)), ("sgd", (0.01, 0.03, 0.1, 0.3)),
+               ("powersgd", (1e-3, 3e-3, 1e-2, 3e-2)), ("demo", (1e-3, 3e-3, 1e-2, 3e-2)))
+
+
+def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
+    """The two workloads sized for ``preset`` (``steps`` overrides both step budgets)."""
+    from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
+    from cokit.workloads.digits import DigitsWorkloadConfig
+    from cokit.workloads.text import VOCAB_SIZE
+
+    if preset == "toy":
+        text = TextWorkloadConfig(corpus=CorpusConfig(max_chars=40_000),
+                                  model=ModelConfig(VOCAB_SIZE, d_model=32, n_layers=1, n_heads=2, max_seq_len=16),
+                                  batch_size=2, eval_batches=2)
+        digits = DigitsWorkloadConfig(hidden=(32,), batch_size=8)
+        budget = {"text": (4, 2), "digits": (4, 2)}
+    else:
+        text = TextWorkloadConfig(corpus=CorpusConfig(max_chars=400_000),
+                                  model=ModelConfig(VOCAB_SIZE, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
+                                  batch_size=8, eval_batches=8)
+        digits = DigitsWorkloadConfig(hidden=(128, 128), batch_size=32)
+        budget = {"text": (250, 25), "digits": (200, 20)} if preset == "full" else \
+                 {"text": (100, 10), "digits": (100, 10)}
+    out = []
+    for name, factory, lrs in (("text", text, _TEXT_LRS), ("digits", digits, _DIGITS_LRS)):
+        n, every = budget[name]
+        if steps is not None:
+            n, every = steps, max(1, min(every, steps // 4 or 1))
+        out.append(WorkloadDef(name, factory, n, every, lrs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass
+class StudyConfig:
+    """Everything that defines a study run (see :func:`make_config` for the presets)."""
+
+    preset: str
+    out_dir: str
+    world_size: int
+    workloads: list[WorkloadDef]
+    methods: list[str]
+    headline: list[str]
+    seeds: int
+    lr_points: int
+    device: str = "cpu"
+    verbose: bool = False
+    methods_by_label: dict[str, MethodDef] = field(default_factory=method_catalog, repr=False)
+
+    def method(self, label: str) -> MethodDef:
+        return self.methods_by_label[label]
+
+
+def make_config(preset: str = "full", *, out_dir: str | None = None, world_size: int | None = None,
+                workloads: list[str] | None = None, methods: list[str] | None = None,
+                seeds: int | None = None, lr_points: int | None = None, steps: int | None = None,
+                verbose: bool = False) -> StudyConfig:
+    """A preset's configuration with optional overrides; raises ValueError on bad values."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    catalog = method_catalog()
+    if preset == "full":
+        default_methods, default_seeds, default_points = list(catalog), 3, GRID_POINTS
+    elif preset == "quick":
+        default_methods = ["adamw", "sgd-momentum", "powersgd-r4", "demo-compact-k32-c64", "demo-sign-k32-c64"]
+        default_seeds, default_points = 1, GRID_POINTS
+    else:
+        default_methods, default_seeds, default_points = ["adamw", "powersgd-r4", "demo-compact-k32-c64"], 1, 1
+    methods = default_methods if methods is None else methods
+    unknown = [m for m in methods if m not in catalog]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}; --list-methods shows the labels")
+    if not methods or len(set(methods)) != len(methods):
+        raise ValueError(f"methods must be a non-empty list without repeats, got {','.join(methods)!r}")
+    all_workloads = make_workloads(preset, steps)
+    names = [w.name for w in all_workloads]
+    workloads = names if workloads is None else workloads
+    if not workloads or any(w not in names for w in workloads) or len(set(workloads)) != len(workloads):
+        raise ValueError(f"workloads must be distinct names from: {', '.join(names)}; got {','.join(workloads)}")
+    world = 2 if preset == "toy" else 4
+    world = world if world_size is None else world_size
+    if not 1 <= world <= 64:
+        raise ValueError(f"world size must be in [1, 64], got {world}")
+    seeds = default_seeds if seeds is None else seeds
+    if not 1 <= seeds <= 10:
+        raise ValueError(f"seeds must be in [1, 10], got {seeds}")
+    points = default_points if lr_points is None else lr_points
+    if points not in (1, GRID_POINTS):
+        raise ValueError(f"lr points must be 1 (one value from the grid) or {GRID_POINTS}, got {points}")
+    return StudyConfig(
+        preset=preset, out_dir=out_dir or DEFAULT_OUT[preset], world_size=world,
+        workloads=[w for w in all_workloads if w.name in workloads], methods=list(methods),
+        headline=[m for m in HEADLINE if m in methods], seeds=seeds, lr_points=points, verbose=verbose,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# planning and running
+
+
+_SPEC_CORE = ("name", "lr", "weight_decay", "options", "label", "schedule", "warmup")
+
+
+def _spec_identity(spec: MethodSpec) -> dict[str, Any]:
+    """The spec's fields that define a run: the core ones, plus any other field that differs
+    from its default (so adding a defaulted field to MethodSpec keeps finished runs valid)."""
+    fields = dataclasses.asdict(spec)
+    defaults = dataclasses.asdict(MethodSpec(spec.name, spec.lr))
+    return {k: v for k, v in fields.items() if k in _SPEC_CORE or v != defaults.get(k)}
+
+
+def _key(wl: WorkloadDef, spec: MethodSpec, seed: int, world: int) -> str:
+    blob = json.dumps([repr(wl.factory), wl.steps, wl.eval_every, world, _spec_identity(spec), seed],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_path(out_dir: str, workload: str, method: str, lr: float, seed: int) -> str:
+    """Where one run's JSON lives."""
+    return os.path.join(out_dir, "runs", workload, method, f"lr{lr:g}-s{seed}.json")
+
+
+def make_job(cfg: StudyConfig, wl: WorkloadDef, label: str, lr: float, seed: int):
+    """The :class:`cokit.validation.runs.Job` for one point of the study."""
+    from cokit.validation.runs import Job
+
+    m = cfg.method(label)
+    spec = m.spec(lr, seed, wl.steps)
+    return Job(workload=wl.name, method=label, family=m.family, spec=spec, seed=seed, steps=wl.steps,
+               eval_every=wl.eval_every, path=run_path(cfg.out_dir, wl.name, label, lr, seed),
+               key=_key(wl, spec, seed, cfg.world_size), extra={"about": m.about})
+
+
+def load_run(path: str, key: str | None = None) -> dict | None:
+    """A run's JSON, or None when missing, unreadable or (with ``key``) from another config."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if key is None or doc.get("key") == key else None
+
+
+def sweep_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
+    """Phase 1: every method at every lr of its grid, seed 0."""
+    return [make_job(cfg, wl, m, lr, 0) for m in cfg.methods
+            for lr in wl.grid(cfg.method(m).family, cfg.lr_points)]
+
+
+def best_lr(records: list[dict]) -> float | None:
+    """The lr whose seed-0 run ended with the lowest finite held-out loss (None: all failed)."""
+    ok = [r for r in records if r.get("status") == "ok" and r["seed"] == 0
+          and r["summary"]["final_heldout_loss"] is not None]
+    return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
+
+
+def seed_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
+    """Phase 2: the headline methods at their best lr, seeds 1..seeds-1."""
+    jobs = []
+    for m in cfg.headline:
+        records = [load_run(j.path, j.key) for j in sweep_jobs(cfg, wl) if j.method == m]
+        lr = best_lr([r for r in records if r])
+        if lr is not None:
+            jobs.extend(make_job(cfg, wl, m, lr, s) for s in range(1, cfg.seeds))
+    return jobs
+
+
+def _execute(cfg: StudyConfig, wl: WorkloadDef, jobs: list, phase: str) -> None:
+    from cokit.train import run_distributed
+    from cokit.validation.runs import run_jobs
+
+    todo = [j for j in jobs if load_run(j.path, j.key) is None]
+    print(f"[{wl.name}] {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} already done, "
+          f"{len(todo)} to run ({wl.steps} steps each, {cfg.world_size} gloo ranks)", flush=True)
+    if todo:
+        run_distributed(run_jobs, todo, wl.factory, cfg.device, cfg.verbose, world_size=cfg.world_size,
+                        device=cfg.device, timeout=600.0 + 300.0 * len(todo))
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, OS and library versions of this machine."""
+    import torch
+    import triton
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+
+
+def describe(cfg: StudyConfig) -> dict[str, Any]:
+    """JSON-ready description of the configuration (for ``study.json``)."""
+    wls = {}
+    for wl in cfg.workloads:
+        wls[wl.name] = {"steps": wl.steps, "eval_every": wl.eval_every, "config": repr(wl.factory),
+                        "lr_grids": {f: list(wl.grid(f, cfg.lr_points)) for f, _ in wl.lrs}}
+    return {
+        "preset": cfg.preset, "world_size": cfg.world_size, "device": cfg.device,
+        "backend": "gloo" if cfg.device == "cpu" else "nccl", "seeds": cfg.seeds,
+        "lr_points": cfg.lr_points, "methods": {m: cfg.method(m).about for m in cfg.methods},
+        "headline": cfg.headline, "workloads": wls,
+        "lr_selection": "lowest final held-out loss of the seed-0 run",
+    }
+
+
+def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
+    """Run the missing runs of every phase, then write the report; return ``study.json``'s dict."""
+    from cokit.validation.report import write_report
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    start = time.perf_counter()
+    if not report_only:
+        for wl in cfg.workloads:
+            _execute(cfg, wl, sweep_jobs(cfg, wl), "lr sweep (seed 0)")
+        if cfg.seeds > 1:
+            for wl in cfg.workloads:
+                _execute(cfg, wl, seed_jobs(cfg, wl), f"headline seeds 1..{cfg.seeds - 1} at the best lr")
+    records = {wl.name: [r for j in sweep_jobs(cfg, wl) + seed_jobs(cfg, wl)
+                         if (r := load_run(j.path, j.key)) is not None] for wl in cfg.workloads}
+    info = {**describe(cfg), "machine": machine_info(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "elapsed_s_this_invocation": round(time.perf_counter() - start, 1),
+            "run_time_s_all_runs": round(sum(r.get("elapsed_s", 0.0) for rs in records.values() for r in rs), 1),
+            "workload_info": _workload_info(cfg)}
+    return write_report(cfg.out_dir, info, records, cfg)
+
+
+def _workload_info(cfg: StudyConfig) -> dict[str, Any]:
+    out = {}
+    for wl in cfg.workloads:
+        w = wl.factory.build("cpu")
+        out[wl.name] = {**w.info(), "num_params": sum(p.numel() for p in w.build_model(0).parameters())}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The study's command-line options (shared by ``cokit bench validate`` and the script)."""
+    p.add_argument("--quick", action="store_true",
+                   help="short runs, 5 methods, 1 seed (< 10 minutes on 2 CPU cores); same as --preset quick")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="full (default): every method x 4 lrs, 3 seeds for the headline rows; "
+                        "quick; toy (seconds, for tests)")
+    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/validation for "
+                                               "full, benchmarks/out/validation-<preset> otherwise)")
+    p.add_argument("--world-size", type=int, default=None, help="gloo ranks to spawn (default 4; toy: 2)")
+    p.add_argument("--workloads", default=None, help="comma list of text,digits (default both)")
+    p.add_argument("--methods", default=None, help="comma list of method labels (default: the preset's); "
+                                                   "see --list-methods")
+    p.add_argument("--seeds", type=int, default=None, help="seeds for the headline methods (full: 3)")
+    p.add_argument("--lr-points", type=int, default=None, choices=(1, GRID_POINTS),
+                   help=f"{GRID_POINTS}: each method's lr grid (default); 1: one value from its middle")
+    p.add_argument("--steps", type=int, default=None, help="override the steps of both workloads")
+    p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
+    p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
+    p.add_argument("--verbose", action="store_true", help="a progress line per evaluation, tracebacks")
+
+
+def _split(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def config_from_args(args: argparse.Namespace) -> StudyConfig:
+    """Build the configuration; ValueError with a one-line message on bad arguments."""
+    if args.quick and args.preset not in (None, "quick"):
+        raise ValueError(f"--quick conflicts with --preset {args.preset}")
+    preset = "quick" if args.quick else (args.preset or "full")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} exists and is not a folder")
+    return make_config(preset, out_dir=args.out, world_size=args.world_size, workloads=_split(args.workloads),
+                       methods=_split(args.methods), seeds=args.seeds, lr_points=args.lr_points,
+                       steps=args.steps, verbose=args.verbose)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the study the arguments describe; print the table; return an exit code."""
+    if args.list_methods:
+        for label, m in method_catalog().items():
+            print(f"{label:24s} {m.about}")
+        return 0
+    cfg = config_from_args(args)
+    print(f"validation study, preset {cfg.preset}: {len(cfg.methods)} methods x "
+          f"{cfg.lr_points} lr(s) x {len(cfg.workloads)} workload(s); {cfg.world_size} gloo ranks on "
+          f"{os.cpu_count()} CPU cores; headline seeds {cfg.seeds}; out {cfg.out_dir}", flush=True)
+    doc = run_study(cfg, report_only=args.report_only)
+    print()
+    print(doc["table_markdown"])
+    print(f"\nwrote {', '.join(doc['files'])} in {cfg.out_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/validate_compression.py [options]``."""
+    p = argparse.ArgumentParser(prog="validate_compression", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if not args.list_methods:
+        try:
+            config_from_args(args)
+        except ValueError as exc:
+            print(f"validate_compression: error: {exc}", file=sys.stderr)
+            return 2
+    return run_from_args(args)
