@@ -29,14 +29,6 @@ class Bucket:
     plan: tiling.TilePlan | None = None
     codec: PayloadCodec | None = None  # None for dense and reference buckets
 
-    def payload_nbytes(self, numels: list[int]) -> int:
-        """Bytes this rank contributes to the bucket's collective."""
-        if self.dense:
-            return 4 * sum(numels[i] for i in self.members)
-        if self.codec is not None:
-            return self.codec.nbytes
-        return reference_nbytes(self.plan)
-
 
 def compressed_nbytes(shape: tuple[int, ...], chunk: int, k: int, kind: PayloadKind, value_dtype: torch.dtype) -> int:
     """Payload bytes per rank for one tensor sent alone."""

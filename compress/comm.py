@@ -107,8 +107,8 @@ class Communicator:
         self.received += nbytes
         return _Scaled(work, tensor, 1.0 / self.world_size, self.owner, what, self.timeout)
 
-    def gather_objects(self, obj: object, what: str) -> list:
-        """All-gather picklable objects (rare, small: setup checks and error reports)."""
+    def gather_objects(self, obj: object) -> list:
+        """All-gather picklable objects (rare and small: error reports; not counted)."""
         if not self.distributed:
             return [obj]
         out: list = [None] * self.world_size

@@ -297,7 +297,7 @@ class DeMo(torch.optim.Optimizer):
         mine = torch.tensor([zlib.crc32(key)], dtype=torch.int64)
         seen = self.comm.all_gather(mine, "parameter layout check").wait().flatten().tolist()
         if len(set(seen)) > 1:
-            everyone = self.comm.gather_objects(desc, "layout report")
+            everyone = self.comm.gather_objects(desc)
             for r, other in enumerate(everyone):
                 for (gi, i, p), mine_d, theirs in zip(entries, desc, other):
                     if mine_d != theirs:
