@@ -244,6 +244,16 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str | os.PathLike) -> Path:
+    """Write a figure as PNG (creating the folder) and close it."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _key(v: Any) -> tuple:
     return (0, v) if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, str(v))
 
@@ -289,12 +299,7 @@ def plot_heatmap(
         label += " [CPU]"
     ax.set_title(label + ("\n(median over other axes)" if any(len(v) > 1 for v in cells.values()) else ""), fontsize=9)
     fig.colorbar(im, ax=ax, label=value)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path:
@@ -336,12 +341,7 @@ def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | 
     if str(row.get("device", "")).startswith("cpu"):
         desc += " [CPU]"
     ax.set_title(desc, fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def default_plots(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> list[Path]:
