@@ -294,7 +294,8 @@ class DeMo(torch.optim.Optimizer):
         settings = [(g["compression_chunk"], g["compression_topk"]) for g in self.param_groups]
         desc = [(gi, tuple(p.shape), str(p.dtype)) for gi, _, p in entries]
         key = repr((self.payload, str(self.value_dtype), self.dense_fallback, settings, desc)).encode()
-        mine = torch.tensor([zlib.crc32(key)], dtype=torch.int64)
+        # On the parameters' device: NCCL/RCCL groups only move GPU tensors.
+        mine = torch.tensor([zlib.crc32(key)], dtype=torch.int64, device=entries[0][2].device)
         seen = self.comm.all_gather(mine, "parameter layout check").wait().flatten().tolist()
         if len(set(seen)) > 1:
             everyone = self.comm.gather_objects(desc)
@@ -314,7 +315,7 @@ class DeMo(torch.optim.Optimizer):
 
     def _exchange_status(self, entries) -> list[bool] | None:
         """Agree with every rank on which parameters step; None when the step is skipped."""
-        flags = torch.full((len(entries),), _NO_GRAD, dtype=torch.uint8)
+        with_grad = []
         for n, (gi, i, p) in enumerate(entries):
             if p.grad is None:
                 continue
@@ -323,12 +324,13 @@ class DeMo(torch.optim.Optimizer):
                                 "DeMo needs dense gradients")
             if p.grad.shape != p.shape:
                 raise ValueError(f"DeMo: gradient of {self._name(gi, i, p)} has shape {tuple(p.grad.shape)}")
-            flags[n] = _OK
-        with_grad = [n for n in range(len(entries)) if flags[n] != _NO_GRAD]
+            with_grad.append(n)
+        # One small tensor on the parameters' device (NCCL/RCCL groups only move GPU tensors).
+        flags = torch.full((len(entries),), _NO_GRAD, dtype=torch.uint8, device=entries[0][2].device)
         if with_grad:
-            finite = torch.stack([torch.isfinite(entries[n][2].grad).all() for n in with_grad]).cpu()
+            finite = torch.stack([torch.isfinite(entries[n][2].grad).all() for n in with_grad])
             flags[with_grad] = torch.where(finite, _OK, _BAD).to(torch.uint8)
-        everyone = self.comm.all_gather(flags, "gradient status exchange").wait()
+        everyone = self.comm.all_gather(flags, "gradient status exchange").wait().cpu()
         has_grad = everyone != _NO_GRAD
         mixed = (has_grad.any(0) & ~has_grad.all(0)).nonzero().flatten().tolist()
         if mixed:
