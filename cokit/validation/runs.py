@@ -67,10 +67,12 @@ class StudyWorkload:
 def heldout_accuracy(workload: StudyWorkload, model: nn.Module, rank: int, world: int) -> float:
     """Top-1 accuracy over all held-out targets (next character, or class), summed over ranks."""
     model.eval()
-    counts = torch.zeros(2, dtype=torch.float64)
+    device = next(model.parameters()).device  # NCCL/RCCL only reduce GPU tensors
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in workload.heldout_batches()[rank::world]:
         pred = model(x).argmax(-1)
-        counts += torch.tensor([float((pred == y).sum()), float(y.numel())], dtype=torch.float64)
+        counts[0] += (pred == y).sum()
+        counts[1] += y.numel()
     model.train()
     dist.all_reduce(counts)
     return float(counts[0] / counts[1]) if counts[1] else math.nan
