@@ -15,7 +15,8 @@ the error buffers live in the state, keyed by bucket, and are rebuilt when DDP r
 buckets (after its first iteration).
 """
 
-# No `from __future__ import annotations`: DDP compares the hook's annotations to the real types.
+# No `from __future__ import annotations`: DDP compares the hook's annotations to the real
+# types. Forward references below are strings.
 
 import dataclasses
 from typing import Any
@@ -49,8 +50,9 @@ class DCTTopKState:
     warmup_steps: int = 0
     iteration: int = 0
     comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
-    _buffers: dict = dataclasses.field(default_factory=dict, repr=False)
-    _pending: list = dataclasses.field(default_factory=lambda: [0, 0, 0], repr=False)
+    _layouts: dict = dataclasses.field(default_factory=dict, repr=False)  # bucket index -> _BucketLayout
+    _sent: int = dataclasses.field(default=0, repr=False)  # this iteration, so far
+    _dense: int = dataclasses.field(default=0, repr=False)
 
     def __post_init__(self):
         for name in ("topk", "chunk"):
@@ -67,12 +69,44 @@ class DCTTopKState:
             raise ValueError(f"DCTTopKState: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
 
     def _count(self, sent: int, dense: int, last: bool) -> None:
-        self._pending[0] += sent
-        self._pending[1] += dense
+        self._sent += sent
+        self._dense += dense
         if last:
-            self.comm_stats.record(self._pending[0], self._pending[0], self._pending[1])
-            self._pending[0] = self._pending[1] = 0
+            self.comm_stats.record(self._sent, self._sent, self._dense)
+            self._sent = self._dense = 0
             self.iteration += 1
+
+    def _layout(self, index: int, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
+        """The bucket's split and error buffers, made on first use and again when DDP rebuilds
+        its buckets (the error then restarts at zero)."""
+        layout = self._layouts.get(index)
+        if layout is None or layout.shapes != shapes:
+            layout = _BucketLayout.build(self, shapes, world, device)
+            self._layouts[index] = layout
+        return layout
+
+
+@dataclasses.dataclass
+class _BucketLayout:
+    """Which tensors of a DDP bucket go dense, and the codec and buffers of the others."""
+
+    shapes: list[tuple[int, ...]]
+    dense_idx: list[int]
+    sparse_idx: list[int]
+    codec: PayloadCodec | None
+    deltas: list[torch.Tensor]
+
+    @classmethod
+    def build(cls, state: DCTTopKState, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
+        dense_idx = [i for i, s in enumerate(shapes)
+                     if sends_dense(s, state.chunk, state.topk, state.payload, state.value_dtype, world)]
+        sparse_idx = [i for i in range(len(shapes)) if i not in dense_idx]
+        codec = None
+        if sparse_idx:
+            plan = payload_layout([shapes[i] for i in sparse_idx], state.chunk, state.topk)
+            codec = PayloadCodec(plan, state.payload, state.value_dtype)
+        deltas = [torch.zeros(shapes[i], dtype=torch.float32, device=device) for i in sparse_idx]
+        return cls(shapes, dense_idx, sparse_idx, codec, deltas)
 
 
 def _world(state: DCTTopKState) -> int:
@@ -95,10 +129,8 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
         return _dense_mean(state, buffer)
 
     grads = bucket.gradients()
-    shapes = [tuple(g.shape) for g in grads]
-    dense_idx = [i for i, s in enumerate(shapes)
-                 if sends_dense(s, state.chunk, state.topk, state.payload, state.value_dtype, world)]
-    sparse_idx = [i for i in range(len(grads)) if i not in dense_idx]
+    layout = state._layout(bucket.index(), [tuple(g.shape) for g in grads], world, buffer.device)
+    dense_idx, sparse_idx, codec = layout.dense_idx, layout.sparse_idx, layout.codec
     futures: list[torch.futures.Future] = []
     sent = 0
 
@@ -108,17 +140,9 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
         futures.append(_dense_mean(state, flat))
 
     if sparse_idx:
-        key = (bucket.index(), tuple(shapes[i] for i in sparse_idx))
-        deltas = state._buffers.get(key)
-        if deltas is None:  # first use, or DDP rebuilt its buckets: start the error at zero
-            state._buffers = {k: v for k, v in state._buffers.items() if k[0] != bucket.index()}
-            deltas = [torch.zeros(shapes[i], dtype=torch.float32, device=buffer.device) for i in sparse_idx]
-            state._buffers[key] = deltas
         value_dtype = torch.float32 if state.payload == "sign" else state.value_dtype
-        idx, vals = ef_encode(deltas, [grads[i] for i in sparse_idx], beta=state.decay, lr=1.0,
+        idx, vals = ef_encode(layout.deltas, [grads[i] for i in sparse_idx], beta=state.decay, lr=1.0,
                               chunk=state.chunk, k=state.topk, value_dtype=value_dtype)
-        plan = payload_layout([shapes[i] for i in sparse_idx], state.chunk, state.topk)
-        codec = PayloadCodec(plan, state.payload, state.value_dtype)
         packed = codec.pack(idx, vals)
         gathered = packed.new_empty(world * packed.numel())
         work = dist.all_gather_single(gathered, packed, group=state.process_group, async_op=True)
@@ -129,12 +153,11 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     def assemble(fut: torch.futures.Future) -> torch.Tensor:
         results = [f.value() for f in fut.value()]
         if dense_idx:
-            flat, pos = results.pop(0), 0
-            for i in dense_idx:
-                grads[i].copy_(flat[pos:pos + grads[i].numel()].view(shapes[i]))
-                pos += grads[i].numel()
+            flat = results.pop(0)
+            for i, part in zip(dense_idx, flat.split([grads[i].numel() for i in dense_idx])):
+                grads[i].copy_(part.view(grads[i].shape))
         if sparse_idx:
-            decoded = _average_decoded(codec, results.pop(0), [shapes[i] for i in sparse_idx], state.chunk)
+            decoded = _average_decoded(codec, results.pop(0), [layout.shapes[i] for i in sparse_idx], state.chunk)
             for i, d in zip(sparse_idx, decoded):
                 grads[i].copy_(d)
         return buffer

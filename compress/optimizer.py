@@ -134,7 +134,8 @@ class DeMo(torch.optim.Optimizer):
         self.overlap_backward = bool(overlap_backward)
         self._inflight: dict[int, _Inflight] = {}
         self._ready: set[int] = set()
-        self._bucket_of: tuple[list[Bucket], dict[int, int]] | None = None
+        # overlap_backward: every bucket's parameters and each parameter's bucket (made once)
+        self._hook_plan: tuple[list[Bucket], list[list[torch.Tensor]], dict[int, int]] | None = None
         super().__init__(params, defaults)
         if self.overlap_backward:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -155,6 +156,7 @@ class DeMo(torch.optim.Optimizer):
         for key in ("compression_topk", "compression_chunk"):
             if not _positive_int(group[key]):
                 raise ValueError(f"{where}: {key} must be a positive integer, got {group[key]!r}")
+        self._hook_plan = None
         for p in group["params"]:
             if p.dtype not in _VALUE_DTYPES:
                 raise TypeError(f"{where}: DeMo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}")
@@ -231,21 +233,23 @@ class DeMo(torch.optim.Optimizer):
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: launch the bucket of ``p`` once all of it is ready."""
-        entries = self._entries()
-        if self._checked_layout is None:
-            self._check_layout(entries)
-        buckets = self._buckets(entries)
-        if self._bucket_of is None or self._bucket_of[0] is not buckets:
-            self._bucket_of = (buckets, {id(entries[i][2]): b for b, bk in enumerate(buckets) for i in bk.members})
-        where = self._bucket_of[1][id(p)]
+        if self._hook_plan is None:
+            entries = self._entries()
+            if self._checked_layout is None:
+                self._check_layout(entries)
+            buckets = self._buckets(entries)
+            members = [[entries[i][2] for i in b.members] for b in buckets]
+            self._hook_plan = (buckets, members, {id(q): b for b, ps in enumerate(members) for q in ps})
+        buckets, members, bucket_of = self._hook_plan
+        where = bucket_of[id(p)]
         if where in self._inflight:
             raise RuntimeError(
                 "DeMo(overlap_backward=True): a second backward reached a bucket that is already being "
                 "sent; call step() after every backward (gradient accumulation needs overlap_backward=False)"
             )
         self._ready.add(id(p))
-        if all(id(entries[i][2]) in self._ready for i in buckets[where].members):
-            self._inflight[where] = self._launch_copy(buckets[where], [entries[i][2] for i in buckets[where].members])
+        if all(id(q) in self._ready for q in members[where]):
+            self._inflight[where] = self._launch_copy(buckets[where], members[where])
 
     def _launch_copy(self, bucket: Bucket, params: list[torch.Tensor]) -> _Inflight:
         """Encode into copies of the buffers and send the bucket with its finite flags."""
@@ -423,7 +427,8 @@ class DeMo(torch.optim.Optimizer):
             flat = torch.cat([p.reshape(-1) for p in ps])
             pending.append((ps, self.comm.all_reduce_mean(flat, "full parameter sync")))
         for ps, pend in pending:
-            _scatter_flat(ps, pend.wait())
+            for p, avg in zip(ps, _split_like(pend.wait(), ps)):
+                p.copy_(avg)
 
 
 @dataclasses.dataclass
@@ -444,19 +449,14 @@ def _dense_encode(delta: torch.Tensor, grad: torch.Tensor, beta: float, lr: floa
     return send
 
 
+def _split_like(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like each of ``params``, in order."""
+    return [part.view(p.shape) for p, part in zip(params, flat.split([p.numel() for p in params]))]
+
+
 def _dense_decode(params: list[torch.Tensor], mean: torch.Tensor, lr: float, wd: float) -> None:
-    pos = 0
-    for p in params:
-        update = mean[pos:pos + p.numel()].view(p.shape).sign()
-        p.copy_(p.float() * (1.0 - lr * wd) - lr * update)
-        pos += p.numel()
-
-
-def _scatter_flat(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    pos = 0
-    for p in params:
-        p.copy_(flat[pos:pos + p.numel()].view(p.shape))
-        pos += p.numel()
+    for p, update in zip(params, _split_like(mean, params)):
+        p.copy_(p.float() * (1.0 - lr * wd) - lr * update.sign())
 
 
 def _positive_int(v: object) -> bool:

@@ -55,6 +55,7 @@ class PayloadCodec:
         slots = plan.payload_numel
         self.tile_slots = [(t.n_tiles, t.k_eff(plan.k)) for t in plan.tilings]
         self.n_tiles = sum(n for n, _ in self.tile_slots)
+        self._slots_per_tile: dict[torch.device, torch.Tensor] = {}  # for sign decode, per device
         layout = [("indices", plan.index_dtype, slots)]
         if kind == "compact":
             layout.append(("values", value_dtype, slots))
@@ -104,8 +105,11 @@ class PayloadCodec:
             return indices, self._get(gathered, "values")
         signs = _unpack_bits(self._get(gathered, "signs"), self.plan.payload_numel)
         scales = self._get(gathered, "scales").float()
-        repeats = torch.tensor([ke for n, ke in self.tile_slots for _ in range(n)], device=gathered.device)
-        per_slot = scales.repeat_interleave(repeats, dim=1)
+        repeats = self._slots_per_tile.get(gathered.device)
+        if repeats is None:
+            repeats = torch.tensor([ke for n, ke in self.tile_slots for _ in range(n)], device=gathered.device)
+            self._slots_per_tile[gathered.device] = repeats
+        per_slot = scales.repeat_interleave(repeats, dim=1, output_size=self.plan.payload_numel)
         return indices, torch.where(signs, -per_slot, per_slot)
 
     def _get(self, gathered: torch.Tensor, name: str) -> torch.Tensor:
