@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from triton_kernels.backend import kernel_path  # noqa: E402
 from triton_kernels.gemm import gemm  # noqa: E402
 from triton_kernels.gemm_configs import GemmConfig, dtype_name  # noqa: E402
+from timing import median_ms  # noqa: E402  (beside this file)
 
 OUT_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 PERF_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 1024, 8192)]  # M, N, K
@@ -56,13 +57,6 @@ def _bound_ratio(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.
     if not torch.isfinite(c).all():
         return math.inf
     return float((err / tol).max())
-
-
-def _bench(fn: Callable[[], Any], quick: bool) -> float:
-    """Median milliseconds of ``fn`` (triton.testing.do_bench on a GPU)."""
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median"))
 
 
 def _print_table(rows: list[dict], kind: str, cols: list[str]) -> None:
@@ -207,8 +201,8 @@ def _perf(rows: list[dict], device: torch.device, quick: bool, cache_dir: str | 
                 gemm(a, b, config=cfg, out=out)
                 ref = torch.matmul(a, b)
                 rel = float((out.float() - ref.float()).norm() / ref.float().norm())
-                t_ours = _bench(lambda: gemm(a, b, config=cfg, out=out), quick)
-                t_torch = _bench(lambda: torch.matmul(a, b), quick)
+                t_ours = median_ms(lambda: gemm(a, b, config=cfg, out=out), True, quick)
+                t_torch = median_ms(lambda: torch.matmul(a, b), True, quick)
                 row.update(config=cfg.spec(), ms=t_ours, tflops=flops / t_ours / 1e9,
                            torch_ms=t_torch, torch_tflops=flops / t_torch / 1e9,
                            vs_torch=t_torch / t_ours, rel_err_vs_torch=rel, ok=rel < 1e-2)
@@ -266,7 +260,7 @@ def _sweep(rows: list[dict], device: torch.device, backend: str, quick: bool) ->
                     row.update(smem_bytes=int(kern.metadata.shared), blocks_per_sm=occ.blocks_per_sm,
                                occupancy=occ.occupancy, limiting=occ.limiting)
                     gemm(a, b, config=cfg, out=out)
-                    ms = _bench(lambda: gemm(a, b, config=cfg, out=out), quick)
+                    ms = median_ms(lambda: gemm(a, b, config=cfg, out=out), True, quick)
                     row.update(ms=ms, tflops=flops / ms / 1e9)
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]

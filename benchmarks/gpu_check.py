@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -32,22 +30,8 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
+from timing import median_ms  # noqa: E402  (beside this file)
 from triton_kernels import backend, dct, error_feedback, tiling, topk  # noqa: E402
-
-
-def timed_ms(fn: Callable[[], object], on_gpu: bool) -> float:
-    """Median time of ``fn`` in milliseconds."""
-    if on_gpu:
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-    fn()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
 
 
 def copy_bandwidth(device: torch.device, on_gpu: bool) -> float:
@@ -55,7 +39,7 @@ def copy_bandwidth(device: torch.device, on_gpu: bool) -> float:
     n = (1 << 30 if on_gpu else 1 << 26) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    ms = timed_ms(lambda: dst.copy_(src), on_gpu)
+    ms = median_ms(lambda: dst.copy_(src), on_gpu)
     return 2 * src.numel() * 4 / ms / 1e6
 
 
@@ -83,10 +67,10 @@ def check_kernels(device: torch.device, on_gpu: bool, quick: bool, bw: float) ->
     rows = []
 
     def add(name: str, kernel: Callable, reference: Callable, nbytes: int, err: dict) -> None:
-        ref_ms = timed_ms(reference, on_gpu)
+        ref_ms = median_ms(reference, on_gpu)
         row = {"kernel": name, "elements": numel, "bytes": nbytes, "torch_ms": ref_ms, **err}
         if on_gpu:
-            ms = timed_ms(kernel, on_gpu)
+            ms = median_ms(kernel, on_gpu)
             row.update(triton_ms=ms, GBps=nbytes / ms / 1e6, pct_of_copy=100 * nbytes / ms / 1e6 / bw,
                        speedup=ref_ms / ms)
         else:

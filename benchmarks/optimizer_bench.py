@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compress import DeMo  # noqa: E402
+from timing import median_ms  # noqa: E402  (beside this file)
 
 
 def layer_shapes(d_model: int, layers: int) -> list[tuple[int, ...]]:
@@ -26,20 +26,6 @@ def layer_shapes(d_model: int, layers: int) -> list[tuple[int, ...]]:
              (4 * d_model, d_model), (4 * d_model,), (d_model, 4 * d_model), (d_model,),
              (d_model,), (d_model,), (d_model,), (d_model,)]
     return block * layers
-
-
-def _time_ms(step, on_gpu: bool, repeats: int) -> float:
-    step()  # warm-up (compiles kernels, allocates state)
-    times = []
-    for _ in range(repeats):
-        if on_gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if on_gpu:
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
 
 
 def run(report: dict | None = None, quick: bool = False) -> list[dict]:
@@ -64,7 +50,7 @@ def run(report: dict | None = None, quick: bool = False) -> list[dict]:
     rows = []
     for name, make in cases:
         opt = make()
-        ms = _time_ms(opt.step, on_gpu, repeats=5 if quick or not on_gpu else 20)
+        ms = median_ms(opt.step, on_gpu, quick)
         rows.append({"optimizer": name, "params": n, "dtype": str(dtype).replace("torch.", ""),
                      "device": torch.cuda.get_device_name() if on_gpu else "cpu", "step_ms": ms})
     print(f"optimizer step, {n:,} parameters ({layers} blocks of d={d_model}, {rows[0]['dtype']}) on "
