@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from triton_kernels._checks import check_int
+
 __all__ = ["cpu_gloo_measurement"]
 
 
@@ -46,8 +48,7 @@ def cpu_gloo_measurement(
     from .launch import spawn
 
     for name, v in (("size", size), ("numel", numel), ("repeats", repeats), ("chunks", chunks)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} is invalid; allowed: an integer >= 1")
+        check_int(name, v)
     return spawn(world_size, _worker, size, numel, repeats, warmup, chunks, backend="gloo")
 
 

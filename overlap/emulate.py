@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from triton_kernels._checks import check_int
+
 from .streams import _device
 
 __all__ = ["EMULATION_KINDS", "EmulatedComm"]
@@ -60,10 +62,8 @@ class EmulatedComm:
         self.kind = kind or allowed[0]
         if self.kind not in allowed:
             raise ValueError(f"kind={self.kind!r} is not available on {self.device.type}; allowed: {', '.join(allowed)}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
-            raise ValueError(f"nbytes={nbytes!r} is invalid; allowed: an integer >= 4")
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"passes={passes!r} is invalid; allowed: an integer >= 1")
+        check_int("nbytes", nbytes, 4)
+        check_int("passes", passes)
         if n_sms is not None and self.kind != "copy-kernel":
             raise ValueError(f"n_sms applies to the copy-kernel emulation only, not {self.kind!r}")
         if exclusive_sms and self.kind != "copy-kernel":

@@ -19,7 +19,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["free_port", "in_torchrun", "spawn"]
+from triton_kernels._checks import check_int
+
+__all__ = ["backend_for", "free_port", "in_torchrun", "local_device", "run", "spawn"]
 
 
 def free_port() -> int:
@@ -32,6 +34,18 @@ def free_port() -> int:
 def in_torchrun() -> bool:
     """True when launched by torchrun (the environment names this process's rank)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_device(device: str) -> torch.device:
+    """``cpu``, or this process's GPU (``cuda:LOCAL_RANK``)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def backend_for(device: str) -> str:
+    """gloo for CPU tensors, NCCL (RCCL on ROCm) for GPU tensors."""
+    return "nccl" if device == "cuda" else "gloo"
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable, args: tuple,
@@ -87,8 +101,7 @@ def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", time
     """
     import torch.multiprocessing as mp
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} is invalid; allowed: an integer >= 1")
+    check_int("world_size", world_size)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r} is invalid; allowed: gloo, nccl")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
@@ -125,3 +138,36 @@ def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", time
                 p.terminate()
                 p.join(timeout=5)
     return [results[r] for r in range(world_size)]
+
+
+def run(world_size: int, fn: Callable, *args: Any, device: str = "cpu", timeout: float = 900.0,
+        env: Mapping[str, str | None] | None = None) -> list[Any] | None:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
+
+    Under ``torchrun`` this process is one rank of the group the environment describes
+    (``world_size`` and ``env`` are ignored): it sets its GPU (``cuda:LOCAL_RANK``) for
+    ``device="cuda"``, joins the env:// group (or uses the one already initialised), runs
+    ``fn``, gathers the results on rank 0 and destroys the group only if it created it; rank 0
+    gets the list, the other ranks ``None``. Otherwise :func:`spawn` starts ``world_size``
+    ranks on loopback (gloo for ``cpu``, NCCL/RCCL for ``cuda`` with one GPU per rank).
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid; allowed: cpu, cuda")
+    if not in_torchrun():
+        return spawn(world_size, fn, *args, backend=backend_for(device), timeout=timeout, env=env)
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(local_device(device))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend_for(device), init_method="env://")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = fn(rank, world, *args)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(out, gathered, dst=0)
+        return gathered
+    finally:
+        if created:
+            dist.destroy_process_group()

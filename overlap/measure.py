@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from triton_kernels._checks import check_int
+
 from .metrics import METRIC_NAMES, OverlapMetrics, Spread, compute_metrics, summarize
 
 __all__ = ["Clock", "OverlapResult", "Probe", "TIME_NAMES", "Workload", "measure"]
@@ -170,12 +172,6 @@ class OverlapResult:
         return "\n".join(lines)
 
 
-def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= {minimum}")
-    return value
-
-
 def measure(
     workload: Workload,
     *,
@@ -190,8 +186,8 @@ def measure(
     medians, spreads and every metric. Every rank of the workload's group must call it.
     ``clock`` replaces the device's clock (an object with ``mark``, ``synchronize``,
     ``elapsed_ms`` and ``name``; tests use a virtual one)."""
-    _check_count("repeats", repeats, 1)
-    _check_count("warmup", warmup, 0)
+    check_int("repeats", repeats, 1)
+    check_int("warmup", warmup, 0)
     if not isinstance(workload, Workload):
         raise TypeError(
             f"{type(workload).__name__} is not a workload: it needs device, run_compute, run_communicate, "

@@ -32,7 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from triton_kernels.backend import device_limits, kernel_path
+from triton_kernels._checks import check_int
+from triton_kernels.backend import cached_device_limits, kernel_path
 from triton_kernels.gemm import PRECISIONS, gemm
 from triton_kernels.gemm_configs import GemmConfig, dtype_name
 
@@ -69,8 +70,7 @@ class Scheduled:
 def split_sizes(n: int, chunks: int) -> list[tuple[int, int]]:
     """``chunks`` contiguous ``(start, stop)`` ranges covering ``range(n)``, sizes differing by
     at most one (the larger first)."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks={chunks!r} is invalid; allowed: an integer >= 1")
+    check_int("chunks", chunks)
     if chunks > n:
         raise ValueError(f"chunks={chunks} is more than the {n} rows/columns to split; allowed: 1 to {n}")
     base, extra = divmod(n, chunks)
@@ -120,16 +120,14 @@ class _Schedule:
             warn_if_priority_ignored(group, priority)
         else:
             self.world_size, self.rank = 1, 0
+        backend = _config_backend(device)
+        limits = cached_device_limits(device) if backend in ("cuda", "hip") else None
         if config is not None:
             if not isinstance(config, GemmConfig):
                 raise TypeError(f"config must be a GemmConfig or None, got {type(config).__name__}")
-            backend = _config_backend(device)
-            limits = device_limits(device) if backend in ("cuda", "hip") else None
             config.validate(backend, limits, dtype=dtype if backend == "interpreter" else None)
         self.config = config
         if guard is not None:
-            backend = _config_backend(device)
-            limits = device_limits(device) if backend in ("cuda", "hip") else None
             guard.check(config, limits=limits, priority=priority, dtype=dtype)
         self.guard = guard
         self.info: dict[str, Any] = {
@@ -220,8 +218,7 @@ class GemmCollective(_Schedule):
         N = b.shape[1]
         W = self.world_size
         if collective == "reduce_scatter":
-            if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-                raise ValueError(f"chunks={chunks!r} is invalid; allowed: an integer >= 1")
+            check_int("chunks", chunks)
             if M % (W * chunks):
                 raise ValueError(
                     f"reduce_scatter: M={M} rows must split into world_size={W} x chunks={chunks} equal parts; "
@@ -233,6 +230,7 @@ class GemmCollective(_Schedule):
             self.ranges = split_sizes(M, chunks)
         self.chunks = chunks
         self.M, self.N, self.K = M, N, K
+        self._inputs = self._chunk_inputs()  # A never changes: its chunked (reduce_scatter: permuted) rows, once
         self.label = f"gemm+{collective}"
         self.comm_label = f"{collective} ({W} ranks, {dist.get_backend(self.group)})"
         esz = a.element_size()
@@ -277,17 +275,15 @@ class GemmCollective(_Schedule):
         works = []
         if self.collective == "all_reduce":
             y = torch.empty((self.M, self.N), dtype=self.a.dtype, device=self.device)
-            for (s, e), a_i in zip(self.ranges, self._chunk_inputs()):
+            for (s, e), a_i in zip(self.ranges, self._inputs):
                 with probe.span():
                     self._gemm(a_i, out=y[s:e])
                 works.append(self._launch(y[s:e], None))
             wait_handle(works)
             return y
         out = torch.empty((self._out_rows(), self.N), dtype=self.a.dtype, device=self.device)
-        with probe.span():
-            inputs = self._chunk_inputs()
         partials = []
-        for (s, e), a_i in zip(self.ranges, inputs):
+        for (s, e), a_i in zip(self.ranges, self._inputs):
             with probe.span():
                 y_i = self._gemm(a_i)
             partials.append(y_i)  # kept alive until its collective is waited
@@ -297,7 +293,7 @@ class GemmCollective(_Schedule):
 
     def run_compute(self) -> list[torch.Tensor]:
         """The chunked GEMMs alone (what the overlapped run computes)."""
-        return [self._gemm(a_i) for a_i in self._chunk_inputs()]
+        return [self._gemm(a_i) for a_i in self._inputs]
 
     def run_communicate(self) -> None:
         """The chunked collectives alone, on zero buffers of the chunk shapes."""

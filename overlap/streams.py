@@ -22,18 +22,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from .guard import GuardViolation, StarvationGuard, reserved_sms
+from .guard import _is_high
 
 __all__ = [
     "CPU_PRIORITY_RANGE",
     "CommGroup",
     "CommStream",
-    "GuardViolation",
-    "StarvationGuard",
     "group_is_high_priority",
     "high_priority_group",
     "priority_range",
-    "reserved_sms",
     "resolve_priority",
     "wait_handle",
 ]
@@ -228,7 +225,7 @@ def group_is_high_priority(group: Any = None) -> bool | None:
 
 def warn_if_priority_ignored(group: Any, priority: str | int) -> None:
     """Warn when a high priority is asked for collectives of a normal-priority NCCL group."""
-    if priority == "high" or (isinstance(priority, int) and priority < 0):
+    if _is_high(priority):
         if group_is_high_priority(group) is False and dist.is_initialized() and dist.get_backend(
             group.group if isinstance(group, CommGroup) else group
         ) == "nccl":

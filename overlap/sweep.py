@@ -95,8 +95,9 @@ def sweep_points(
             raise TypeError(f"configs must be GemmConfig objects, got {type(cfg).__name__}")
     out = []
     for col, size, ch, cfg, prio, sms in itertools.product(collectives, sizes, chunks, configs, priorities, comm_sms):
-        out.append(SweepPoint(col, size, ch, cfg, prio, sms if col == "emulated" else None))
-    # comm_sms only varies emulated points: drop the duplicates it made for the others
+        emulated = col == "emulated"  # the emulated copy runs unchunked, on comm_sms SMs
+        out.append(SweepPoint(col, size, 1 if emulated else ch, cfg, prio, sms if emulated else None))
+    # chunks only varies collective points, comm_sms only emulated ones: drop the duplicates
     seen, unique = set(), []
     for p in out:
         if p not in seen:
@@ -139,8 +140,6 @@ def _workload(point: SweepPoint, device: torch.device, dtype: torch.dtype, group
         return GemmCollective(rand(S, S), rand(S, S), collective=point.collective, chunks=point.chunks,
                               config=cfg, priority=point.priority, group=group)
     if point.collective == "all_gather":
-        if S % world:
-            raise ValueError(f"all_gather: size {S} is not divisible by world_size {world}")
         return AllGatherGemm(rand(S // world, S), rand(S, S), operand="a", chunks=point.chunks, config=cfg,
                              priority=point.priority, group=group)
     a, b = rand(S, S), rand(S, S)
@@ -169,6 +168,9 @@ def run_sweep(
     """
     import torch.distributed as dist
 
+    from triton_kernels.backend import cached_device_limits
+
+    from .guard import reserved_sms
     from .streams import _device
 
     device = _device(device)
@@ -177,6 +179,7 @@ def run_sweep(
     points = list(points)
     for p in points:
         check_point(p, world)
+    limits = cached_device_limits(device) if device.type == "cuda" else None
     rows = []
     for i, p in enumerate(points):
         row: dict[str, Any] = {**p.fields(), "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
@@ -185,12 +188,7 @@ def run_sweep(
         try:
             wl = _workload(p, device, dtype, group, world, seed=1000 + i)
             res = wl.measure(repeats=repeats, warmup=warmup)
-            flat = res.flat()
-            flat.pop("label", None)
-            row.update({k: v for k, v in flat.items() if k not in row or k in ("device",)})
-            row["label"] = res.label
-            row["comm"] = res.comm
-            row["emulated"] = res.emulated
+            row.update({k: v for k, v in res.flat().items() if k not in row})
             close = getattr(getattr(wl, "communicate", None), "close", None)
             if close is not None:
                 close()
@@ -198,12 +196,7 @@ def run_sweep(
             if dist.is_available() and dist.is_initialized() and world > 1:
                 raise  # ranks would fall out of step: stop everywhere
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        if p.config.persistent and p.config.num_sms is not None and device.type == "cuda":
-            from triton_kernels.backend import device_limits
-
-            row["reserved_sms"] = device_limits(device).num_sms - p.config.num_sms
-        else:
-            row["reserved_sms"] = 0
+        row["reserved_sms"] = reserved_sms(p.config, limits) if limits is not None else 0
         rows.append(row)
         if progress is not None:
             progress(i, row)
@@ -374,11 +367,9 @@ def default_plots(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) ->
 # ---------------------------------------------------------------------- entry (all ranks)
 def _sweep_worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Spawned rank: rebuild the points and run them (module-level for pickling)."""
-    import os as _os
+    from .launch import local_device
 
-    if "TRITON_INTERPRET" in spec.get("env", {}):
-        _os.environ["TRITON_INTERPRET"] = spec["env"]["TRITON_INTERPRET"]
-    device = torch.device("cuda", rank) if spec["backend"] == "nccl" else torch.device("cpu")
+    device = local_device(spec["device"])
     points = [SweepPoint(p["collective"], p["size"], p["chunks"], GemmConfig.from_dict(p["config"]), p["priority"],
                          p["comm_sms"]) for p in spec["points"]]
     return run_sweep(points, device=device, dtype=spec["dtype"], repeats=spec["repeats"], warmup=spec["warmup"])
@@ -393,21 +384,17 @@ def sweep_main(
     repeats: int = 3,
     warmup: int = 1,
     device: str | None = None,
-) -> list[dict[str, Any]]:
-    """Run the points on ``world_size`` local ranks (spawned; in-process for 1 rank or
-    under torchrun) and return every rank's rows."""
-    from .launch import in_torchrun, spawn
+) -> list[dict[str, Any]] | None:
+    """Run the points on ``world_size`` local ranks (spawned, which inherit this process's
+    environment, TRITON_INTERPRET included; in-process for 1 rank) or, under torchrun, on the
+    ranks torchrun started (``world_size`` ignored). Returns every rank's rows in rank order;
+    under torchrun they are gathered on rank 0 and the other ranks get ``None``."""
+    from .launch import in_torchrun, run
 
-    if world_size == 1 or in_torchrun():
-        if in_torchrun():
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                dist.init_process_group(backend)
+    if world_size == 1 and not in_torchrun():
         return run_sweep(points, device=device, dtype=dtype, repeats=repeats, warmup=warmup)
-    spec = {"backend": backend, "dtype": dtype, "repeats": repeats, "warmup": warmup,
-            "env": {k: os.environ[k] for k in ("TRITON_INTERPRET",) if k in os.environ},
+    spec = {"device": "cuda" if backend == "nccl" else "cpu", "dtype": dtype, "repeats": repeats, "warmup": warmup,
             "points": [{"collective": p.collective, "size": p.size, "chunks": p.chunks, "config": p.config.to_dict(),
                         "priority": p.priority, "comm_sms": p.comm_sms} for p in points]}
-    per_rank = spawn(world_size, _sweep_worker, spec, backend=backend)
-    return [row for rows in per_rank for row in rows]
+    per_rank = run(world_size, _sweep_worker, spec, device=spec["device"])
+    return None if per_rank is None else [row for rows in per_rank for row in rows]

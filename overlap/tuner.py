@@ -26,6 +26,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from triton_kernels._checks import check_int
+
 from .guard import StarvationGuard
 
 __all__ = ["OnlineTuner"]
@@ -75,8 +77,7 @@ class OnlineTuner:
         if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or len(candidates) == 0:
             raise ValueError("candidates must be a non-empty sequence")
         for name, v, lo in (("trials", trials, 1), ("window", window, 1), ("cooldown", cooldown, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name}={v!r} is invalid; allowed: an integer >= {lo}")
+            check_int(name, v, lo)
         if isinstance(drift_threshold, bool) or not isinstance(drift_threshold, (int, float)) or not drift_threshold > 0:
             raise ValueError(f"drift_threshold={drift_threshold!r} is invalid; allowed: a number > 0 (relative change)")
         self.trials, self.drift_threshold, self.window, self.cooldown = trials, float(drift_threshold), window, cooldown
@@ -84,6 +85,7 @@ class OnlineTuner:
         self.log_path = Path(log_path) if log_path is not None else None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file: Any = None  # opened on the first event, closed at lock and by close()
         self.clock = clock or (lambda: time.perf_counter() * 1e3)
         self.log: list[dict[str, Any]] = []
         self.calls = 0
@@ -96,6 +98,7 @@ class OnlineTuner:
             else:
                 self.candidates.append(c)
         if not self.candidates:
+            self.close()
             raise ValueError("the starvation guard rejects every candidate; see the tuner log for why")
         self.locked: Any = None
         self.locked_time: float | None = None
@@ -127,8 +130,21 @@ class OnlineTuner:
                  "candidate": _describe(candidate) if candidate is not None else None, "reason": reason, **extra}
         self.log.append(entry)
         if self.log_path is not None:
-            with self.log_path.open("a") as f:
-                f.write(json.dumps(entry, default=str) + "\n")
+            if self._log_file is None:
+                self._log_file = self.log_path.open("a", buffering=1)  # line-buffered: readable as written
+            self._log_file.write(json.dumps(entry, default=str) + "\n")
+
+    def close(self) -> None:
+        """Close the JSONL log (a later event reopens it)."""
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> "OnlineTuner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ API
     def choose(self) -> Any:
@@ -189,6 +205,7 @@ class OnlineTuner:
         self._emit("lock", self.locked,
                    f"lowest median over {self.trials} trial(s): {medians[best]:.4g} ms{runner}",
                    medians_ms=[{"candidate": _describe(self.candidates[i]), "median_ms": medians[i]} for i in ranking])
+        self.close()  # locked: events are rare from here on
 
     def _drop(self, candidate: Any, reason: str) -> None:
         idx = next(i for i, c in enumerate(self.candidates) if c is candidate or c == candidate)

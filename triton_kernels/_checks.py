@@ -28,6 +28,13 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """An integer (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= {minimum}")
+    return value
+
+
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one device; returns it."""
     devices = {name: t.device for name, t in tensors.items()}

@@ -196,6 +196,25 @@ def device_limits(device: torch.device | str | int | None = None) -> ArchLimits:
     )
 
 
+def device_index(device: torch.device | str | int | None = None) -> int:
+    """The CUDA/HIP index of ``device`` (the current device when it names none)."""
+    if isinstance(device, int):
+        return device
+    if device is not None and torch.device(device).index is not None:
+        return torch.device(device).index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+@functools.cache
+def _limits_at(index: int) -> ArchLimits:
+    return device_limits(torch.device("cuda", index))
+
+
+def cached_device_limits(device: torch.device | str | int | None = None) -> ArchLimits:
+    """:func:`device_limits`, read from the driver once per device (for launch paths)."""
+    return _limits_at(device_index(device))
+
+
 def compile_target(target: str):
     """A ``triton.backends.compiler.GPUTarget`` for compile-only builds of a named target."""
     from triton.backends.compiler import GPUTarget

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import ArchLimits, arch_limits, device_limits, kernel_path
+from .backend import ArchLimits, arch_limits, cached_device_limits, device_index, kernel_path
 from .gemm_configs import (
     GemmConfig,
     TuningCache,
@@ -177,21 +177,10 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, p
         raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
 
 
-@functools.cache
-def _cached_limits(index: int) -> ArchLimits:
-    return device_limits(torch.device("cuda", index))
-
-
-def _device_index(device: torch.device) -> int:
-    if device.index is not None:
-        return device.index
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
-
-
 def _limits_for(path: str, device: torch.device) -> ArchLimits | None:
     if path not in ("cuda", "hip"):
         return None
-    return _cached_limits(_device_index(device))
+    return cached_device_limits(device)
 
 
 @functools.cache
@@ -233,7 +222,7 @@ def select_config(
     if not tune:
         return configs[0]
     cache = TuningCache(cache_dir)
-    key = TuningCache.key(_device_name(_device_index(a.device)), a.dtype, M, N, K, persistent, precision)
+    key = TuningCache.key(_device_name(device_index(a.device)), a.dtype, M, N, K, persistent, precision)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if cache.load(key) is None:
         _precompile(a, b, bias, out, configs, precision, path, limits)
@@ -299,10 +288,6 @@ def _precompile(
         pass
 
 
-# (kernel hash, device, smem_bytes) -> the shaped copy, loaded once per device
-_SHAPED: dict[tuple[str, int, int], Any] = {}
-
-
 def _launch(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
     cfg: GemmConfig, precision: str, path: str, limits: ArchLimits | None,
@@ -311,14 +296,9 @@ def _launch(
     if cfg.smem_bytes is None or path == "interpreter":
         kernel[grid](**args, **opts)
         return
-    from .occupancy import with_shared_memory
+    from .occupancy import launch_shaped
 
-    compiled = kernel.warmup(**args, **opts, grid=grid)
-    key = (compiled.hash, _device_index(a.device), cfg.smem_bytes)
-    shaped = _SHAPED.get(key)
-    if shaped is None:
-        shaped = _SHAPED[key] = with_shared_memory(compiled, cfg.smem_bytes, limits)
-    shaped[grid](*(args[name] for name in kernel.arg_names))
+    launch_shaped(kernel, grid, args, opts, cfg.smem_bytes, limits, device_index(a.device))
 
 
 def warmup_gemm(
@@ -338,7 +318,7 @@ def warmup_gemm(
     path = kernel_path(device)
     if path not in ("cuda", "hip"):
         raise RuntimeError(f"warmup_gemm needs a GPU (tensors on {device} run on the {path} path)")
-    limits = device_limits(device)
+    limits = cached_device_limits(device)
     config.validate(path, limits)
     a = torch.empty((M, K), dtype=dtype, device=device)
     b = torch.empty((K, N), dtype=dtype, device=device)

@@ -37,6 +37,7 @@ __all__ = [
     "estimate_shared_bytes",
     "interpreter_config",
     "parse_config_spec",
+    "parse_smem_bytes",
     "parse_dtype",
     "prune_configs",
     "shape_bucket",
@@ -264,14 +265,29 @@ def parse_config_spec(spec: str, base: GemmConfig | None = None) -> GemmConfig:
         if val in ("none", "") and getattr(GemmConfig, name, 0) is None:
             changes[name] = None
             continue
-        mult = 1
-        if name == "smem_bytes" and val.endswith(("k", "kib", "kb")):
-            mult, val = 1024, val.rstrip("bi").rstrip("k")
+        if name == "smem_bytes":
+            changes[name] = parse_smem_bytes(raw)
+            continue
         try:
-            changes[name] = int(val, 0) * mult
+            changes[name] = int(val, 0)
         except ValueError:
             raise ValueError(f"{name}={raw!r} is invalid; allowed: an integer") from None
     return dataclasses.replace(base, **changes)
+
+
+def parse_smem_bytes(text: str) -> int | None:
+    """A shared-memory size: bytes, or KiB with a ``k``/``kb``/``kib`` suffix (``96k`` =
+    98304); ``none`` (or empty) for the kernel's natural size."""
+    val = text.strip().lower()
+    if val in ("none", ""):
+        return None
+    mult = 1
+    if val.endswith(("k", "kib", "kb")):
+        mult, val = 1024, val.rstrip("bi").rstrip("k")
+    try:
+        return int(val, 0) * mult
+    except ValueError:
+        raise ValueError(f"smem_bytes={text!r} is invalid; allowed: an integer, k suffix for KiB, or none") from None
 
 
 # ---------------------------------------------------------------------- shared memory

@@ -42,6 +42,7 @@ __all__ = [
     "kernel_occupancy",
     "occupancy",
     "smem_for_blocks",
+    "launch_shaped",
     "with_shared_memory",
 ]
 
@@ -211,6 +212,29 @@ def with_shared_memory(kernel: Any, smem_bytes: int, limits: ArchLimits | None =
     if wrapped:
         return dataclasses.replace(kernel, shared_bytes=smem_bytes, compiled=shaped)
     return shaped
+
+
+# (kernel hash, device index, smem_bytes) -> the shaped copy, loaded once per device
+_SHAPED: dict[tuple[str, int, int], Any] = {}
+
+
+def launch_shaped(kernel: Any, grid: tuple[int, ...], args: dict[str, Any], opts: dict[str, Any],
+                  smem_bytes: int, limits: ArchLimits | None, device_index: int) -> None:
+    """Launch the ``@triton.jit`` ``kernel`` on ``grid`` reserving ``smem_bytes`` of shared
+    memory per block (GPU only).
+
+    ``args`` holds every kernel argument by name, constexprs included; ``opts`` the launch
+    options (num_warps, ...). The kernel is compiled by ``kernel.warmup``, shaped once per
+    (kernel, device, smem_bytes) by :func:`with_shared_memory`, and launched as a compiled
+    kernel, which takes every argument positionally and a 3-D grid (padded here with 1s).
+    """
+    compiled = kernel.warmup(**args, **opts, grid=grid)
+    key = (compiled.hash, device_index, smem_bytes)
+    shaped = _SHAPED.get(key)
+    if shaped is None:
+        shaped = _SHAPED[key] = with_shared_memory(compiled, smem_bytes, limits)
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    shaped[grid3](*(args[name] for name in kernel.arg_names))
 
 
 def kernel_occupancy(kernel: Any, limits: ArchLimits | None = None) -> Occupancy:

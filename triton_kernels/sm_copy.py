@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import device_limits, kernel_path
+from ._checks import check_int
+from .backend import cached_device_limits, device_index, kernel_path
 
 __all__ = ["COPY_DTYPES", "sm_copy", "sm_copy_reference"]
 
@@ -46,10 +47,6 @@ def sm_copy_reference(src: torch.Tensor, passes: int = 1) -> torch.Tensor:
     """Pure-torch reference: a copy of ``src`` (``passes`` repeats change nothing but time)."""
     del passes
     return src.clone()
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def sm_copy(
@@ -86,12 +83,11 @@ def sm_copy(
             f"got {tuple(dst.shape)} {dst.dtype} on {dst.device}"
         )
     for name, v in (("passes", passes), ("num_warps", num_warps)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} is invalid; allowed: an integer >= 1")
+        check_int(name, v)
     if num_warps & (num_warps - 1):
         raise ValueError(f"num_warps={num_warps} is invalid; allowed: a power of 2")
-    if n_sms is not None and (isinstance(n_sms, bool) or not isinstance(n_sms, int) or n_sms < 1):
-        raise ValueError(f"n_sms={n_sms!r} is invalid; allowed: an integer >= 1")
+    if n_sms is not None:
+        check_int("n_sms", n_sms)
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1)):
         raise ValueError(f"block={block!r} is invalid; allowed: a power of 2 >= 16")
     n = src.numel()
@@ -105,28 +101,20 @@ def sm_copy(
             dst.copy_(src)
         return dst
     gpu = path in ("cuda", "hip")
-    limits = device_limits(src.device) if gpu else None
+    limits = cached_device_limits(src.device) if gpu else None
     if n_sms is None:
         n_sms = limits.num_sms if limits is not None else 2
     if limits is not None and n_sms > limits.num_sms:
         raise ValueError(f"n_sms={n_sms} is above the {limits.num_sms} SMs/CUs of {limits.name}")
     if block is None:
-        block = 4096 if gpu else min(1 << 16, max(16, _next_pow2(-(-n // n_sms))))
+        block = 4096 if gpu else min(1 << 16, max(16, triton.next_power_of_2(-(-n // n_sms))))
     grid = (min(n_sms, triton.cdiv(n, block)),)
     opts = {"num_warps": num_warps} if gpu else {}
     if smem_bytes is None:
         _sm_copy_kernel[grid](src, dst, n, passes, BLOCK=block, **opts)
         return dst
-    from .occupancy import with_shared_memory
+    from .occupancy import launch_shaped
 
-    compiled = _sm_copy_kernel.warmup(src, dst, n, passes, BLOCK=block, grid=grid, **opts)
-    key = (compiled.hash, src.device.index, smem_bytes)
-    shaped = _SHAPED.get(key)
-    if shaped is None:
-        shaped = _SHAPED[key] = with_shared_memory(compiled, smem_bytes, limits)
-    shaped[grid](src, dst, n, passes, block)  # a compiled kernel takes every argument, constexprs included
+    args = {"src": src, "dst": dst, "n": n, "passes": passes, "BLOCK": block}
+    launch_shaped(_sm_copy_kernel, grid, args, opts, smem_bytes, limits, device_index(src.device))
     return dst
-
-
-# (kernel hash, device index, smem_bytes) -> shaped copy of the compiled kernel
-_SHAPED: dict = {}

@@ -34,8 +34,6 @@ import time
 
 from cokit.cli import CliError
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "emulated")
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``cokit sweep``."""
@@ -46,8 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--collectives", default=None, metavar="LIST",
-                   help=f"comma list of {', '.join(COLLECTIVES)} (default: all_reduce,reduce_scatter,all_gather "
-                        "with >= 2 ranks; emulated on one GPU)")
+                   help="comma list of all_reduce, reduce_scatter, all_gather, emulated (default: "
+                        "all_reduce,reduce_scatter,all_gather with >= 2 ranks; emulated on one GPU)")
     p.add_argument("--sizes", default=None, metavar="LIST",
                    help="square GEMM sizes; message = size x size elements (default CPU 256,512; GPU 4096,8192)")
     p.add_argument("--chunks", default=None, metavar="LIST", help="pipeline chunks (default CPU 1,2; GPU 1,2,4)")
@@ -83,18 +81,30 @@ def _items(name: str, text: str) -> list[str]:
     return items
 
 
-def _ints(name: str, text: str, *, allow_none: bool = False, kib: bool = False) -> list[int | None]:
+def _smems(text: str) -> list[int | None]:
+    from triton_kernels.gemm_configs import parse_smem_bytes
+
+    out: list[int | None] = []
+    for item in _items("smem-bytes", text):
+        try:
+            v = parse_smem_bytes(item)
+        except ValueError:
+            raise CliError(f"--smem-bytes: {item!r} is not a byte count (k suffix for KiB) or none") from None
+        if v is not None and v < 1:
+            raise CliError(f"--smem-bytes: {item!r} must be >= 1")
+        out.append(v)
+    return out
+
+
+def _ints(name: str, text: str, *, allow_none: bool = False) -> list[int | None]:
     out: list[int | None] = []
     for item in _items(name, text):
         low = item.lower()
         if allow_none and low == "none":
             out.append(None)
             continue
-        mult = 1
-        if kib and low.endswith("k"):
-            mult, low = 1024, low[:-1]
         try:
-            v = int(low, 0) * mult
+            v = int(low, 0)
         except ValueError:
             raise CliError(f"--{name}: {item!r} is not an integer{' or none' if allow_none else ''}") from None
         if v < 1:
@@ -107,9 +117,12 @@ def run(args: argparse.Namespace) -> int:
     """Build the grid, run it on the ranks, write the records and plots, print a table."""
     import torch
 
-    from overlap.sweep import check_point, default_plots, sweep_main, sweep_points, write_csv, write_json
+    from overlap.sweep import (
+        SWEEP_COLLECTIVES, check_point, default_plots, sweep_main, sweep_points, write_csv, write_json,
+    )
     from overlap.launch import in_torchrun
-    from triton_kernels.backend import device_limits, kernel_path
+    from overlap.schedules import _config_backend
+    from triton_kernels.backend import device_limits
     from triton_kernels.gemm_configs import parse_config_spec, parse_dtype
 
     on_gpu = torch.cuda.is_available()
@@ -126,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     default_cols = "emulated" if world == 1 else "all_reduce,reduce_scatter,all_gather"
     collectives = _items("collectives", args.collectives or default_cols)
     for c in collectives:
-        if c not in COLLECTIVES:
-            raise CliError(f"--collectives: {c!r} is unknown; allowed: {', '.join(COLLECTIVES)}")
+        if c not in SWEEP_COLLECTIVES:
+            raise CliError(f"--collectives: {c!r} is unknown; allowed: {', '.join(SWEEP_COLLECTIVES)}")
     if "emulated" in collectives and world > 1:
         raise CliError("--collectives emulated is a one-device study; use --world-size 1")
     gpu_run = on_gpu and (backend == "nccl" or world == 1)
@@ -139,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(f"--config/--dtype: {exc}") from None
     warps = _ints("num-warps", args.num_warps) if args.num_warps else [base.num_warps]
-    smems = _ints("smem-bytes", args.smem_bytes, allow_none=True, kib=True) if args.smem_bytes else [base.smem_bytes]
+    smems = _smems(args.smem_bytes) if args.smem_bytes else [base.smem_bytes]
     sms = _ints("num-sms", args.num_sms, allow_none=True) if args.num_sms else [base.num_sms]
     comm_sms = _ints("comm-sms", args.comm_sms) if args.comm_sms else [None]
     if args.comm_sms and "emulated" not in collectives:
@@ -165,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--{name} {v} is invalid; allowed: an integer >= {lo}")
 
     limits = device_limits() if gpu_run else None
-    cfg_backend = kernel_path("cuda") if gpu_run else "interpreter"
+    cfg_backend = _config_backend(torch.device("cuda" if gpu_run else "cpu"))
     configs = []
     for w in warps:
         for s in smems:
@@ -183,12 +196,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
-    print(f"cokit sweep: {len(points)} point(s) x {args.warmup}+{args.repeats} rounds on {world} rank(s), "
-          f"backend {backend if world > 1 else '-'}, device {'GPU' if gpu_run else 'CPU'}, dtype {dtype}")
-    if not gpu_run:
+    lead = not in_torchrun() or int(os.environ["RANK"]) == 0  # only rank 0 prints and writes
+    if lead:
+        print(f"cokit sweep: {len(points)} point(s) x {args.warmup}+{args.repeats} rounds on {world} rank(s), "
+              f"backend {backend if world > 1 else '-'}, device {'GPU' if gpu_run else 'CPU'}, dtype {dtype}")
+    if lead and not gpu_run:
         print("note: CPU run -- num_warps / smem_bytes / num_sms / priority are recorded but change nothing here "
               "(torch GEMM + gloo); only sizes, chunks and collectives vary what runs.")
-    if "emulated" in collectives:
+    if lead and "emulated" in collectives:
         print("note: 'emulated' communication is a copy kernel / copy on one device, not a collective (EMULATION).")
     t0 = time.time()
     try:
@@ -196,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
                           repeats=args.repeats, warmup=args.warmup)
     except (RuntimeError, ValueError) as exc:
         raise CliError(f"sweep failed: {str(exc).strip().splitlines()[-1]}") from None
+    if rows is None:  # torchrun rank > 0: rank 0 holds every rank's rows and writes them
+        return 0
     out = args.out
     csv_path = write_csv(rows, os.path.join(out, "sweep.csv"))
     meta = {"world_size": world, "backend": backend, "device": "gpu" if gpu_run else "cpu",
