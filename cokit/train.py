@@ -17,7 +17,6 @@ local processes on loopback (spawn), or, under ``torchrun``, the group the envir
 from __future__ import annotations
 
 import math
-import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -27,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compress.stats import ring_allreduce_bytes
-from overlap.launch import in_torchrun
+from compress.comm import Communicator
+from compress.stats import dense_allreduce_bytes
+from overlap.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
 
 Log = Callable[[str], None]
 SCHEDULES = ("constant", "cosine")
@@ -72,11 +72,13 @@ class MethodSpec:
     schedule: str = "constant"
     warmup: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
     def lr_factor(self, step: int, steps: int) -> float:
         """Multiplier of ``lr`` at ``step`` (1-based) of ``steps``: linear warm-up over the
         first ``warmup`` fraction of steps, then constant or cosine decay to 10%."""
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         warm = int(self.warmup * steps)
         if step <= warm:
             return step / (warm + 1)
@@ -133,27 +135,31 @@ def build_method(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | 
 
 
 class DenseAllReduce(Method):
-    """Average gradients with one flat all-reduce, then step a local torch optimizer."""
+    """Average gradients with one flat all-reduce (a buffer reused across steps), then step a
+    local torch optimizer."""
 
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
                  group: dist.ProcessGroup | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.optimizer = optimizer
-        self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        nbytes = sum(p.numel() * p.element_size() for p in self.params)
-        self.bytes_per_step = ring_allreduce_bytes(nbytes, self.world_size)
+        self.comm = Communicator(group, owner=f"{type(optimizer).__name__} (dense all-reduce)")
+        self.bytes_per_step = dense_allreduce_bytes(self.params, self.comm.world_size)
+        self._flat: torch.Tensor | None = None
 
     def step(self) -> tuple[int, int]:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self.world_size > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.group)
-            flat /= self.world_size
-            offset = 0
-            for p, g in zip(self.params, grads):
-                p.grad = flat[offset:offset + g.numel()].view_as(p)
-                offset += g.numel()
+        if self.comm.distributed:
+            if self._flat is None:
+                p0 = self.params[0]
+                self._flat = torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+            views = self._flat.split([p.numel() for p in self.params])
+            for p, v in zip(self.params, views):
+                if p.grad is None:
+                    v.zero_()
+                else:
+                    v.copy_(p.grad.reshape(-1))
+            self.comm.all_reduce_mean(self._flat, "gradient all-reduce").wait()
+            for p, v in zip(self.params, views):
+                p.grad = v.view_as(p)
         self.optimizer.step()
         return self.bytes_per_step, self.bytes_per_step
 
@@ -247,8 +253,8 @@ class RunResult:
             "dense_bytes_per_step": dense / n if n else 0.0,
             "total_bytes_sent": sent,
             "compression_ratio": dense / sent if sent else math.inf,
-            "time_per_step_s": _median(self.step_s[1:] or self.step_s),
-            "opt_time_per_step_s": _median(self.opt_s[1:] or self.opt_s),
+            "time_per_step_s": median(self.step_s[1:] or self.step_s),
+            "opt_time_per_step_s": median(self.opt_s[1:] or self.opt_s),
             "total_time_s": self.wall_s[-1] if self.wall_s else 0.0,
             "max_replica_diff": self.max_replica_diff,
         }
@@ -274,7 +280,8 @@ class RunResult:
         }
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
+    """The upper median of ``xs`` (NaN when empty)."""
     return sorted(xs)[len(xs) // 2] if xs else math.nan
 
 
@@ -288,12 +295,16 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def _heldout_sum(workload: Workload, model: nn.Module, batches: list[Any], rank: int, world_size: int) -> float:
-    """Sum of this rank's share (batches ``rank::world_size``) of the held-out batch losses."""
+def _heldout_sum(workload: Workload, model: nn.Module, batches: list[Any], rank: int,
+                 world_size: int) -> torch.Tensor:
+    """Sum of this rank's share (batches ``rank::world_size``) of the held-out batch losses:
+    a float64 tensor of shape ``(1,)`` on the model's device (no host sync)."""
     model.eval()
-    total = sum(float(workload.loss(model, b)) for b in batches[rank::world_size])
+    losses = [workload.loss(model, b).double() for b in batches[rank::world_size]]
     model.train()
-    return total
+    if not losses:
+        return torch.zeros(1, dtype=torch.float64, device=_device_of(model))
+    return torch.stack(losses).sum().reshape(1)
 
 
 def _max_replica_diff(model: nn.Module, group: dist.ProcessGroup | None) -> float:
@@ -348,8 +359,8 @@ def run_method(spec: MethodSpec, workload: Workload, steps: int, seed: int, *,
 
     def checkpoint(step: int) -> None:
         """Average pending train losses over ranks and evaluate held-out loss (one collective)."""
-        local = pending + [_heldout_sum(workload, model, heldout, rank, world)]
-        buf = torch.tensor(local, dtype=torch.float64, device=device)
+        buf = torch.cat([torch.tensor(pending, dtype=torch.float64, device=device),
+                         _heldout_sum(workload, model, heldout, rank, world)])
         dist.all_reduce(buf, group=group)
         buf = buf.cpu() / world
         result.train_loss.extend(buf[:-1].tolist())
@@ -366,7 +377,6 @@ def run_method(spec: MethodSpec, workload: Workload, steps: int, seed: int, *,
     start = time.perf_counter()
     checkpoint(0)
     for step in range(1, steps + 1):
-        _sync(device)
         t0 = time.perf_counter()
         method.set_lr_factor(spec.lr_factor(step, steps))
         batch = workload.train_batch(seed, step, rank, world)
@@ -403,25 +413,6 @@ def run_methods(rank: int, world_size: int, specs: list[MethodSpec], factory: Wo
 # launching
 
 
-def local_device(device: str) -> torch.device:
-    """``cpu``, or this process's GPU (``cuda:LOCAL_RANK``)."""
-    if device == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def backend_for(device: str) -> str:
-    """gloo for CPU tensors, NCCL (RCCL on ROCm) for GPU tensors."""
-    return "nccl" if device == "cuda" else "gloo"
-
-
-def _init_group(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.set_device(local_device(device))
-    if not dist.is_initialized():
-        dist.init_process_group(backend_for(device), init_method="env://")
-
-
 def run_distributed(fn: Callable, *args: Any, world_size: int, device: str = "cpu",
                     interpret: bool = False, timeout: float = 3600.0) -> Any:
     """Run ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
@@ -432,19 +423,12 @@ def run_distributed(fn: Callable, *args: Any, world_size: int, device: str = "cp
     ``None`` elsewhere. Otherwise ``world_size`` processes are spawned on
     loopback (gloo for ``cpu``, NCCL for ``cuda`` with one GPU per rank) and rank 0's result
     comes back here. Spawned workers run Triton kernels on CPU tensors through the torch
-    path unless ``interpret`` is set (the interpreter is slow).
+    path unless ``interpret`` is set (the interpreter is slow; under torchrun, where the
+    ranks are already started, ``interpret=True`` raises ``ValueError``).
     """
-    if in_torchrun():
-        created = not dist.is_initialized()
-        _init_group(device)
-        try:
-            out = fn(dist.get_rank(), dist.get_world_size(), *args)
-            return out if dist.get_rank() == 0 else None
-        finally:
-            if created:
-                dist.destroy_process_group()
-
-    from overlap.launch import spawn
-
+    if interpret and in_torchrun():
+        raise ValueError("interpret=True cannot apply under torchrun (the ranks are already started); "
+                         "set TRITON_INTERPRET=1 in the torchrun environment instead")
     interpreter = {"TRITON_INTERPRET": "1" if interpret else None}
-    return spawn(world_size, fn, *args, backend=backend_for(device), timeout=timeout, env=interpreter)[0]
+    results = run(world_size, fn, *args, device=device, timeout=timeout, env=interpreter)
+    return results[0] if results is not None else None

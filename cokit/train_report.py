@@ -7,21 +7,14 @@ import datetime
 import json
 import math
 import os
+from itertools import accumulate
 from typing import Any, Sequence
 
+from cokit.display import human_bytes, pyplot
 from cokit.train import RunResult
 
 CSV_FIELDS = ("method", "step", "train_loss", "heldout_loss", "bytes_sent", "cum_bytes_sent",
               "dense_bytes", "step_s", "opt_s", "wall_s")
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def summary_table(results: Sequence[RunResult], uniform_loss: float | None = None) -> str:
@@ -56,9 +49,7 @@ def csv_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
         evals = dict(r.evals)
         rows.append({**dict.fromkeys(CSV_FIELDS, ""), "method": r.spec.display, "step": 0,
                      "heldout_loss": evals.get(0, ""), "cum_bytes_sent": 0})
-        cum = 0
-        for i in range(r.steps):
-            cum += r.bytes_sent[i]
+        for i, cum in enumerate(accumulate(r.bytes_sent)):
             rows.append({
                 "method": r.spec.display, "step": i + 1, "train_loss": r.train_loss[i],
                 "heldout_loss": evals.get(i + 1, ""), "bytes_sent": r.bytes_sent[i],
@@ -82,11 +73,7 @@ def plot_runs(path: str, results: Sequence[RunResult], uniform_loss: float | Non
               title: str = "") -> None:
     """Two panels: loss vs step (train smoothed, held-out markers) and loss vs cumulative
     bytes sent per rank (log x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_step, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(results):
@@ -94,10 +81,7 @@ def plot_runs(path: str, results: Sequence[RunResult], uniform_loss: float | Non
         window = max(1, r.steps // 40)
         steps = list(range(1, r.steps + 1))
         train = _smooth(r.train_loss, window)
-        cum, total = [], 0
-        for b in r.bytes_sent:
-            total += b
-            cum.append(total)
+        cum = list(accumulate(r.bytes_sent))
         ev_steps = [s for s, _ in r.evals]
         ev_loss = [v for _, v in r.evals]
         name = r.spec.display

@@ -17,6 +17,11 @@ def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
     return (2 * (world_size - 1) * nbytes) // world_size
 
 
+def dense_allreduce_bytes(tensors, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of all ``tensors`` (each in its own dtype)."""
+    return ring_allreduce_bytes(sum(t.numel() * t.element_size() for t in tensors), world_size)
+
+
 def ring_allgather_bytes(nbytes_per_rank: int, world_size: int) -> int:
     """Bytes one rank sends (and receives) in a ring all-gather of ``nbytes_per_rank`` each."""
     return max(world_size - 1, 0) * nbytes_per_rank

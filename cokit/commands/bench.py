@@ -56,12 +56,13 @@ def run_validate(args: argparse.Namespace) -> int:
     """``cokit bench validate``: bad arguments are one-line errors; then run the study."""
     from cokit.validation.study import config_from_args, run_from_args
 
+    cfg = None
     if not args.list_methods:
         try:
-            config_from_args(args)
+            cfg = config_from_args(args)
         except ValueError as exc:
             raise CliError(str(exc)) from None
-    return run_from_args(args)
+    return run_from_args(args, cfg)
 
 
 def benchmarks_dir() -> Path:

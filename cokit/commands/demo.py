@@ -32,6 +32,7 @@ DEFAULTS = {
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``cokit demo``."""
+    from cokit.train import SCHEDULES
     from cokit.workloads.model import MODEL_PRESETS
 
     d = DEFAULTS
@@ -62,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "reference (int64 + fp32, DeMo's reference) (default compact)")
     p.add_argument("--demo-lr", type=float, default=d["demo_lr"], help=f"DeMo learning rate (default {d['demo_lr']})")
     p.add_argument("--adamw-lr", type=float, default=d["adamw_lr"], help=f"AdamW learning rate (default {d['adamw_lr']})")
-    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+    p.add_argument("--schedule", choices=SCHEDULES, default="constant",
                    help="learning-rate schedule for both (cosine decays to 10%%; default constant)")
     p.add_argument("--warmup", type=float, default=0.0,
                    help="fraction of the steps with a linear learning-rate warm-up (default 0)")
@@ -89,8 +90,9 @@ def _check(cond: bool, message: str) -> None:
         raise CliError(message)
 
 
-def _resolve(args: argparse.Namespace) -> tuple[int, str, bool]:
-    """Validate the arguments; return (world size, device, running under torchrun)."""
+def _resolve(args: argparse.Namespace) -> tuple[int, str, bool, list[str], int]:
+    """Validate the arguments; return (world size, device, running under torchrun, methods,
+    GPUs torch sees)."""
     from cokit.train import in_torchrun
 
     torchrun = in_torchrun()
@@ -124,15 +126,15 @@ def _resolve(args: argparse.Namespace) -> tuple[int, str, bool]:
     _check(not os.path.exists(args.out) or os.path.isdir(args.out), f"--out {args.out} exists and is not a folder")
 
     gpus = torch_gpus()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world  # ranks on this node
     device = args.device
     if device == "auto":
-        device = "cuda" if gpus >= (int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world) else "cpu"
+        device = "cuda" if gpus >= local else "cpu"
     if device == "cuda":
         _check(gpus > 0, "--device cuda: torch sees no GPU here; use --device cpu")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         _check(local <= gpus, f"--device cuda: {local} ranks on this node need {local} GPUs, found {gpus}")
         _check(not args.triton_interpret, "--triton-interpret applies to --device cpu only")
-    return world, device, torchrun
+    return world, device, torchrun, methods, gpus
 
 
 def _workload_config(args: argparse.Namespace):
@@ -149,7 +151,7 @@ def _workload_config(args: argparse.Namespace):
         raise CliError(str(exc)) from None
 
 
-def _specs(args: argparse.Namespace) -> list:
+def _specs(args: argparse.Namespace, methods: list[str]) -> list:
     from cokit.train import MethodSpec
 
     specs = {
@@ -160,38 +162,39 @@ def _specs(args: argparse.Namespace) -> list:
         "adamw": MethodSpec("adamw", args.adamw_lr, args.weight_decay, label="adamw",
                             schedule=args.schedule, warmup=args.warmup),
     }
-    return [specs[m.strip()] for m in args.methods.split(",") if m.strip()]
+    return [specs[m] for m in methods]
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate, train each method on every rank, then report and write the results."""
-    world, device, torchrun = _resolve(args)
+    world, device, torchrun, methods, gpus = _resolve(args)
     cfg = _workload_config(args)
-    specs = _specs(args)
+    specs = _specs(args, methods)
     rank0 = not torchrun or int(os.environ["RANK"]) == 0
 
+    from cokit.train import backend_for, run_distributed, run_methods
     from cokit.workloads import TextWorkload
 
     try:
         workload = TextWorkload(cfg)  # read the corpus once here: errors surface before launching
-        if world * (cfg.model.max_seq_len + 2) >= workload.corpus.train.numel():
-            raise ValueError(f"{world} ranks leave shards shorter than one sequence; raise --max-chars")
     except (ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None
+    try:
+        workload.check_world(world)
+    except ValueError as exc:
+        raise CliError(f"{exc}; raise --max-chars") from None
     n_params = workload.build_model(args.seed).num_params()
     m = cfg.model
+    backend = backend_for(device)
     if rank0:
-        backend = "nccl" if device == "cuda" else "gloo"
         print(f"cokit demo: {world} ranks ({device}, {backend}{', torchrun' if torchrun else ''}); "
               f"model {args.model} d={m.d_model} L={m.n_layers} T={m.max_seq_len} ({n_params:,} params); "
               f"{args.steps} steps x {cfg.batch_size} seqs per rank; "
               f"corpus {workload.corpus.num_chars:,} chars of stdlib source", flush=True)
-        if args.device == "auto" and device == "cpu" and torch_gpus() > 0:
-            print(f"note: {torch_gpus()} GPU(s) for {world} ranks: running on CPU "
+        if args.device == "auto" and device == "cpu" and gpus > 0:
+            print(f"note: {gpus} GPU(s) for {world} ranks: running on CPU "
                   "(--device cuda needs one GPU per rank)", flush=True)
         print("methods: " + "; ".join(_describe(s) for s in specs), flush=True)
-
-    from cokit.train import run_distributed, run_methods
 
     start = time.perf_counter()
     results = run_distributed(run_methods, specs, cfg, args.steps, args.seed, args.eval_every, device,
@@ -204,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     from cokit.train_report import summary_table, write_outputs
 
     info = {
-        "world_size": world, "device": device, "backend": "nccl" if device == "cuda" else "gloo",
+        "world_size": world, "device": device, "backend": backend,
         "torchrun": torchrun, "steps": args.steps, "seed": args.seed, "eval_every": args.eval_every,
         "model_preset": args.model, "num_params": n_params, "triton_interpret": args.triton_interpret,
         "elapsed_s": elapsed, "workload": workload.info(),

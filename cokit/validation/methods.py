@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compress.stats import ring_allreduce_bytes
+from compress.stats import dense_allreduce_bytes, ring_allreduce_bytes
 from cokit.train import Method, MethodSpec, register_method
 
 
@@ -76,8 +76,7 @@ class PowerSGDMethod(Method):
             self.optimizer = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay, **opts)
         else:
             raise ValueError(f"powersgd: base must be 'adamw' or 'sgd', got {base!r}")
-        grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        self.dense_bytes = ring_allreduce_bytes(grad_bytes, self.world_size)
+        self.dense_bytes = dense_allreduce_bytes([p for p in params if p.requires_grad], self.world_size)
         self.elem_size = params[0].element_size()
         self._seen = 0
 

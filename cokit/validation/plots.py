@@ -7,16 +7,9 @@ import re
 from itertools import accumulate
 from typing import Any
 
+from cokit.display import pyplot
+
 _DEMO = re.compile(r"demo-compact-k(\d+)-c(\d+)")
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def style(method: str) -> dict[str, Any]:
@@ -48,7 +41,7 @@ def _evals(rec: dict) -> tuple[list[int], list[float]]:
 def plot_curves(out_dir: str, workload: str, records: list[dict], uniform: float | None, title: str) -> list[str]:
     """``<workload>_heldout_vs_step.png`` and ``<workload>_heldout_vs_bytes.png``: one line per
     method (its best lr, seed 0); the bytes axis is cumulative bytes sent per rank (log)."""
-    plt = _plt()
+    plt = pyplot()
     paths = []
     for kind in ("step", "bytes"):
         fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -88,7 +81,7 @@ def plot_pareto(out_dir: str, workload: str, records: list[dict], front: list[st
                 title: str) -> str:
     """``<workload>_pareto.png``: final held-out loss vs DeMo's k (one line per chunk, baselines
     as horizontal lines) and vs bytes sent per step (all methods, Pareto front joined)."""
-    plt = _plt()
+    plt = pyplot()
     fig, (ax_k, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
     final = {r["method"]: r["summary"]["final_heldout_loss"] for r in records}
     per_step = {r["method"]: r["summary"]["bytes_per_step"] for r in records}

@@ -9,6 +9,8 @@ import os
 import statistics
 from typing import Any
 
+from cokit.display import human_bytes
+
 SUMMARY_FIELDS = ("final_train_loss", "final_heldout_loss", "heldout_accuracy", "bytes_per_step",
                   "mean_bytes_per_step", "total_bytes_sent", "dense_bytes_per_step", "ratio_to_dense",
                   "time_per_step_s", "opt_time_per_step_s", "total_time_s", "max_replica_diff")
@@ -19,17 +21,6 @@ TABLE_FIELDS = ("workload", "method", "family", "best_lr", "lr_at_edge", "lrs_tr
                 "heldout_accuracy_mean", "heldout_accuracy_std", "delta_heldout_vs_adamw",
                 "bytes_per_step", "total_bytes_sent", "ratio_to_dense", "time_per_step_s",
                 "opt_time_per_step_s", "failed_lrs")
-
-
-def human_bytes(n: float | None) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    if n is None or not math.isfinite(n):
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:

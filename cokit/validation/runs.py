@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cokit.train import MethodSpec, RunResult, WorkloadFactory, local_device, run_method
+from cokit.train import MethodSpec, RunResult, WorkloadFactory, _device_of, local_device, median, run_method
 from cokit.validation.methods import EngineSlot  # importing it registers the "powersgd" method
 
 
@@ -40,11 +40,13 @@ class Job:
 
 class StudyWorkload:
     """Wraps a workload: models come wrapped in :class:`EngineSlot` (so DDP-based methods can
-    hook the forward pass) and the last model built is kept for the final accuracy."""
+    hook the forward pass) and the last model built is kept for the final accuracy. The held-out
+    batches are built once and reused by every run."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.last_model: EngineSlot | None = None
+        self._heldout: list[Any] | None = None
 
     def build_model(self, seed: int) -> nn.Module:
         self.last_model = EngineSlot(self.inner.build_model(seed))
@@ -54,7 +56,9 @@ class StudyWorkload:
         return self.inner.train_batch(seed, step, rank, world_size)
 
     def heldout_batches(self) -> list[Any]:
-        return self.inner.heldout_batches()
+        if self._heldout is None:
+            self._heldout = self.inner.heldout_batches()
+        return self._heldout
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return self.inner.loss(model, batch)
@@ -64,22 +68,19 @@ class StudyWorkload:
 
 
 @torch.no_grad()
-def heldout_accuracy(workload: StudyWorkload, model: nn.Module, rank: int, world: int) -> float:
-    """Top-1 accuracy over all held-out targets (next character, or class), summed over ranks."""
+def heldout_accuracy(model: nn.Module, heldout: list[Any], rank: int, world: int) -> float:
+    """Top-1 accuracy over all held-out targets (next character, or class): this rank's share
+    (batches ``rank::world``) counted on the device, summed over ranks when ``world > 1``."""
     model.eval()
-    device = next(model.parameters()).device  # NCCL/RCCL only reduce GPU tensors
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in workload.heldout_batches()[rank::world]:
+    counts = torch.zeros(2, dtype=torch.float64, device=_device_of(model))  # NCCL/RCCL: GPU tensors
+    for x, y in heldout[rank::world]:
         pred = model(x).argmax(-1)
         counts[0] += (pred == y).sum()
         counts[1] += y.numel()
     model.train()
-    dist.all_reduce(counts)
+    if world > 1:
+        dist.all_reduce(counts)
     return float(counts[0] / counts[1]) if counts[1] else math.nan
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2] if xs else math.nan
 
 
 def _r(x: float, digits: int = 5) -> float | None:
@@ -104,8 +105,6 @@ def run_record(job: Job, result: RunResult | None, accuracy: float, error: str |
     sent = result.bytes_sent
     final_heldout = s["final_heldout_loss"]
     finite = all(math.isfinite(v) for v in result.train_loss) and math.isfinite(final_heldout)
-    dense = _median(result.dense_bytes)
-    total = int(sum(sent))
     doc.update({
         "status": "ok" if finite else "diverged",
         "num_params": result.num_params,
@@ -113,11 +112,11 @@ def run_record(job: Job, result: RunResult | None, accuracy: float, error: str |
             "final_train_loss": _r(s["final_train_loss"]),
             "final_heldout_loss": _r(final_heldout),
             "heldout_accuracy": _r(accuracy),
-            "bytes_per_step": int(_median(sent)) if sent else 0,
-            "mean_bytes_per_step": _r(total / len(sent)) if sent else 0,
-            "total_bytes_sent": total,
-            "dense_bytes_per_step": int(dense),
-            "ratio_to_dense": _r(sum(result.dense_bytes) / total) if total else None,
+            "bytes_per_step": int(median(sent)) if sent else 0,
+            "mean_bytes_per_step": _r(s["bytes_per_step"]),
+            "total_bytes_sent": int(s["total_bytes_sent"]),
+            "dense_bytes_per_step": int(median(result.dense_bytes)),
+            "ratio_to_dense": _r(s["compression_ratio"]),
             "time_per_step_s": _r(s["time_per_step_s"], 4),
             "opt_time_per_step_s": _r(s["opt_time_per_step_s"], 4),
             "total_time_s": _r(s["total_time_s"], 4),
@@ -157,7 +156,7 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job], factory: WorkloadFacto
         result, acc, error = None, math.nan, None
         try:
             result = run_method(job.spec, workload, job.steps, job.seed, eval_every=job.eval_every, log=log)
-            acc = heldout_accuracy(workload, workload.last_model, rank, world_size)
+            acc = heldout_accuracy(workload.last_model, workload.heldout_batches(), rank, world_size)
         except Exception as exc:  # noqa: BLE001 - recorded; the study goes on
             error = f"{type(exc).__name__}: {exc}"[:2000]
             if verbose and rank == 0:

@@ -158,7 +158,6 @@ class StudyConfig:
     headline: list[str]
     seeds: int
     lr_points: int
-    device: str = "cpu"
     verbose: bool = False
     methods_by_label: dict[str, MethodDef] = field(default_factory=method_catalog, repr=False)
 
@@ -271,27 +270,33 @@ def best_lr(records: list[dict]) -> float | None:
     return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
 
 
-def seed_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
-    """Phase 2: the headline methods at their best lr, seeds 1..seeds-1."""
+def seed_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
+    """Phase 2: the headline methods at their best lr (from phase 1's run JSONs), seeds 1..seeds-1."""
     jobs = []
     for m in cfg.headline:
-        records = [load_run(j.path, j.key) for j in sweep_jobs(cfg, wl) if j.method == m]
-        lr = best_lr([r for r in records if r])
+        lr = best_lr([r for r in sweep_records if r["method"] == m])
         if lr is not None:
             jobs.extend(make_job(cfg, wl, m, lr, s) for s in range(1, cfg.seeds))
     return jobs
 
 
-def _execute(cfg: StudyConfig, wl: WorkloadDef, jobs: list, phase: str) -> None:
+def _execute(cfg: StudyConfig, wl: WorkloadDef, jobs: list, phase: str, run: bool = True) -> list[dict]:
+    """Run the jobs without a current JSON (unless ``run`` is false); return the JSONs of the
+    jobs that have one."""
     from cokit.train import run_distributed
     from cokit.validation.runs import run_jobs
 
-    todo = [j for j in jobs if load_run(j.path, j.key) is None]
+    docs = [load_run(j.path, j.key) for j in jobs]
+    todo = [j for j, doc in zip(jobs, docs) if doc is None]
+    if not run:
+        return [doc for doc in docs if doc is not None]
     print(f"[{wl.name}] {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} already done, "
           f"{len(todo)} to run ({wl.steps} steps each, {cfg.world_size} gloo ranks)", flush=True)
     if todo:
-        run_distributed(run_jobs, todo, wl.factory, cfg.device, cfg.verbose, world_size=cfg.world_size,
-                        device=cfg.device, timeout=600.0 + 300.0 * len(todo))
+        run_distributed(run_jobs, todo, wl.factory, "cpu", cfg.verbose, world_size=cfg.world_size,
+                        device="cpu", timeout=600.0 + 300.0 * len(todo))
+    docs = [doc if doc is not None else load_run(j.path, j.key) for j, doc in zip(jobs, docs)]
+    return [doc for doc in docs if doc is not None]
 
 
 def machine_info() -> dict[str, Any]:
@@ -316,8 +321,8 @@ def describe(cfg: StudyConfig) -> dict[str, Any]:
         wls[wl.name] = {"steps": wl.steps, "eval_every": wl.eval_every, "config": repr(wl.factory),
                         "lr_grids": {f: list(wl.grid(f, cfg.lr_points)) for f, _ in wl.lrs}}
     return {
-        "preset": cfg.preset, "world_size": cfg.world_size, "device": cfg.device,
-        "backend": "gloo" if cfg.device == "cpu" else "nccl", "seeds": cfg.seeds,
+        "preset": cfg.preset, "world_size": cfg.world_size, "device": "cpu", "backend": "gloo",
+        "seeds": cfg.seeds,
         "lr_points": cfg.lr_points, "methods": {m: cfg.method(m).about for m in cfg.methods},
         "headline": cfg.headline, "workloads": wls,
         "lr_selection": "lowest final held-out loss of the seed-0 run",
@@ -330,27 +335,30 @@ def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
 
     os.makedirs(cfg.out_dir, exist_ok=True)
     start = time.perf_counter()
-    if not report_only:
+    run = not report_only
+    records = {wl.name: _execute(cfg, wl, sweep_jobs(cfg, wl), "lr sweep (seed 0)", run) for wl in cfg.workloads}
+    if cfg.seeds > 1:
         for wl in cfg.workloads:
-            _execute(cfg, wl, sweep_jobs(cfg, wl), "lr sweep (seed 0)")
-        if cfg.seeds > 1:
-            for wl in cfg.workloads:
-                _execute(cfg, wl, seed_jobs(cfg, wl), f"headline seeds 1..{cfg.seeds - 1} at the best lr")
-    records = {wl.name: [r for j in sweep_jobs(cfg, wl) + seed_jobs(cfg, wl)
-                         if (r := load_run(j.path, j.key)) is not None] for wl in cfg.workloads}
+            records[wl.name] += _execute(cfg, wl, seed_jobs(cfg, wl, records[wl.name]),
+                                         f"headline seeds 1..{cfg.seeds - 1} at the best lr", run)
     info = {**describe(cfg), "machine": machine_info(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
             "elapsed_s_this_invocation": round(time.perf_counter() - start, 1),
             "run_time_s_all_runs": round(sum(r.get("elapsed_s", 0.0) for rs in records.values() for r in rs), 1),
-            "workload_info": _workload_info(cfg)}
+            "workload_info": _workload_info(cfg, records)}
     return write_report(cfg.out_dir, info, records, cfg)
 
 
-def _workload_info(cfg: StudyConfig) -> dict[str, Any]:
+def _workload_info(cfg: StudyConfig, records: dict[str, list[dict]]) -> dict[str, Any]:
+    """Each workload's ``info()`` and parameter count (from its run JSONs; a model is built
+    only when no run recorded it)."""
     out = {}
     for wl in cfg.workloads:
         w = wl.factory.build("cpu")
-        out[wl.name] = {**w.info(), "num_params": sum(p.numel() for p in w.build_model(0).parameters())}
+        n = next((r["num_params"] for r in records.get(wl.name, []) if "num_params" in r), None)
+        if n is None:
+            n = sum(p.numel() for p in w.build_model(0).parameters())
+        out[wl.name] = {**w.info(), "num_params": n}
     return out
 
 
@@ -396,13 +404,14 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
                        steps=args.steps, verbose=args.verbose)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run the study the arguments describe; print the table; return an exit code."""
+def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> int:
+    """Run the study the arguments describe (``cfg``: their configuration, when already built);
+    print the table; return an exit code."""
     if args.list_methods:
         for label, m in method_catalog().items():
             print(f"{label:24s} {m.about}")
         return 0
-    cfg = config_from_args(args)
+    cfg = config_from_args(args) if cfg is None else cfg
     print(f"validation study, preset {cfg.preset}: {len(cfg.methods)} methods x "
           f"{cfg.lr_points} lr(s) x {len(cfg.workloads)} workload(s); {cfg.world_size} gloo ranks on "
           f"{os.cpu_count()} CPU cores; headline seeds {cfg.seeds}; out {cfg.out_dir}", flush=True)
@@ -418,10 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="validate_compression", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    cfg = None
     if not args.list_methods:
         try:
-            config_from_args(args)
+            cfg = config_from_args(args)
         except ValueError as exc:
             print(f"validate_compression: error: {exc}", file=sys.stderr)
             return 2
-    return run_from_args(args)
+    return run_from_args(args, cfg)

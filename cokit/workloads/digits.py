@@ -111,7 +111,9 @@ class DigitsWorkload:
         self.device = torch.device(device)
         x, y = load_digits_arrays()
         tr, ho = split_indices(y, config.heldout_fraction, config.split_seed)
-        self.train_x, self.train_y = torch.from_numpy(x[tr]), torch.from_numpy(y[tr])
+        # the training set lives on the device: a batch is gathered there (no per-step copy)
+        self.train_x = torch.from_numpy(x[tr]).to(self.device)
+        self.train_y = torch.from_numpy(y[tr]).to(self.device)
         self.heldout_x, self.heldout_y = torch.from_numpy(x[ho]), torch.from_numpy(y[ho])
 
     def build_model(self, seed: int) -> DigitsMLP:
@@ -132,8 +134,8 @@ class DigitsWorkload:
         """``batch_size`` images ``(b, 64)`` and labels ``(b,)`` from this rank's shard."""
         part = self.shard(rank, world_size)
         rng = np.random.default_rng([seed, step, rank, _BATCH_STREAM])
-        idx = torch.from_numpy(rng.integers(part.start, part.stop, self.config.batch_size))
-        return self.train_x[idx].to(self.device), self.train_y[idx].to(self.device)
+        idx = torch.from_numpy(rng.integers(part.start, part.stop, self.config.batch_size)).to(self.device)
+        return self.train_x[idx], self.train_y[idx]
 
     def heldout_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every held-out image once, in fixed batches of ``eval_batch_size``."""
@@ -147,17 +149,10 @@ class DigitsWorkload:
         x, y = batch
         return F.cross_entropy(model(x).float(), y)
 
-    @staticmethod
-    def accuracy(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
-        """(correct, total) top-1 predictions on ``batch``."""
-        x, y = batch
-        with torch.no_grad():
-            pred = model(x).argmax(-1)
-        return int((pred == y).sum()), int(y.numel())
-
     def info(self) -> dict:
         """JSON-ready description of the workload."""
-        digest = hashlib.sha256(self.train_x.numpy().tobytes() + self.heldout_x.numpy().tobytes()).hexdigest()
+        data = self.train_x.cpu().numpy().tobytes() + self.heldout_x.numpy().tobytes()
+        digest = hashlib.sha256(data).hexdigest()
         return {
             "task": "8x8 digit classification (sklearn load_digits)",
             "train_examples": int(self.train_y.numel()),

@@ -201,7 +201,7 @@ def batch_rng(seed: int, step: int, rank: int) -> np.random.Generator:
 
 def _windows(data: torch.Tensor, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = torch.from_numpy(starts.astype(np.int64))[:, None] + torch.arange(seq_len + 1)
-    chunk = data[idx].long()
+    chunk = data[idx.to(data.device)].long()
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
 
@@ -233,6 +233,7 @@ class TextWorkload:
         self.config = config
         self.device = torch.device(device)
         self.corpus = CharCorpus.build(config.corpus)
+        self.train = self.corpus.train.to(self.device)  # batches are cut on the device (no per-step copy)
         self.seq_len = config.model.max_seq_len
         if self.corpus.heldout.numel() <= self.seq_len + 1:
             raise ValueError("held-out text is shorter than one sequence")
@@ -241,22 +242,24 @@ class TextWorkload:
         """A freshly initialised model (identical on every rank for the same seed)."""
         return CharTransformer(self.config.model, seed=seed).to(self.device)
 
+    def check_world(self, world_size: int) -> None:
+        """Raise ValueError when ``world_size`` ranks would leave a shard shorter than one sequence."""
+        if self.corpus.train.numel() // world_size <= self.seq_len + 1:  # the shortest shard
+            raise ValueError(f"world size {world_size} leaves shards shorter than one sequence")
+
     def shard(self, rank: int, world_size: int) -> torch.Tensor:
         """This rank's contiguous slice of the training text."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        n = self.corpus.train.numel()
-        part = self.corpus.train[rank * n // world_size:(rank + 1) * n // world_size]
-        if part.numel() <= self.seq_len + 1:
-            raise ValueError(f"world size {world_size} leaves shards shorter than one sequence")
-        return part
+        self.check_world(world_size)
+        n = self.train.numel()
+        return self.train[rank * n // world_size:(rank + 1) * n // world_size]
 
     def train_batch(self, seed: int, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-character targets, ``(batch_size, seq_len)`` int64 each."""
         data = self.shard(rank, world_size)
         starts = batch_rng(seed, step, rank).integers(0, data.numel() - self.seq_len, self.config.batch_size)
-        x, y = _windows(data, starts, self.seq_len)
-        return x.to(self.device), y.to(self.device)
+        return _windows(data, starts, self.seq_len)
 
     def heldout_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The fixed evaluation set: evenly spaced windows over the held-out text."""

@@ -1,0 +1,26 @@
+"""Helpers shared by the reports: byte counts for people, and a headless pyplot."""
+
+from __future__ import annotations
+
+import math
+
+
+def human_bytes(n: float | None) -> str:
+    """``1536`` -> ``'1.50 KiB'``; ``None`` or a non-finite value -> ``'-'``."""
+    if n is None or not math.isfinite(n):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (writes files, needs no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
