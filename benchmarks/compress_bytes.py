@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compress import DeMo  # noqa: E402
-from overlap.launch import spawn  # noqa: E402
+from cokit.compress import DeMo
+from cokit.overlap.launch import spawn
 
 
 def build_model(d_model: int = 128, layers: int = 4, vocab: int = 256) -> torch.nn.Module:

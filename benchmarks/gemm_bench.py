@@ -20,22 +20,20 @@ Budget: about 4 minutes on one H200 (``quick=True``: about 1 minute).
 from __future__ import annotations
 
 import json
+import os
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from triton_kernels.backend import kernel_path  # noqa: E402
-from triton_kernels.gemm import gemm  # noqa: E402
-from triton_kernels.gemm_configs import GemmConfig, dtype_name  # noqa: E402
-from timing import median_ms  # noqa: E402  (beside this file)
+from cokit.triton_kernels.backend import kernel_path
+from cokit.triton_kernels.gemm import gemm
+from cokit.triton_kernels.gemm_configs import GemmConfig, dtype_name
+from cokit.bench.timing import median_ms
 
 OUT_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 PERF_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 1024, 8192)]  # M, N, K
@@ -82,8 +80,8 @@ def _correctness(rows: list[dict], device: torch.device, backend: str, quick: bo
 
     Each distinct shape/stride specialization is a new compile, so the cases are a covering
     list rather than the full product."""
-    from triton_kernels.backend import device_limits
-    from triton_kernels.occupancy import smem_for_blocks
+    from cokit.triton_kernels.backend import device_limits
+    from cokit.triton_kernels.occupancy import smem_for_blocks
 
     precisions = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee")]
     if backend == "cuda":
@@ -145,9 +143,9 @@ def _correctness(rows: list[dict], device: torch.device, backend: str, quick: bo
 
 def _occupancy_check(rows: list[dict], device: torch.device, backend: str) -> None:
     """The smem_bytes knob on hardware: calculator vs the driver, before and after shaping."""
-    from triton_kernels.backend import device_limits
-    from triton_kernels.gemm import warmup_gemm
-    from triton_kernels.occupancy import driver_occupancy, kernel_occupancy, smem_for_blocks, with_shared_memory
+    from cokit.triton_kernels.backend import device_limits
+    from cokit.triton_kernels.gemm import warmup_gemm
+    from cokit.triton_kernels.occupancy import driver_occupancy, kernel_occupancy, smem_for_blocks, with_shared_memory
 
     limits = device_limits(device)
     stages = 2 if backend == "hip" else 3
@@ -179,8 +177,8 @@ def _occupancy_check(rows: list[dict], device: torch.device, backend: str) -> No
 
 def _perf(rows: list[dict], device: torch.device, quick: bool, cache_dir: str | None) -> None:
     """Tuned config vs torch.matmul (tuning time and cache hits recorded)."""
-    from triton_kernels.gemm import select_config
-    from triton_kernels.gemm_configs import TuningCache
+    from cokit.triton_kernels.gemm import select_config
+    from cokit.triton_kernels.gemm_configs import TuningCache
 
     shapes = PERF_SHAPES[:1] if quick else PERF_SHAPES
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
@@ -218,9 +216,9 @@ def _sweep(rows: list[dict], device: torch.device, backend: str, quick: bool) ->
     The base tile (128x128x32) leaves room for more than one block per SM, so that raising
     smem_bytes has residency to take away; num_sms=None is the tiled form, a number is the
     persistent form on that many SMs (the rest carved out)."""
-    from triton_kernels.backend import device_limits
-    from triton_kernels.gemm import warmup_gemm
-    from triton_kernels.occupancy import kernel_occupancy, smem_for_blocks, with_shared_memory
+    from cokit.triton_kernels.backend import device_limits
+    from cokit.triton_kernels.gemm import warmup_gemm
+    from cokit.triton_kernels.occupancy import kernel_occupancy, smem_for_blocks, with_shared_memory
 
     limits = device_limits(device)
     M, N, K = (4096, 4096, 4096) if quick else (8192, 8192, 8192)
@@ -344,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer shapes and sweep points (about 1 minute)")
-    p.add_argument("--out", default=str(_ROOT / "benchmarks" / "out" / "gemm.json"), help="JSON output file")
+    p.add_argument("--out", default=os.path.join("benchmarks", "out", "gemm.json"), help="JSON output file")
     p.add_argument("--cache-dir", default=None, help="tuning cache directory (default $COKIT_CACHE_DIR)")
     args = p.parse_args(argv)
     report: dict = {}

@@ -27,11 +27,9 @@ from typing import Callable
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]
 
-from timing import median_ms  # noqa: E402  (beside this file)
-from triton_kernels import backend, dct, error_feedback, tiling, topk  # noqa: E402
+from cokit.bench.timing import median_ms
+from cokit.triton_kernels import backend, dct, error_feedback, tiling, topk
 
 
 def copy_bandwidth(device: torch.device, on_gpu: bool) -> float:

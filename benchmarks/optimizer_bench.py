@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compress import DeMo  # noqa: E402
-from timing import median_ms  # noqa: E402  (beside this file)
+from cokit.compress import DeMo
+from cokit.bench.timing import median_ms
 
 
 def layer_shapes(d_model: int, layers: int) -> list[tuple[int, ...]]:

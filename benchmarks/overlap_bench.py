@@ -3,7 +3,7 @@
     python benchmarks/overlap_bench.py [--quick] [--budget-s 180] [--out benchmarks/out/overlap.json]
 
 On a GPU (CUDA or ROCm), with one device and no peer, the communication side is emulated
-(:class:`overlap.emulate.EmulatedComm`): a persistent copy kernel on a chosen number of SMs
+(:class:`cokit.overlap.emulate.EmulatedComm`): a persistent copy kernel on a chosen number of SMs
 (each program holding a whole SM), sized so that it takes about as long as the GEMM, or a
 device-to-host copy. For a few settings of num_warps x smem_bytes (natural / shaped to one
 block per SM) x num_sms (tiled / persistent leaving the copy's SMs free) x stream priority
@@ -11,7 +11,7 @@ block per SM) x num_sms (tiled / persistent leaving the copy's SMs free) x strea
 prints the speedup over sequential (T_comp + T_comm) / T_ovl and the % of the ideal gain
 ((T_seq - T_ovl) / min(T_comp, T_comm)). Every row is labelled EMULATED.
 
-Without a GPU it runs the real CPU measurement instead (overlap.cpu_demo: a torch matmul
+Without a GPU it runs the real CPU measurement instead (cokit.overlap.cpu_demo: a torch matmul
 overlapped with a gloo all-reduce between two processes) and says so; no GPU numbers.
 Never asserts on time; stops adding points when the time budget is spent.
 """
@@ -19,16 +19,14 @@ Never asserts on time; stops adding points when the time budget is spent.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-import torch  # noqa: E402
+import torch
 
 
 def _fmt(v: Any) -> str:
@@ -47,13 +45,13 @@ def _print(rows: list[dict], cols: list[str]) -> None:
 def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget_s: float, t_start: float) -> None:
     import triton.testing
 
-    from overlap.emulate import EmulatedComm
-    from overlap.guard import StarvationGuard
-    from overlap.schedules import Overlap
-    from triton_kernels.backend import device_limits, kernel_path
-    from triton_kernels.gemm import gemm, warmup_gemm
-    from triton_kernels.gemm_configs import GemmConfig
-    from triton_kernels.occupancy import smem_for_blocks
+    from cokit.overlap.emulate import EmulatedComm
+    from cokit.overlap.guard import StarvationGuard
+    from cokit.overlap.schedules import Overlap
+    from cokit.triton_kernels.backend import device_limits, kernel_path
+    from cokit.triton_kernels.gemm import gemm, warmup_gemm
+    from cokit.triton_kernels.gemm_configs import GemmConfig
+    from cokit.triton_kernels.occupancy import smem_for_blocks
 
     limits = device_limits(device)
     backend = kernel_path(device)
@@ -115,7 +113,7 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget_s: fl
 
 
 def _cpu(rows: list[dict], quick: bool) -> None:
-    from overlap.cpu_demo import cpu_gloo_measurement
+    from cokit.overlap.cpu_demo import cpu_gloo_measurement
 
     per_rank = cpu_gloo_measurement(size=512 if quick else 768, numel=1_000_000 if quick else 2_000_000,
                                     repeats=5 if quick else 10, warmup=2)
@@ -174,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer settings, smaller GEMM (about 1 minute on a GPU)")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop adding points after this many seconds")
-    p.add_argument("--out", default=str(_ROOT / "benchmarks" / "out" / "overlap.json"), help="JSON output file")
+    p.add_argument("--out", default=os.path.join("benchmarks", "out", "overlap.json"), help="JSON output file")
     args = p.parse_args(argv)
     report: dict = {}
     rows = run(report, quick=args.quick, budget_s=args.budget_s)

@@ -13,11 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-from cokit.validation.study import main  # noqa: E402
+from cokit.validation.study import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -6,7 +6,7 @@ the bytes this rank put on the wire. Built in:
 * ``"adamw"`` -- dense: one flat all-reduce (mean) of all gradients, then ``torch.optim.AdamW``;
   bytes counted as a ring all-reduce of the fp32 gradients.
 * ``"sgd"`` -- the same exchange, then ``torch.optim.SGD`` (pass ``momentum`` in ``options``).
-* ``"demo"`` -- ``compress.DeMo``: it does its own (compressed) communication; bytes from its
+* ``"demo"`` -- ``cokit.compress.DeMo``: it does its own (compressed) communication; bytes from its
   ``comm_stats``.
 
 More can be added with :func:`register_method`. :func:`run_method` runs one method on every rank
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compress.comm import Communicator
-from compress.stats import dense_allreduce_bytes
-from overlap.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
+from cokit.compress.comm import Communicator
+from cokit.compress.stats import dense_allreduce_bytes
+from cokit.overlap.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
 
 Log = Callable[[str], None]
 SCHEDULES = ("constant", "cosine")
@@ -182,10 +182,10 @@ def _build_sgd(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | No
 
 
 class DeMoMethod(Method):
-    """``compress.DeMo``: compressed momentum exchange inside ``step()``."""
+    """``cokit.compress.DeMo``: compressed momentum exchange inside ``step()``."""
 
     def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
-        from compress import DeMo  # lazy: the runner works without the optimizer module
+        from cokit.compress import DeMo  # lazy: the runner works without the optimizer module
 
         self.optimizer = DeMo(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
                               process_group=group, **spec.options)
@@ -319,7 +319,7 @@ def _max_replica_diff(model: nn.Module, group: dist.ProcessGroup | None) -> floa
 
 def run_environment(device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Where a run executes: device, collective backend, kernel path, threads, versions."""
-    from triton_kernels.backend import kernel_path
+    from cokit.triton_kernels.backend import kernel_path
 
     return {
         "device": str(device),

@@ -1,6 +1,6 @@
 """Compressed gradient exchange: the DeMo optimizer, payload codecs and a DDP comm hook."""
 
-from compress.optimizer import DeMo
-from compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.optimizer import DeMo
+from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
 
 __all__ = ["DeMo", "CommStats", "ring_allgather_bytes", "ring_allreduce_bytes"]

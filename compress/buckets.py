@@ -14,9 +14,9 @@ import dataclasses
 
 import torch
 
-from compress.payload import PayloadCodec, PayloadKind, reference_nbytes
-from triton_kernels import tiling
-from triton_kernels.error_feedback import payload_layout
+from cokit.compress.payload import PayloadCodec, PayloadKind, reference_nbytes
+from cokit.triton_kernels import tiling
+from cokit.triton_kernels.error_feedback import payload_layout
 
 
 @dataclasses.dataclass

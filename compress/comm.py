@@ -3,7 +3,7 @@
 Every collective is launched with ``async_op=True`` and returns a :class:`Pending`; waiting
 on it with a timeout turns "a rank never joined" into an error naming the owner (e.g. the
 optimizer) instead of a hang. Byte counts are per rank, ring algorithm volumes
-(:mod:`compress.stats`). Without an initialized process group (or world size 1) the
+(:mod:`cokit.compress.stats`). Without an initialized process group (or world size 1) the
 collectives are local copies and count zero bytes.
 """
 
@@ -13,7 +13,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from compress.stats import ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
 
 
 class CollectiveTimeout(RuntimeError):

@@ -1,6 +1,6 @@
 """A DDP communication hook: DCT + top-k compressed gradients with error feedback.
 
-    from compress.hooks import DCTTopKState, dct_topk_hook
+    from cokit.compress.hooks import DCTTopKState, dct_topk_hook
     state = DCTTopKState(topk=32, chunk=64, warmup_steps=10)
     ddp_model.register_comm_hook(state, dct_topk_hook)
 
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from compress.buckets import sends_dense
-from compress.payload import PayloadCodec
-from compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
-from triton_kernels.dct import dct_decode_multi
-from triton_kernels.error_feedback import ef_encode, payload_layout
+from cokit.compress.buckets import sends_dense
+from cokit.compress.payload import PayloadCodec
+from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
+from cokit.triton_kernels.dct import dct_decode_multi
+from cokit.triton_kernels.error_feedback import ef_encode, payload_layout
 
 __all__ = ["DCTTopKState", "dct_topk_hook"]
 

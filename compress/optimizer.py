@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from compress.buckets import Bucket, make_buckets
-from compress.comm import Communicator, Pending
-from compress.payload import PAYLOAD_KINDS
-from compress.stats import CommStats, ring_allreduce_bytes
-from triton_kernels.error_feedback import ef_decode, ef_encode
+from cokit.compress.buckets import Bucket, make_buckets
+from cokit.compress.comm import Communicator, Pending
+from cokit.compress.payload import PAYLOAD_KINDS
+from cokit.compress.stats import CommStats, ring_allreduce_bytes
+from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 
 __all__ = ["DeMo"]
 

@@ -1,6 +1,6 @@
 """Payload codecs: how one bucket's top-k selection travels as a single byte buffer.
 
-A bucket's selection is ``P`` slots (``triton_kernels.error_feedback.payload_layout``): an
+A bucket's selection is ``P`` slots (``cokit.triton_kernels.error_feedback.payload_layout``): an
 index (position in its tile) and a value per slot. Codecs turn it into one flat ``uint8``
 buffer, so that a whole bucket goes in one all-gather, and back from the gathered
 ``(world_size, nbytes)`` buffer:
@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from triton_kernels.tiling import TilePlan
+from cokit.triton_kernels.tiling import TilePlan
 
 PayloadKind = Literal["reference", "compact", "sign"]
 PAYLOAD_KINDS: tuple[str, ...] = ("reference", "compact", "sign")

@@ -4,14 +4,14 @@ DESIGN.md 1.2 (Cui & Pericas): give the compute kernel a shaped footprint (more 
 memory per block, fewer SMs for a persistent GEMM) and run communication on high-priority
 streams, so that collectives hide behind compute on NVIDIA and AMD alike.
 
-* :mod:`overlap.streams`   -- comm stream with a priority, high-priority process group (CPU no-ops)
-* :mod:`overlap.guard`     -- the starvation guard (bounds on SMs reserved, footprint inflation)
-* :mod:`overlap.metrics`   -- the metric formulas
-* :mod:`overlap.measure`   -- alone / sequential / overlapped timing with repeats
-* :mod:`overlap.schedules` -- GEMM + all-reduce/reduce-scatter, all-gather + GEMM, generic Overlap
-* :mod:`overlap.emulate`   -- one-GPU emulated communication (labelled as such)
-* :mod:`overlap.sweep`     -- sweeps, CSV/JSON records, heatmaps and timelines (``cokit sweep``)
-* :mod:`overlap.tuner`     -- online tuner for training loops
+* :mod:`cokit.overlap.streams`   -- comm stream with a priority, high-priority process group (CPU no-ops)
+* :mod:`cokit.overlap.guard`     -- the starvation guard (bounds on SMs reserved, footprint inflation)
+* :mod:`cokit.overlap.metrics`   -- the metric formulas
+* :mod:`cokit.overlap.measure`   -- alone / sequential / overlapped timing with repeats
+* :mod:`cokit.overlap.schedules` -- GEMM + all-reduce/reduce-scatter, all-gather + GEMM, generic Overlap
+* :mod:`cokit.overlap.emulate`   -- one-GPU emulated communication (labelled as such)
+* :mod:`cokit.overlap.sweep`     -- sweeps, CSV/JSON records, heatmaps and timelines (``cokit sweep``)
+* :mod:`cokit.overlap.tuner`     -- online tuner for training loops
 """
 
 from .emulate import EmulatedComm

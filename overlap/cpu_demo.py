@@ -1,9 +1,9 @@
 """A real CPU measurement: a torch matmul overlapped with a gloo all-reduce, two processes.
 
-    python -m overlap.cpu_demo [--size 768] [--numel 2000000] [--repeats 10]
+    python -m cokit.overlap.cpu_demo [--size 768] [--numel 2000000] [--repeats 10]
 
 Two ranks are spawned on loopback (one torch thread each); each runs the generic
-:class:`~overlap.schedules.Overlap` (``a @ b`` on the calling thread, ``dist.all_reduce(...,
+:class:`~cokit.overlap.schedules.Overlap` (``a @ b`` on the calling thread, ``dist.all_reduce(...,
 async_op=True)`` on gloo's work thread) and the chunked :class:`GemmCollective`
 (all-reduce of the GEMM's own output), and reports every metric. Nothing here is emulated;
 how much hides depends on the cores free for gloo's thread (report what it prints).
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from triton_kernels._checks import check_int
+from cokit.triton_kernels._checks import check_int
 
 __all__ = ["cpu_gloo_measurement"]
 

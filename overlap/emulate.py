@@ -3,7 +3,7 @@
 A collective kernel is a memory-bound loop on a few SMs; :class:`EmulatedComm` stands in for
 it with a copy of ``nbytes``:
 
-* ``copy-kernel`` (GPU): :func:`triton_kernels.sm_copy.sm_copy`, a persistent copy on
+* ``copy-kernel`` (GPU): :func:`cokit.triton_kernels.sm_copy.sm_copy`, a persistent copy on
   ``n_sms`` programs (``exclusive_sms=True`` reserves a whole SM's shared memory per program,
   so it occupies exactly ``n_sms`` SMs) -- competes with compute for SMs, like NCCL;
 * ``d2h`` (GPU): a device-to-host copy into pinned memory -- uses a copy engine, no SMs
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from triton_kernels._checks import check_int
+from cokit.triton_kernels._checks import check_int
 
 from .streams import _device
 
@@ -43,7 +43,7 @@ class _FutureHandle:
 
 class EmulatedComm:
     """A callable that starts an emulated transfer of ``nbytes`` and returns a handle (None
-    for stream-ordered GPU work: run it under a :class:`~overlap.streams.CommStream`)."""
+    for stream-ordered GPU work: run it under a :class:`~cokit.overlap.streams.CommStream`)."""
 
     emulated = True
 
@@ -77,14 +77,14 @@ class EmulatedComm:
         self.dst = torch.empty_like(self.src)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         if self.kind == "copy-kernel":
-            from triton_kernels.backend import device_limits
+            from cokit.triton_kernels.backend import device_limits
 
             limits = device_limits(self.device)
             if n_sms is not None and not 1 <= n_sms <= limits.num_sms:
                 raise ValueError(f"n_sms={n_sms} is invalid; allowed: 1 to {limits.num_sms} on {limits.name}")
             self.n_sms = n_sms or limits.num_sms
             if exclusive_sms:
-                from triton_kernels.occupancy import smem_for_blocks
+                from cokit.triton_kernels.occupancy import smem_for_blocks
 
                 self.smem_bytes = smem_for_blocks(limits, 1)
         elif self.kind == "d2h":
@@ -107,7 +107,7 @@ class EmulatedComm:
 
     def __call__(self) -> Any:
         if self.kind == "copy-kernel":
-            from triton_kernels.sm_copy import sm_copy
+            from cokit.triton_kernels.sm_copy import sm_copy
 
             sm_copy(self.src, self.dst, n_sms=self.n_sms, passes=self.passes, smem_bytes=self.smem_bytes)
             return None

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from triton_kernels._checks import check_int
+from cokit.triton_kernels._checks import check_int
 
 __all__ = ["backend_for", "free_port", "in_torchrun", "local_device", "run", "spawn"]
 

@@ -1,7 +1,7 @@
 """Measure a compute/communication pair: alone, sequential and overlapped, with every metric.
 
 A *workload* (any object with the four ``run_*`` methods of :class:`Workload`; the
-schedules of :mod:`overlap.schedules` are workloads) is run in rounds; each round times, in
+schedules of :mod:`cokit.overlap.schedules` are workloads) is run in rounds; each round times, in
 order, compute alone, communication alone, both one after the other, and both overlapped
 (with the compute spans inside the overlapped run timed separately: compute under overlap).
 ``warmup`` rounds are discarded, ``repeats`` rounds are kept. Times come from CUDA events
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from triton_kernels._checks import check_int
+from cokit.triton_kernels._checks import check_int
 
 from .metrics import METRIC_NAMES, OverlapMetrics, Spread, compute_metrics, summarize
 

@@ -10,7 +10,7 @@ measured with both running concurrently:
 * comm hidden           = ``(T_seq - T_ovl) / T_comm``
 * compute slowdown      = ``T_comp_under_overlap / T_comp - 1``
 
-Pure arithmetic, no timing: :mod:`overlap.measure` feeds it.
+Pure arithmetic, no timing: :mod:`cokit.overlap.measure` feeds it.
 """
 
 from __future__ import annotations

@@ -10,16 +10,16 @@
 * :class:`Overlap` -- any ``compute()`` next to any ``communicate()`` (which returns a
   ``dist.Work``, a list of them, or None for stream-ordered work).
 
-Every schedule is a :class:`~overlap.measure.Workload`: ``run_sequential()`` is the plain
+Every schedule is a :class:`~cokit.overlap.measure.Workload`: ``run_sequential()`` is the plain
 version (one GEMM, one blocking collective), ``run_overlapped()`` the pipelined one, which
 returns exactly the same tensor (same GEMM tiles and K order per element, same reduction).
-:meth:`run` returns the output and, on request, the timings of :func:`overlap.measure.measure`.
+:meth:`run` returns the output and, on request, the timings of :func:`cokit.overlap.measure.measure`.
 
-Each takes a :class:`~triton_kernels.gemm_configs.GemmConfig` (tiles, ``num_warps``,
+Each takes a :class:`~cokit.triton_kernels.gemm_configs.GemmConfig` (tiles, ``num_warps``,
 ``num_stages``, ``num_sms``, ``smem_bytes``: the occupancy shaping) and a stream priority.
 Process-group collectives run on the backend's own streams: on NCCL/RCCL their priority is
-the group's (:func:`overlap.streams.high_priority_group`; asking ``'high'`` of a normal
-group warns); :class:`Overlap` runs ``communicate`` on a :class:`~overlap.streams.CommStream`
+the group's (:func:`cokit.overlap.streams.high_priority_group`; asking ``'high'`` of a normal
+group warns); :class:`Overlap` runs ``communicate`` on a :class:`~cokit.overlap.streams.CommStream`
 of the given priority. On CPU (gloo) streams are no-ops and collectives run asynchronously
 on gloo's work threads while the GEMM runs on the calling thread.
 """
@@ -32,10 +32,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from triton_kernels._checks import check_int
-from triton_kernels.backend import cached_device_limits, kernel_path
-from triton_kernels.gemm import PRECISIONS, gemm
-from triton_kernels.gemm_configs import GemmConfig, dtype_name
+from cokit.triton_kernels._checks import check_int
+from cokit.triton_kernels.backend import cached_device_limits, kernel_path
+from cokit.triton_kernels.gemm import PRECISIONS, gemm
+from cokit.triton_kernels.gemm_configs import GemmConfig, dtype_name
 
 from .guard import StarvationGuard
 from .measure import NULL_PROBE, OverlapResult, Probe, measure
@@ -113,7 +113,7 @@ class _Schedule:
             if not dist.is_available() or not dist.is_initialized():
                 raise RuntimeError(
                     f"{type(self).__name__} needs torch.distributed initialized (dist.init_process_group); "
-                    "for one GPU use overlap.emulate.EmulatedComm with Overlap"
+                    "for one GPU use cokit.overlap.emulate.EmulatedComm with Overlap"
                 )
             self.world_size = dist.get_world_size(self.group)
             self.rank = dist.get_rank(self.group)
@@ -139,13 +139,13 @@ class _Schedule:
 
     def run(self, *, overlap: bool = True, measure: bool = False, repeats: int = 5, warmup: int = 1) -> Scheduled:
         """The output (overlapped, or the plain version with ``overlap=False``), plus timings
-        from :func:`overlap.measure.measure` when ``measure`` (collective: every rank calls)."""
+        from :func:`cokit.overlap.measure.measure` when ``measure`` (collective: every rank calls)."""
         out = self.run_overlapped(NULL_PROBE) if overlap else self.run_sequential()
         timings = self.measure(repeats=repeats, warmup=warmup) if measure else None
         return Scheduled(out, timings)
 
     def measure(self, *, repeats: int = 5, warmup: int = 1, **kwargs: Any) -> OverlapResult:
-        """Time this schedule (see :func:`overlap.measure.measure`)."""
+        """Time this schedule (see :func:`cokit.overlap.measure.measure`)."""
         return measure(self, repeats=repeats, warmup=warmup, **kwargs)
 
     # -- the four phases (defined by subclasses)
@@ -453,7 +453,7 @@ class Overlap(_Schedule):
 
     ``communicate`` starts the communication and returns a handle: a ``dist.Work``
     (``async_op=True`` collectives), a list of them, or None for stream-ordered GPU work
-    (it runs on a :class:`~overlap.streams.CommStream` of ``priority``). Overlapped, the
+    (it runs on a :class:`~cokit.overlap.streams.CommStream` of ``priority``). Overlapped, the
     communication is started first, ``compute`` runs meanwhile on the current stream / the
     calling thread, then the handle is waited and the comm stream joined. The output is what
     ``compute`` returns; ``communicate`` delivers its results through its own tensors.
@@ -489,7 +489,7 @@ class Overlap(_Schedule):
             self.rank = dist.get_rank(self.group)
         if stream is not None:
             if not isinstance(stream, CommStream):
-                raise TypeError(f"stream must be an overlap.streams.CommStream, got {type(stream).__name__}")
+                raise TypeError(f"stream must be an cokit.overlap.streams.CommStream, got {type(stream).__name__}")
             if stream.device != dev:
                 raise ValueError(f"stream is on {stream.device} but the overlap runs on {dev}")
         self.stream = stream or CommStream(dev, priority)

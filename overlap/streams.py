@@ -10,7 +10,7 @@
 * :func:`wait_handle` -- waits on what a communication call returned (a ``Work``, a list of
   them, or None for stream-ordered work).
 
-The starvation guard lives in :mod:`overlap.guard` and is re-exported here.
+The starvation guard lives in :mod:`cokit.overlap.guard` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -231,6 +231,6 @@ def warn_if_priority_ignored(group: Any, priority: str | int) -> None:
         ) == "nccl":
             warnings.warn(
                 "high priority requested, but this NCCL group's collectives run on normal-priority streams; "
-                "create the group with overlap.streams.high_priority_group() (or set TORCH_NCCL_HIGH_PRIORITY=1)",
+                "create the group with cokit.overlap.streams.high_priority_group() (or set TORCH_NCCL_HIGH_PRIORITY=1)",
                 stacklevel=3,
             )

@@ -1,7 +1,7 @@
 """Sweep overlap settings: GEMM configs x message sizes x collectives (x chunks, priorities).
 
 :func:`sweep_points` builds the grid, :func:`run_sweep` measures every point with
-:func:`overlap.measure.measure` (every rank of a group runs the same points in the same
+:func:`cokit.overlap.measure.measure` (every rank of a group runs the same points in the same
 order), :func:`write_csv` / :func:`write_json` record the rows, and the plots are
 speedup heatmaps (:func:`plot_heatmap`: over num_warps x smem_bytes, reserved SMs x message
 size, chunks x message size) and a timeline-style bar chart of one point
@@ -9,7 +9,7 @@ size, chunks x message size) and a timeline-style bar chart of one point
 
 A point's GEMM is square, ``size x size x size``; its message is the ``size x size`` product
 (all-reduce, reduce-scatter, or the gathered operand for all-gather; ``emulated`` is the
-one-GPU copy of :class:`overlap.emulate.EmulatedComm` of that many bytes). On CPU the
+one-GPU copy of :class:`cokit.overlap.emulate.EmulatedComm` of that many bytes). On CPU the
 occupancy knobs of the config (num_warps, smem_bytes, num_sms) do not change anything (the
 GEMM runs on torch or the interpreter): they are recorded, and rows say so.
 """
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from triton_kernels.gemm_configs import GemmConfig, parse_dtype
+from cokit.triton_kernels.gemm_configs import GemmConfig, parse_dtype
 
 __all__ = [
     "SWEEP_COLLECTIVES",
@@ -124,7 +124,7 @@ def check_point(point: SweepPoint, world_size: int) -> None:
 
 
 def _workload(point: SweepPoint, device: torch.device, dtype: torch.dtype, group: Any, world: int, seed: int):
-    from triton_kernels.gemm import gemm
+    from cokit.triton_kernels.gemm import gemm
 
     from .emulate import EmulatedComm
     from .schedules import AllGatherGemm, GemmCollective, Overlap
@@ -168,7 +168,7 @@ def run_sweep(
     """
     import torch.distributed as dist
 
-    from triton_kernels.backend import cached_device_limits
+    from cokit.triton_kernels.backend import cached_device_limits
 
     from .guard import reserved_sms
     from .streams import _device

@@ -26,7 +26,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from triton_kernels._checks import check_int
+from cokit.triton_kernels._checks import check_int
 
 from .guard import StarvationGuard
 
@@ -43,7 +43,7 @@ def _describe(c: Any) -> Any:
 
 
 def _config_of(c: Any) -> Any:
-    from triton_kernels.gemm_configs import GemmConfig
+    from cokit.triton_kernels.gemm_configs import GemmConfig
 
     if isinstance(c, GemmConfig):
         return c

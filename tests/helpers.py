@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels import tiling
+from cokit.triton_kernels import tiling
 
 SHAPES = [(1,), (7,), (3, 5), (64, 64), (96, 128), (130, 70), (16, 3, 3, 3)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

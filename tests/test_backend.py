@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from triton_kernels import backend
+from cokit.triton_kernels import backend
 
 
 def test_cpu_tensors_use_the_interpreter_in_tests(monkeypatch):
@@ -39,9 +39,9 @@ def test_named_targets():
 
 def test_torch_path_matches_interpreter(monkeypatch):
     """The pure-torch path (CPU without interpreter) gives the kernels' results."""
-    from triton_kernels.dct import dct_encode
-    from triton_kernels.error_feedback import ef_decode, ef_encode
-    from triton_kernels.topk import chunk_topk
+    from cokit.triton_kernels.dct import dct_encode
+    from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
+    from cokit.triton_kernels.topk import chunk_topk
 
     x, g = torch.randn(96, 128), torch.randn(96, 128)
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from triton_kernels.dct import dct_decode, dct_encode, dct_encode_multi
-from triton_kernels.error_feedback import ef_decode, ef_encode
-from triton_kernels.topk import chunk_topk
+from cokit.triton_kernels.dct import dct_decode, dct_encode, dct_encode_multi
+from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
+from cokit.triton_kernels.topk import chunk_topk
 
 
 @pytest.mark.parametrize("bad,match", [

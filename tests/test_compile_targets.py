@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from triton_kernels.compile_only import kernel_specs
+from cokit.triton_kernels.compile_only import kernel_specs
 
 TARGETS = ["sm_80", "sm_90", "gfx942"]
 
@@ -20,7 +20,7 @@ TARGETS = ["sm_80", "sm_90", "gfx942"]
 def report():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "triton_kernels.compile_only", *TARGETS],
+        [sys.executable, "-m", "cokit.triton_kernels.compile_only", *TARGETS],
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -40,7 +40,7 @@ def test_resources_within_arch_limits(report):
 
 
 def test_compile_only_refuses_interpreter_process():
-    from triton_kernels.compile_only import compile_for_target
+    from cokit.triton_kernels.compile_only import compile_for_target
 
     label, fn, sig, constexprs = kernel_specs()[0]
     with pytest.raises(RuntimeError, match="without TRITON_INTERPRET"):

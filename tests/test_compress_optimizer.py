@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import demo_simulation as sim
-from compress import DeMo
-from compress.comm import CollectiveTimeout
+from cokit.compress import DeMo
+from cokit.compress.comm import CollectiveTimeout
 from distributed import run_gloo
 
 SHAPES = [(96, 128), (130, 70), (16, 3, 3, 3), (7,), (67,), ()]
@@ -196,7 +196,7 @@ def _regression(rank: int, world: int):
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from compress.hooks import DCTTopKState, dct_topk_hook
+    from cokit.compress.hooks import DCTTopKState, dct_topk_hook
 
     torch.manual_seed(0)
     net = DDP(_Net())
@@ -222,7 +222,7 @@ def _hook_full_k(rank: int, world: int):
     _torch_path()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from compress.hooks import DCTTopKState, dct_topk_hook
+    from cokit.compress.hooks import DCTTopKState, dct_topk_hook
 
     torch.manual_seed(0)
     x, y = _data(rank, 32)
@@ -356,8 +356,8 @@ def test_sparse_gradients_and_integer_params_are_rejected():
 
 
 def _codec(kind, value_dtype=torch.bfloat16):
-    from compress.payload import PayloadCodec
-    from triton_kernels.error_feedback import payload_layout
+    from cokit.compress.payload import PayloadCodec
+    from cokit.triton_kernels.error_feedback import payload_layout
 
     return PayloadCodec(payload_layout([(40, 24), (9,)], 8, 3), kind, value_dtype)
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
-from triton_kernels import tiling
-from triton_kernels.dct import (
+from cokit.triton_kernels import tiling
+from cokit.triton_kernels.dct import (
     dct_decode,
     dct_decode_multi,
     dct_decode_reference,

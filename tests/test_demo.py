@@ -9,10 +9,10 @@ import torch
 
 from cokit.cli import main
 from cokit.train import MethodSpec, RunResult, run_distributed, run_methods
-from overlap.launch import free_port
+from cokit.overlap.launch import free_port
 from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
 from cokit.workloads.text import VOCAB_SIZE
-from compress.stats import ring_allreduce_bytes
+from cokit.compress.stats import ring_allreduce_bytes
 
 TOY_ARGS = ["--model", "toy", "--max-chars", "100000", "--batch-size", "4", "--eval-every", "3", "--quiet"]
 

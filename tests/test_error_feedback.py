@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
-from triton_kernels.error_feedback import (
+from cokit.triton_kernels.error_feedback import (
     ef_decode,
     ef_decode_reference,
     ef_encode,
@@ -113,7 +113,7 @@ def test_mean_over_ranks_that_chose_a_position(poison):
     p = [torch.zeros(8)]
     ef_decode(p, idx, vals, lr=1.0, k=2, chunk=8, use_sign=False)
     dense = torch.tensor([[4.0, 4.0, 8.0, 0, 0, 0, 0, 0]])  # position 1: mean(2, 6)
-    from triton_kernels.dct import dct_decode_reference
+    from cokit.triton_kernels.dct import dct_decode_reference
     assert torch.allclose(p[0], -dct_decode_reference(dense, (8,), 8), atol=1e-6)
 
 

@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from triton_kernels.backend import arch_limits
-from triton_kernels.gemm import gemm, gemm_reference, matmul
-from triton_kernels.gemm_configs import (
+from cokit.triton_kernels.backend import arch_limits
+from cokit.triton_kernels.gemm import gemm, gemm_reference, matmul
+from cokit.triton_kernels.gemm_configs import (
     GemmConfig,
     TuningCache,
     autotune,
@@ -363,7 +363,7 @@ def test_gpu_tuning_flow_with_a_fake_device(monkeypatch, tmp_path):
     """gemm() without a config on a 'GPU' (faked: sm_90 limits, interpreter execution, a fake
     timer): the pruned config space is timed once, the winner persists in the JSON cache under
     COKIT_CACHE_DIR, and the second call does not tune again."""
-    import triton_kernels.gemm as G
+    import cokit.triton_kernels.gemm as G
 
     monkeypatch.setattr(G, "kernel_path", lambda device=None: "cuda")
     monkeypatch.setattr(G, "_limits_for", lambda path, device: arch_limits("sm_90"))

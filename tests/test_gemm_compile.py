@@ -30,7 +30,7 @@ MARK = "COKIT-COMPILE-REPORT:"
 def _cases():
     import torch
 
-    from triton_kernels.gemm_configs import GemmConfig as G
+    from cokit.triton_kernels.gemm_configs import GemmConfig as G
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     return {
@@ -59,7 +59,7 @@ def _cases():
 def _knob_cases():
     import torch
 
-    from triton_kernels.gemm_configs import GemmConfig as G
+    from cokit.triton_kernels.gemm_configs import GemmConfig as G
 
     return {
         "sm_80": (G(128, 128, 64, 8, num_warps=4, num_stages=3), torch.bfloat16),
@@ -74,10 +74,10 @@ def _worker() -> dict:
     import time
     import traceback
 
-    from triton_kernels.backend import arch_limits
-    from triton_kernels.gemm import compile_gemm
-    from triton_kernels.gemm_configs import dtype_name, estimate_shared_bytes
-    from triton_kernels.occupancy import kernel_occupancy, smem_for_blocks, with_shared_memory
+    from cokit.triton_kernels.backend import arch_limits
+    from cokit.triton_kernels.gemm import compile_gemm
+    from cokit.triton_kernels.gemm_configs import dtype_name, estimate_shared_bytes
+    from cokit.triton_kernels.occupancy import kernel_occupancy, smem_for_blocks, with_shared_memory
 
     report: dict = {"builds": [], "knob": {}, "cli": {}}
     for target, cases in _cases().items():
@@ -196,7 +196,7 @@ def _builds(report: dict, target: str) -> list[dict]:
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_90", "gfx942"])
 def test_configs_compile_within_limits(report, target):
-    from triton_kernels.backend import arch_limits
+    from cokit.triton_kernels.backend import arch_limits
 
     limits = arch_limits(target)
     for row in _builds(report, target):
@@ -249,7 +249,7 @@ def test_smem_knob_equals_tritons_min_shared_mem_on_cuda(report, target):
 
 
 def test_cli_occupancy_for_named_targets(report):
-    from triton_kernels.backend import arch_limits
+    from cokit.triton_kernels.backend import arch_limits
 
     run = report["cli"]["sm_90_json"]
     assert run["rc"] == 0, run

@@ -9,8 +9,8 @@ import pytest
 
 from cokit.cli import CliError
 from cokit.commands import occupancy as occupancy_cmd
-from triton_kernels.backend import arch_limits
-from triton_kernels.occupancy import occupancy, smem_for_blocks
+from cokit.triton_kernels.backend import arch_limits
+from cokit.triton_kernels.occupancy import occupancy, smem_for_blocks
 
 SM80, SM90 = arch_limits("sm_80"), arch_limits("sm_90")
 GFX90A, GFX942 = arch_limits("gfx90a"), arch_limits("gfx942")

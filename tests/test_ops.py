@@ -2,9 +2,9 @@
 
 import torch
 
-from triton_kernels.dct import dct_decode, dct_encode
-from triton_kernels.error_feedback import ef_decode, ef_encode
-from triton_kernels.topk import chunk_topk
+from cokit.triton_kernels.dct import dct_decode, dct_encode
+from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
+from cokit.triton_kernels.topk import chunk_topk
 
 
 def test_opcheck_every_op():

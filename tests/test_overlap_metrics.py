@@ -1,12 +1,12 @@
-"""overlap.metrics formulas and overlap.measure on a virtual clock (known times -> exact metrics)."""
+"""cokit.overlap.metrics formulas and cokit.overlap.measure on a virtual clock (known times -> exact metrics)."""
 
 import math
 
 import pytest
 import torch
 
-from overlap.measure import NULL_PROBE, OverlapResult, measure
-from overlap.metrics import compute_metrics, summarize
+from cokit.overlap.measure import NULL_PROBE, OverlapResult, measure
+from cokit.overlap.metrics import compute_metrics, summarize
 
 
 def test_formulas_exact():

@@ -1,4 +1,4 @@
-"""overlap.schedules on real gloo process groups (world 2 and 3): every schedule returns the
+"""cokit.overlap.schedules on real gloo process groups (world 2 and 3): every schedule returns the
 same tensor as its sequential version, and both match a reference built from all ranks' data.
 Each spawn costs seconds, so one worker runs many checks."""
 
@@ -18,11 +18,11 @@ def _data(rank, seed, *shape, dtype=torch.float32):
 def _checks(rank, world, exact_reduce):
     import torch.distributed as dist
 
-    from overlap.guard import GuardViolation, StarvationGuard
-    from overlap.schedules import AllGatherGemm, GemmCollective, Overlap, all_gather_gemm, gemm_all_reduce
-    from overlap.streams import high_priority_group
-    from triton_kernels.gemm import gemm
-    from triton_kernels.gemm_configs import GemmConfig
+    from cokit.overlap.guard import GuardViolation, StarvationGuard
+    from cokit.overlap.schedules import AllGatherGemm, GemmCollective, Overlap, all_gather_gemm, gemm_all_reduce
+    from cokit.overlap.streams import high_priority_group
+    from cokit.triton_kernels.gemm import gemm
+    from cokit.triton_kernels.gemm_configs import GemmConfig
 
     W = world
     out = {}

@@ -1,13 +1,13 @@
-"""overlap.streams (CPU no-ops, priorities), the starvation guard, the emulated comm side and
+"""cokit.overlap.streams (CPU no-ops, priorities), the starvation guard, the emulated comm side and
 the persistent copy kernel (interpreter)."""
 
 import pytest
 import torch
 
-from overlap.emulate import EmulatedComm
-from overlap.guard import GuardViolation, StarvationGuard, reserved_sms
-from overlap.schedules import Overlap, split_sizes
-from overlap.streams import (
+from cokit.overlap.emulate import EmulatedComm
+from cokit.overlap.guard import GuardViolation, StarvationGuard, reserved_sms
+from cokit.overlap.schedules import Overlap, split_sizes
+from cokit.overlap.streams import (
     CPU_PRIORITY_RANGE,
     CommStream,
     high_priority_group,
@@ -15,9 +15,9 @@ from overlap.streams import (
     resolve_priority,
     wait_handle,
 )
-from triton_kernels.backend import arch_limits
-from triton_kernels.gemm_configs import GemmConfig
-from triton_kernels.sm_copy import sm_copy, sm_copy_reference
+from cokit.triton_kernels.backend import arch_limits
+from cokit.triton_kernels.gemm_configs import GemmConfig
+from cokit.triton_kernels.sm_copy import sm_copy, sm_copy_reference
 
 
 def test_cpu_comm_stream_is_a_noop_with_the_same_api():

@@ -1,4 +1,4 @@
-"""overlap.sweep and `cokit sweep`: records (CSV, JSON) and plots (PNG)."""
+"""cokit.overlap.sweep and `cokit sweep`: records (CSV, JSON) and plots (PNG)."""
 
 import csv
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cokit.cli import main
-from overlap.sweep import (
+from cokit.overlap.sweep import (
     check_point,
     default_plots,
     plot_heatmap,
@@ -16,7 +16,7 @@ from overlap.sweep import (
     write_csv,
     write_json,
 )
-from triton_kernels.gemm_configs import GemmConfig
+from cokit.triton_kernels.gemm_configs import GemmConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,13 +1,13 @@
-"""overlap.tuner.OnlineTuner on fake configs with known costs."""
+"""cokit.overlap.tuner.OnlineTuner on fake configs with known costs."""
 
 import json
 
 import pytest
 
-from overlap.guard import StarvationGuard
-from overlap.tuner import OnlineTuner
-from triton_kernels.backend import arch_limits
-from triton_kernels.gemm_configs import GemmConfig
+from cokit.overlap.guard import StarvationGuard
+from cokit.overlap.tuner import OnlineTuner
+from cokit.triton_kernels.backend import arch_limits
+from cokit.triton_kernels.gemm_configs import GemmConfig
 
 CONFIGS = [GemmConfig(num_warps=w, num_stages=s) for w, s in ((4, 3), (8, 3), (4, 4), (8, 4))]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import DTYPES, poison  # noqa: F401
-from triton_kernels.topk import chunk_topk, chunk_topk_reference
+from cokit.triton_kernels.topk import chunk_topk, chunk_topk_reference
 
 
 def float64_topk(x: torch.Tensor, k: int):

@@ -167,7 +167,7 @@ def compile_all(targets: list[str], num_warps: int = 4) -> list[CompiledKernel]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m triton_kernels.compile_only sm_80 sm_90 gfx942``: JSON report on stdout."""
+    """``python -m cokit.triton_kernels.compile_only sm_80 sm_90 gfx942``: JSON report on stdout."""
     import argparse
     import json
 

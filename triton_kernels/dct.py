@@ -1,7 +1,7 @@
 """Tiled orthonormal DCT: DCT-II encode and DCT-III decode of 1-D and 2-D tiles.
 
 Encode turns a tensor into its tile coefficients, a ``(n_tiles, tile_h * tile_w)`` fp32
-matrix (tiling rules in :mod:`triton_kernels.tiling`); decode is the exact inverse. A tile
+matrix (tiling rules in :mod:`cokit.triton_kernels.tiling`); decode is the exact inverse. A tile
 ``X`` becomes ``Y = B_h X B_w^T`` with the orthonormal DCT matrix ``B`` (row 0 scaled by
 ``1/sqrt(2)``), so the transform preserves the sum of squares (Parseval).
 

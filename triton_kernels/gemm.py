@@ -13,7 +13,7 @@ Two forms from one tile routine:
 fp16, bf16 and fp32 inputs (fp32 with ``precision='tf32'`` or ``'ieee'``), any M, N, K
 (masked edges), any strides (transposed operands need no copy), fp32 accumulation; the
 output has the input dtype. ``GemmConfig.smem_bytes`` launches the same compiled code with a
-larger per-block shared-memory reservation (:func:`triton_kernels.occupancy.with_shared_memory`).
+larger per-block shared-memory reservation (:func:`cokit.triton_kernels.occupancy.with_shared_memory`).
 """
 
 from __future__ import annotations
@@ -402,9 +402,9 @@ def compile_gemm(
 ):
     """Compile the GEMM for a named target ('sm_80', 'sm_90', 'gfx90a', 'gfx942') without a GPU.
 
-    Returns :class:`triton_kernels.compile_only.CompiledKernel` (shared bytes, registers,
+    Returns :class:`cokit.triton_kernels.compile_only.CompiledKernel` (shared bytes, registers,
     spills, and the Triton kernel object in ``.compiled``). ``config.smem_bytes`` is not applied
-    here: pass the result to :func:`triton_kernels.occupancy.with_shared_memory`. The build is
+    here: pass the result to :func:`cokit.triton_kernels.occupancy.with_shared_memory`. The build is
     specialized as the JIT does on a GPU: 16-byte aligned pointers, unit inner strides and,
     with ``aligned``, M/N/K and row strides divisible by 16. ``extra_options`` are passed to
     the compiler as is (e.g. ``min_shared_mem`` on CUDA). Needs a process without

@@ -1,7 +1,7 @@
 """GEMM launch configurations: the knobs, their validation, per-backend search spaces,
 a shared-memory estimate used to prune what cannot fit, and a JSON cache of tuned winners.
 
-A :class:`GemmConfig` carries every resource knob of :mod:`triton_kernels.gemm`:
+A :class:`GemmConfig` carries every resource knob of :mod:`cokit.triton_kernels.gemm`:
 tile sizes, grouped ordering, warps, pipeline stages, the persistent form's program count
 (``num_sms``: SMs/CUs left to the GEMM, the rest carved out for communication), the
 per-block shared-memory footprint (``smem_bytes``: occupancy shaping, DESIGN.md 1.2) and

@@ -1,7 +1,7 @@
 """Occupancy: how many blocks of a kernel are resident per SM (CU on AMD), and why.
 
 From a kernel's warps per block, per-block shared memory (LDS) and registers per thread, and
-a device's :class:`~triton_kernels.backend.ArchLimits`, :func:`occupancy` computes resident
+a device's :class:`~cokit.triton_kernels.backend.ArchLimits`, :func:`occupancy` computes resident
 blocks per SM, warps per SM, the occupancy fraction and the limiting resource, using the
 rules of CUDA's occupancy calculator (``cuda_occupancy.h``) and of AMD CDNA:
 
@@ -175,7 +175,7 @@ def with_shared_memory(kernel: Any, smem_bytes: int, limits: ArchLimits | None =
     """A copy of a compiled kernel that reserves ``smem_bytes`` of shared memory per block.
 
     ``kernel`` is a Triton ``CompiledKernel`` (from ``fn.warmup``/``fn[grid](...)`` or
-    ``triton.compile``) or a :class:`~triton_kernels.compile_only.CompiledKernel`; the result
+    ``triton.compile``) or a :class:`~cokit.triton_kernels.compile_only.CompiledKernel`; the result
     has the same type. The binary is shared; only ``metadata.shared`` (what the launcher passes
     as the dynamic shared-memory size, and the opt-in limit it sets at load) changes, so the
     copy launches the same code with fewer blocks per SM. Raises when ``smem_bytes`` is below
@@ -240,7 +240,7 @@ def launch_shaped(kernel: Any, grid: tuple[int, ...], args: dict[str, Any], opts
 def kernel_occupancy(kernel: Any, limits: ArchLimits | None = None) -> Occupancy:
     """Occupancy of a compiled kernel.
 
-    ``kernel`` is a :class:`~triton_kernels.compile_only.CompiledKernel` (its target's limits)
+    ``kernel`` is a :class:`~cokit.triton_kernels.compile_only.CompiledKernel` (its target's limits)
     or a Triton ``CompiledKernel`` on the live GPU (registers from the loaded binary, limits
     from the driver unless given).
     """
@@ -293,7 +293,7 @@ def gemm_occupancy(
 
     ``target`` names a chip ('sm_80', 'sm_90', 'gfx90a', 'gfx942'; compile-only, needs a
     process without ``TRITON_INTERPRET``); ``None`` means the live GPU. Returns the occupancy,
-    the compiled kernel (a :class:`~triton_kernels.compile_only.CompiledKernel` for a named
+    the compiled kernel (a :class:`~cokit.triton_kernels.compile_only.CompiledKernel` for a named
     target, a Triton ``CompiledKernel`` on the live GPU; launch footprint ``smem_bytes``) and
     the shared memory the kernel itself uses.
     """

@@ -1,6 +1,6 @@
 """Per-chunk top-k: the ``k`` coefficients of largest magnitude in every tile.
 
-Input: a ``(n_tiles, tile_numel)`` matrix (what :func:`triton_kernels.dct.dct_encode`
+Input: a ``(n_tiles, tile_numel)`` matrix (what :func:`cokit.triton_kernels.dct.dct_encode`
 returns; any 2-D float tensor works). Output per tile: ``k`` positions and the signed
 values at them, ``k`` clamped to the tile size.
 

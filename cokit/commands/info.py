@@ -26,7 +26,7 @@ def collect() -> dict:
     import torch
 
     from cokit import __version__
-    from triton_kernels import backend
+    from cokit.triton_kernels import backend
 
     triton_version = None
     if backend.triton_available():

@@ -82,7 +82,7 @@ def _items(name: str, text: str) -> list[str]:
 
 
 def _smems(text: str) -> list[int | None]:
-    from triton_kernels.gemm_configs import parse_smem_bytes
+    from cokit.triton_kernels.gemm_configs import parse_smem_bytes
 
     out: list[int | None] = []
     for item in _items("smem-bytes", text):
@@ -117,13 +117,13 @@ def run(args: argparse.Namespace) -> int:
     """Build the grid, run it on the ranks, write the records and plots, print a table."""
     import torch
 
-    from overlap.sweep import (
+    from cokit.overlap.sweep import (
         SWEEP_COLLECTIVES, check_point, default_plots, sweep_main, sweep_points, write_csv, write_json,
     )
-    from overlap.launch import in_torchrun
-    from overlap.schedules import _config_backend
-    from triton_kernels.backend import device_limits
-    from triton_kernels.gemm_configs import parse_config_spec, parse_dtype
+    from cokit.overlap.launch import in_torchrun
+    from cokit.overlap.schedules import _config_backend
+    from cokit.triton_kernels.backend import device_limits
+    from cokit.triton_kernels.gemm_configs import parse_config_spec, parse_dtype
 
     on_gpu = torch.cuda.is_available()
     n_gpus = torch.cuda.device_count() if on_gpu else 0
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                 priorities.append(int(item))
             except ValueError:
                 raise CliError(f"--priority: {item!r} is invalid; allowed: high, normal or an integer") from None
-    from overlap.streams import resolve_priority
+    from cokit.overlap.streams import resolve_priority
 
     for pr in priorities:
         try:

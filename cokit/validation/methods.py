@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compress.stats import dense_allreduce_bytes, ring_allreduce_bytes
+from cokit.compress.stats import dense_allreduce_bytes, ring_allreduce_bytes
 from cokit.train import Method, MethodSpec, register_method
 
 
