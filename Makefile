@@ -1,11 +1,15 @@
 # The README's two commands: `make run` (the main job, `cokit demo`) and `make test`.
 # Both create .venv on first use: torch==2.13.0 (CPU build on our machines), triton, cokit.
+# `make venv36` builds .venv36, the oldest supported image (triton 3.6.0), for `make test-triton36`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.cokit-installed
+VENV36 := .venv36
+STAMP36 := $(VENV36)/.cokit-installed
+PYTEST_FAST := -m "not slow and not notebook"
 
-.PHONY: run test info clean
+.PHONY: run test test-fast test-triton36 lint format typecheck info clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,11 +18,39 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+$(STAMP36): pyproject.toml
+	$(PYTHON) -m venv $(VENV36)
+	$(VENV36)/bin/python -m pip install -q --upgrade pip
+	$(VENV36)/bin/python -m pip install -q torch==2.13.0 triton==3.6.0
+	$(VENV36)/bin/python -m pip install -q -e '.[dev]'
+	touch $(STAMP36)
+
 run: $(STAMP)
 	$(BIN)/cokit demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_FAST)
+
+# The kernels (interpreter) and the compile-only builds on triton 3.6, the GPU image's version.
+test-triton36: $(STAMP36)
+	$(VENV36)/bin/python -m pytest -q $(PYTEST_FAST)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+info: $(STAMP)
+	$(BIN)/cokit info
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV36) .pytest_cache .mypy_cache .ruff_cache
