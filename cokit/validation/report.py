@@ -23,6 +23,13 @@ TABLE_FIELDS = ("workload", "method", "family", "best_lr", "lr_at_edge", "lrs_tr
                 "opt_time_per_step_s", "failed_lrs")
 
 
+
+def best_lr(records: list[dict]) -> float | None:
+    """The lr whose seed-0 run ended with the lowest finite held-out loss (None: all failed)."""
+    ok = [r for r in records if r.get("status") == "ok" and r["seed"] == 0
+          and r["summary"]["final_heldout_loss"] is not None]
+    return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
+
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
@@ -32,7 +39,6 @@ def _stats(xs: list[float]) -> tuple[float | None, float | None]:
 
 def aggregate(records: list[dict], methods: list[str], lrs_tried: dict[str, int]) -> list[dict[str, Any]]:
     """One row per method: best lr (seed 0), then mean/std over the seeds run at that lr."""
-    from cokit.validation.study import best_lr
 
     rows = []
     for m in methods:

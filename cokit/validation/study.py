@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cokit.train import MethodSpec
+from cokit.validation.report import best_lr, write_report
 
 PRESETS = ("toy", "quick", "full")
 DEFAULT_OUT = {
@@ -263,13 +264,6 @@ def sweep_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
             for lr in wl.grid(cfg.method(m).family, cfg.lr_points)]
 
 
-def best_lr(records: list[dict]) -> float | None:
-    """The lr whose seed-0 run ended with the lowest finite held-out loss (None: all failed)."""
-    ok = [r for r in records if r.get("status") == "ok" and r["seed"] == 0
-          and r["summary"]["final_heldout_loss"] is not None]
-    return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
-
-
 def seed_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
     """Phase 2: the headline methods at their best lr (from phase 1's run JSONs), seeds 1..seeds-1."""
     jobs = []
@@ -331,7 +325,6 @@ def describe(cfg: StudyConfig) -> dict[str, Any]:
 
 def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
     """Run the missing runs of every phase, then write the report; return ``study.json``'s dict."""
-    from cokit.validation.report import write_report
 
     os.makedirs(cfg.out_dir, exist_ok=True)
     start = time.perf_counter()
