@@ -11,6 +11,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 

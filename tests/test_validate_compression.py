@@ -19,6 +19,8 @@ from cokit.workloads.digits import DigitsWorkload, DigitsWorkloadConfig, split_i
 METHODS = ["adamw", "powersgd-r4", "demo-compact-k32-c64"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # spawns 4 gloo ranks per study
+
 
 TOY = ["bench", "validate", "--preset", "toy", "--steps", "4", "--methods", ",".join(METHODS)]
 SEEDS = ["--seeds", "2", "--workloads", "digits"]
