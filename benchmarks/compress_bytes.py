@@ -23,7 +23,7 @@ import torch
 
 
 from cokit.compress import DeMo
-from cokit.overlap.launch import spawn
+from cokit.launch import spawn
 
 
 def build_model(d_model: int = 128, layers: int = 4, vocab: int = 256) -> torch.nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Each module defines add_parser(subparsers) and sets `func` (args -> exit code).
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``cokit``: the entry point. Figures are written to files here (no display), so the
+    matplotlib backend defaults to Agg unless the user chose one (``MPLBACKEND``)."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

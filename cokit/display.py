@@ -1,4 +1,4 @@
-"""Helpers shared by the reports: byte counts for people, and a headless pyplot."""
+"""Helpers shared by the reports: byte counts for people, and pyplot for figure writers."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ def human_bytes(n: float | None) -> str:
 
 
 def pyplot():
-    """``matplotlib.pyplot`` on the non-interactive Agg backend (writes files, needs no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """``matplotlib.pyplot``, imported when a report first draws. The backend is left alone
+    (a notebook keeps its inline plots); headless entry points choose one themselves
+    (:func:`cokit.cli.main` defaults ``MPLBACKEND`` to Agg)."""
     import matplotlib.pyplot as plt
 
     return plt

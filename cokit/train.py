@@ -28,7 +28,7 @@ from torch import nn
 
 from cokit.compress.comm import Communicator
 from cokit.compress.stats import dense_allreduce_bytes
-from cokit.overlap.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
+from cokit.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
 
 Log = Callable[[str], None]
 SCHEDULES = ("constant", "cosine")

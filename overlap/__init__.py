@@ -10,7 +10,7 @@ streams, so that collectives hide behind compute on NVIDIA and AMD alike.
 * :mod:`cokit.overlap.measure`   -- alone / sequential / overlapped timing with repeats
 * :mod:`cokit.overlap.schedules` -- GEMM + all-reduce/reduce-scatter, all-gather + GEMM, generic Overlap
 * :mod:`cokit.overlap.emulate`   -- one-GPU emulated communication (labelled as such)
-* :mod:`cokit.overlap.sweep`     -- sweeps, CSV/JSON records, heatmaps and timelines (``cokit sweep``)
+* :mod:`cokit.overlap.sweep`     -- sweep grids and their measurement (records and plots: :mod:`cokit.sweeps`)
 * :mod:`cokit.overlap.tuner`     -- online tuner for training loops
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from cokit.overlap.launch import spawn
+from cokit.launch import spawn
 
 
 def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:

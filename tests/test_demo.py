@@ -9,7 +9,7 @@ import torch
 
 from cokit.cli import main
 from cokit.train import MethodSpec, RunResult, run_distributed, run_methods
-from cokit.overlap.launch import free_port
+from cokit.launch import free_port
 from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
 from cokit.workloads.text import VOCAB_SIZE
 from cokit.compress.stats import ring_allreduce_bytes

@@ -1,4 +1,4 @@
-"""cokit.overlap.sweep and `cokit sweep`: records (CSV, JSON) and plots (PNG)."""
+"""cokit.overlap.sweep, cokit.sweeps and `cokit sweep`: records (CSV, JSON) and plots (PNG)."""
 
 import csv
 import json
@@ -6,16 +6,8 @@ import json
 import pytest
 
 from cokit.cli import main
-from cokit.overlap.sweep import (
-    check_point,
-    default_plots,
-    plot_heatmap,
-    plot_timeline,
-    run_sweep,
-    sweep_points,
-    write_csv,
-    write_json,
-)
+from cokit.overlap.sweep import check_point, run_sweep, sweep_points
+from cokit.sweeps import default_plots, plot_heatmap, plot_timeline, write_csv, write_json
 from cokit.triton_kernels.gemm_configs import GemmConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"

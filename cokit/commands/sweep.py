@@ -117,10 +117,9 @@ def run(args: argparse.Namespace) -> int:
     """Build the grid, run it on the ranks, write the records and plots, print a table."""
     import torch
 
-    from cokit.overlap.sweep import (
-        SWEEP_COLLECTIVES, check_point, default_plots, sweep_main, sweep_points, write_csv, write_json,
-    )
-    from cokit.overlap.launch import in_torchrun
+    from cokit.launch import in_torchrun
+    from cokit.overlap.sweep import SWEEP_COLLECTIVES, check_point, sweep_points
+    from cokit.sweeps import default_plots, sweep_main, write_csv, write_json
     from cokit.overlap.schedules import _config_backend
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm_configs import parse_config_spec, parse_dtype

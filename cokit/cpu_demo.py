@@ -1,6 +1,6 @@
 """A real CPU measurement: a torch matmul overlapped with a gloo all-reduce, two processes.
 
-    python -m cokit.overlap.cpu_demo [--size 768] [--numel 2000000] [--repeats 10]
+    python -m cokit.cpu_demo [--size 768] [--numel 2000000] [--repeats 10]
 
 Two ranks are spawned on loopback (one torch thread each); each runs the generic
 :class:`~cokit.overlap.schedules.Overlap` (``a @ b`` on the calling thread, ``dist.all_reduce(...,
@@ -25,7 +25,7 @@ __all__ = ["cpu_gloo_measurement"]
 def _worker(rank: int, world: int, size: int, numel: int, repeats: int, warmup: int, chunks: int) -> list[dict]:
     import torch.distributed as dist
 
-    from .schedules import GemmCollective, Overlap
+    from cokit.overlap.schedules import GemmCollective, Overlap
 
     g = torch.Generator().manual_seed(rank)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
@@ -45,7 +45,7 @@ def cpu_gloo_measurement(
 ) -> list[list[dict[str, Any]]]:
     """Spawn ``world_size`` gloo ranks and measure; returns each rank's results (dicts with
     a printable ``text``)."""
-    from .launch import spawn
+    from cokit.launch import spawn
 
     for name, v in (("size", size), ("numel", numel), ("repeats", repeats), ("chunks", chunks)):
         check_int(name, v)
