@@ -117,7 +117,7 @@ def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | 
     comm_name = "EMULATED comm" if row.get("emulated") else "communication"
     fig = _figure((9, 3.2))
     ax = fig.subplots()
-    lanes = [
+    lanes: list[tuple[str, list[tuple[float, float, str, str | None]]]] = [
         ("sequential (T_comp+T_comm)", [(0, tc, "tab:blue", "compute (alone)"),
                                         (tc, tm, "tab:orange", f"{comm_name} (alone)")]),
         ("overlapped (measured)", [(0, tu, "tab:blue", "compute under overlap"), (0, tm, "tab:orange", None),
@@ -204,7 +204,7 @@ def sweep_main(
 
     if world_size == 1 and not in_torchrun():
         return run_sweep(points, device=device, dtype=dtype, repeats=repeats, warmup=warmup)
-    spec = {"device": "cuda" if backend == "nccl" else "cpu", "dtype": dtype, "repeats": repeats, "warmup": warmup,
+    spec: dict[str, Any] = {"device": "cuda" if backend == "nccl" else "cpu", "dtype": dtype, "repeats": repeats, "warmup": warmup,
             "points": [{"collective": p.collective, "size": p.size, "chunks": p.chunks, "config": p.config.to_dict(),
                         "priority": p.priority, "comm_sms": p.comm_sms} for p in points]}
     per_rank = run(world_size, _sweep_worker, spec, device=spec["device"])

@@ -20,7 +20,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -192,7 +192,7 @@ class DeMoMethod(Method):
 
     def step(self) -> tuple[int, int]:
         self.optimizer.step()
-        stats = self.optimizer.comm_stats
+        stats = self.optimizer.comm_stats  # type: ignore[attr-defined]  # a DeMo
         return int(stats.step_sent_bytes), int(stats.step_dense_bytes)
 
     def zero_grad(self) -> None:
@@ -280,7 +280,7 @@ class RunResult:
         }
 
 
-def median(xs: list[float]) -> float:
+def median(xs: Sequence[float]) -> float:
     """The upper median of ``xs`` (NaN when empty)."""
     return sorted(xs)[len(xs) // 2] if xs else math.nan
 

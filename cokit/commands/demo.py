@@ -102,7 +102,7 @@ def _resolve(args: argparse.Namespace) -> tuple[int, str, bool, list[str], int]:
         _check(args.ranks is None or args.ranks == world,
                f"--ranks {args.ranks} disagrees with torchrun's WORLD_SIZE={world}; leave --ranks out")
     else:
-        world = DEFAULTS["ranks"] if args.ranks is None else args.ranks
+        world = int(DEFAULTS["ranks"]) if args.ranks is None else args.ranks  # type: ignore[call-overload]
         _check(1 <= world <= cores * 4, f"--ranks must be in [1, {cores * 4}] (4 per CPU core here), got {world}")
     _check(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
     _check(args.eval_every >= 1, f"--eval-every must be >= 1, got {args.eval_every}")

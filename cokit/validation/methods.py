@@ -36,6 +36,8 @@ class EngineSlot(nn.Module):
         self.inner = inner
         object.__setattr__(self, "engine", inner)
 
+    engine: nn.Module  # set with object.__setattr__ (outside the module tree)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 

@@ -266,7 +266,7 @@ def sweep_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
 
 def seed_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
     """Phase 2: the headline methods at their best lr (from phase 1's run JSONs), seeds 1..seeds-1."""
-    jobs = []
+    jobs: list = []
     for m in cfg.headline:
         lr = best_lr([r for r in sweep_records if r["method"] == m])
         if lr is not None:

@@ -55,6 +55,7 @@ class DigitsMLP(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
+                assert isinstance(layer, nn.Linear)
                 scale = (0.1 if i == len(self.layers) - 1 else 1.0) / math.sqrt(layer.in_features)
                 layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * scale)
                 layer.bias.zero_()

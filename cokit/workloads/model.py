@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +40,8 @@ class ModelConfig:
         """A named size from :data:`MODEL_PRESETS`, with optional field overrides."""
         if name not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")
-        return cls(vocab_size=vocab_size, **{**MODEL_PRESETS[name], **overrides})
+        fields: dict[str, Any] = {**MODEL_PRESETS[name], **overrides}
+        return cls(vocab_size=vocab_size, **fields)
 
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
