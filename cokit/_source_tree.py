@@ -15,9 +15,9 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
 
 # subpackage of cokit -> folder at the repository's top level (keep in sync with pyproject.toml)
 SUBPACKAGE_FOLDERS = {

@@ -3,6 +3,7 @@ and a failed write leaves the previous file in place."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -31,7 +32,5 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def with_suppressed_unlink(path: str) -> None:
     """Remove a temporary file if it is still there."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

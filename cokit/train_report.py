@@ -7,8 +7,9 @@ import datetime
 import json
 import math
 import os
+from collections.abc import Sequence
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Any
 
 from cokit.display import human_bytes, pyplot
 from cokit.train import RunResult

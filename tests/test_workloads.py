@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from cokit.workloads import CharCorpus, CharTransformer, CorpusConfig, ModelConfig, TextWorkload, TextWorkloadConfig
+from cokit.workloads import (
+    CharCorpus,
+    CharTransformer,
+    CorpusConfig,
+    ModelConfig,
+    TextWorkload,
+    TextWorkloadConfig,
+)
 from cokit.workloads.text import UNKNOWN_ID, VOCAB, VOCAB_SIZE, decode, encode, stdlib_sources
 
 SMALL = CorpusConfig(max_chars=200_000)

@@ -158,7 +158,7 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job], factory: WorkloadFacto
             result = run_method(job.spec, workload, job.steps, job.seed, eval_every=job.eval_every, log=log)
             assert workload.last_model is not None  # run_method built one
             acc = heldout_accuracy(workload.last_model, workload.heldout_batches(), rank, world_size)
-        except Exception as exc:  # noqa: BLE001 - recorded; the study goes on
+        except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:2000]
             if verbose and rank == 0:
                 traceback.print_exc()

@@ -85,7 +85,7 @@ class DigitsWorkloadConfig:
         if not 0.0 < self.heldout_fraction < 0.5:
             raise ValueError(f"heldout_fraction must be in (0, 0.5), got {self.heldout_fraction}")
 
-    def build(self, device: torch.device | str = "cpu") -> "DigitsWorkload":
+    def build(self, device: torch.device | str = "cpu") -> DigitsWorkload:
         """The workload on ``device`` (what each rank of a distributed run calls)."""
         return DigitsWorkload(self, device)
 

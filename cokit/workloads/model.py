@@ -36,7 +36,7 @@ class ModelConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
 
     @classmethod
-    def preset(cls, name: str, vocab_size: int, **overrides: int | bool) -> "ModelConfig":
+    def preset(cls, name: str, vocab_size: int, **overrides: int | bool) -> ModelConfig:
         """A named size from :data:`MODEL_PRESETS`, with optional field overrides."""
         if name not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {', '.join(MODEL_PRESETS)}")

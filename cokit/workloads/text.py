@@ -108,12 +108,12 @@ class CharCorpus:
     sha256: str = ""
 
     @classmethod
-    def build(cls, config: CorpusConfig = CorpusConfig()) -> "CharCorpus":
+    def build(cls, config: CorpusConfig = CorpusConfig()) -> CharCorpus:
         """Read, encode and split the corpus (cached per config within a process)."""
         return _build_corpus(config)
 
     @classmethod
-    def read(cls, config: CorpusConfig = CorpusConfig()) -> "CharCorpus":
+    def read(cls, config: CorpusConfig = CorpusConfig()) -> CharCorpus:
         """Read, encode and split the corpus from disk (no cache)."""
         return _read_corpus(config)
 
@@ -220,7 +220,7 @@ class TextWorkloadConfig:
         if self.model.vocab_size != VOCAB_SIZE:
             raise ValueError(f"model.vocab_size must be {VOCAB_SIZE} for this corpus")
 
-    def build(self, device: torch.device | str = "cpu") -> "TextWorkload":
+    def build(self, device: torch.device | str = "cpu") -> TextWorkload:
         """The workload on ``device`` (what each rank of a distributed run calls)."""
         return TextWorkload(self, device)
 
