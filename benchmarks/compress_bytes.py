@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-
 
 from cokit.compress import DeMo
 from cokit.launch import spawn

@@ -1,187 +1,726 @@
 """The one GPU check: every kernel vs its torch reference on real sizes, then speed.
 
-    python benchmarks/gpu_check.py [--quick] [--out benchmarks/out/gpu_check.json]
+    python -m cokit.bench.gpu_check [--quick] [--out benchmarks/out/gpu_check] [--only PHASE ...]
+    cokit bench gpu-check [--quick] [--out DIR]
 
-On a GPU: checks each Triton kernel against the torch reference (relative error, index
-agreement), times both (median of CUDA-event timings via triton.testing.do_bench), and
-prints time, achieved GB/s against a measured device-to-device copy bandwidth, and the
-speedup over the torch reference. Writes everything to JSON. Sized to finish well under
-8 minutes on one H200. Then the optimizer-step time of DeMo (Triton kernels, world size 1)
-vs fused AdamW on transformer-shaped parameters (benchmarks/optimizer_bench.py).
+Runs in phases, each with its own time budget and caught separately (a failing phase is
+FAILED with its traceback in the log and the JSON; the others still run; a phase whose
+budget is spent stops adding work and is marked BUDGET):
 
-Then the GEMM part (benchmarks/gemm_bench.py): correctness, TFLOP/s vs torch.matmul and an
-occupancy sweep. Then the overlap part (benchmarks/overlap_bench.py): a one-GPU study of a
-GEMM next to an EMULATED communication kernel over num_warps / smem_bytes / num_sms /
-priority (speedup over sequential, % of ideal); on CPU, a real 2-process gloo measurement.
+  env              versions (torch, triton, CUDA/HIP, driver) and the device
+  copy_bandwidth   device-to-device copy GB/s (the roofline the kernels are compared with)
+  kernels.*        dct, topk, ef_encode, ef_decode: check vs the torch reference (relative
+                   error, index agreement), then time both (median of CUDA-event timings),
+                   GB/s, % of copy bandwidth, speedup, and each compiled kernel's n_regs/n_spills
+  optimizer        DeMo step (Triton kernels, world size 1) vs fused AdamW
+  gemm.*           correctness, occupancy vs the driver, TFLOP/s vs torch.matmul, occupancy sweep
+  overlap          one-GPU study: GEMM next to an EMULATED communication kernel
 
-On a CPU-only machine it runs the torch reference path only, at small sizes, and says so.
+Needs a visible GPU and TRITON_INTERPRET unset (else exits 2 with one line); ``--allow-cpu``
+runs the torch reference path on the CPU at tiny sizes (no GPU numbers). ``--out`` receives
+gpu_check.json and gpu_check.log (everything printed), rewritten atomically after every phase.
+Exit status: 0, 1 when a phase FAILED, 2 when the check cannot run here (one line says why).
+Sized for one H200: --quick under 3 minutes, the full run under 8 (mostly Triton compiles).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
+import io
 import json
 import os
+import platform
+import shutil
+import subprocess
 import sys
-from typing import Callable
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
 
-import torch
-
-
-from cokit.bench.timing import median_ms
-from cokit.triton_kernels import backend, dct, error_feedback, tiling, topk
-
-
-def copy_bandwidth(device: torch.device, on_gpu: bool) -> float:
-    """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    n = (1 << 30 if on_gpu else 1 << 26) // 4
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), on_gpu)
-    return 2 * src.numel() * 4 / ms / 1e6
+DEFAULT_OUT = os.path.join("benchmarks", "out", "gpu_check")
+JSON_NAME, LOG_NAME = "gpu_check.json", "gpu_check.log"
+TAG = "[gpu-check]"
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+# ---------------------------------------------------------------------- context and phases
+@dataclass
+class Context:
+    """What every phase gets: device, mode, the current phase's budget and shared data."""
+
+    device: Any
+    on_gpu: bool
+    quick: bool
+    budget: Any = None  # cokit.bench.timing.Budget of the running phase
+    shared: dict | None = None  # data built once and reused by later phases (the bucket)
+    out: str | None = None  # the --out folder
+
+    def pick(self, gpu_quick: Any, gpu_full: Any, cpu: Any) -> Any:
+        """A size for this run: GPU --quick, GPU full, or the tiny CPU one."""
+        if not self.on_gpu:
+            return cpu
+        return gpu_quick if self.quick else gpu_full
+
+
+@dataclass
+class Phase:
+    name: str
+    fn: Callable[[Context], dict]
+    budget_quick: float  # seconds on one H200 with --quick
+    budget_full: float
+    needs_gpu: bool = False
+    what: str = ""
+
+
+class PhaseFailure(Exception):
+    """Raised by a phase hook to test failure handling (see COKIT_GPU_CHECK_FAIL)."""
+
+
+# ---------------------------------------------------------------------- helpers
+def rel_err(out: Any, ref: Any) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def bucket_shapes(quick: bool, on_gpu: bool) -> list[tuple[int, ...]]:
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.0f}"
+    return "-" if v is None else str(v)
+
+
+def print_rows(rows: list[dict], cols: list[str]) -> None:
+    """A left-aligned table of ``cols`` ('-' for missing cells)."""
+    table = [cols] + [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
+    for t in table:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)))
+
+
+def _sync(ctx: Context) -> None:
+    if ctx.on_gpu:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _run_cmd(cmd: list[str], timeout: float = 10.0) -> str | None:
+    """stdout of a command, or None when it is missing, fails or hangs."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except Exception:
+        return None
+    return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else None
+
+
+def driver_version() -> dict[str, Any]:
+    """Best effort: the kernel driver's version (nvidia-smi / rocm-smi, else libcuda's API)."""
+    info: dict[str, Any] = {}
+    smi = _run_cmd(["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.sm,power.limit",
+                    "--format=csv,noheader"])
+    if smi:
+        info["nvidia_smi"] = smi.splitlines()[0]
+        info["driver"] = smi.splitlines()[0].split(",")[0].strip()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            info["cuda_driver_api"] = f"{v.value // 1000}.{(v.value % 1000) // 10}"
+    if "driver" not in info:
+        rocm = _run_cmd(["rocm-smi", "--showdriverversion"])
+        if rocm:
+            info["driver"] = rocm.splitlines()[-1].split(":")[-1].strip()
+    return info
+
+
+# ---------------------------------------------------------------------- phases
+def phase_env(ctx: Context) -> dict:
+    """Versions and the device."""
+    import torch
+
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+                           "platform": platform.platform()}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception as exc:
+        out["triton"] = f"not importable: {type(exc).__name__}: {exc}"[:200]
+    out.update(driver_version())
+    if ctx.on_gpu:
+        props = torch.cuda.get_device_properties(ctx.device)
+        free, _ = torch.cuda.mem_get_info(ctx.device)
+        dev = {"name": props.name, "sm_count": props.multi_processor_count,
+               "memory_GiB": round(props.total_memory / 2**30, 1), "free_GiB": round(free / 2**30, 1),
+               "capability": f"{props.major}.{props.minor}", "device_count": torch.cuda.device_count()}
+        with contextlib.suppress(Exception):
+            from triton.runtime import driver
+
+            target = driver.active.get_current_target()
+            dev["triton_target"] = f"{target.backend}:{target.arch}"
+            tp = driver.active.utils.get_device_properties(torch.cuda.current_device())
+            dev["triton_props"] = {k: tp[k] for k in ("max_shared_mem", "multiprocessor_count", "sm_clock_rate",
+                                                      "mem_clock_rate", "mem_bus_width") if k in tp}
+            if tp.get("mem_clock_rate") and tp.get("mem_bus_width"):  # kHz, bits; DDR
+                dev["hbm_peak_GBps"] = round(2 * tp["mem_clock_rate"] * 1e3 * tp["mem_bus_width"] / 8 / 1e9)
+        with contextlib.suppress(Exception):
+            from cokit.triton_kernels.backend import device_limits, kernel_path
+
+            lim = device_limits(ctx.device)
+            dev["kernel_path"] = kernel_path(ctx.device)
+            dev["max_shared_per_block"] = lim.max_shared_per_block
+            dev["registers_per_sm"] = lim.registers_per_sm
+    else:
+        from cokit.triton_kernels.backend import kernel_path
+
+        dev = {"name": f"cpu ({platform.processor() or platform.machine()})", "threads": torch.get_num_threads(),
+               "kernel_path": kernel_path("cpu")}
+    out["device"] = dev
+    print(f"  python {out['python']}  torch {out['torch']}  triton {out['triton']}  "
+          f"cuda {out['cuda'] or '-'}  hip {out['hip'] or '-'}  driver {out.get('driver', '-')}"
+          f"  (CUDA driver API {out.get('cuda_driver_api', '-')})")
+    desc = ", ".join(f"{k} {v}" for k, v in dev.items() if k not in ("name", "triton_props"))
+    print(f"  device: {dev['name']}: {desc}")
+    out["key"] = (f"{dev['name']}, {dev.get('sm_count', '-')} SMs, {dev.get('memory_GiB', '-')} GiB; "
+                  f"torch {out['torch']}, triton {out['triton']}, driver {out.get('driver', '-')}")
+    return out
+
+
+def phase_copy(ctx: Context) -> dict:
+    """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    import torch
+
+    from cokit.bench.timing import median_ms
+
+    n = ctx.pick(1 << 30, 1 << 30, 1 << 24) // 4
+    src = torch.randn(n, device=ctx.device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), ctx.on_gpu, ctx.quick)
+    bw = 2 * src.numel() * 4 / ms / 1e6
+    assert ctx.shared is not None
+    ctx.shared["copy_GBps"] = bw
+    print(f"  copy of {src.numel() * 4 / 2**20:.0f} MiB: {ms:.3f} ms, {bw:.0f} GB/s (read + write)")
+    return {"copy_GBps": bw, "bytes": src.numel() * 4, "ms": ms, "key": f"{bw:.0f} GB/s"}
+
+
+def bucket_shapes(ctx: Context) -> list[tuple[int, ...]]:
     """A transformer-like bucket: square and MLP matrices plus norm/bias vectors."""
-    if not on_gpu:
-        return [(256, 256), (256, 512), (512,), (256,)]
-    d = 2048 if quick else 4096
+    if not ctx.on_gpu:
+        return [(128, 128), (128, 256), (256,), (128,)]
+    d = 2048 if ctx.quick else 4096
     return [(d, d)] * 4 + [(d, 4 * d)] * 2 + [(4 * d, d)] * 2 + [(d,)] * 8
 
 
-def check_kernels(device: torch.device, on_gpu: bool, quick: bool, bw: float) -> list[dict]:
-    shapes = bucket_shapes(quick, on_gpu)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    chunk, k, ranks = 64, 32, 8
-    xs = [torch.randn(s, device=device).to(dtype) for s in shapes]
-    numel = sum(x.numel() for x in xs)
-    esz = xs[0].element_size()
-    payload, _ = tiling.payload_shape(shapes, chunk, k)
-    rows = []
+CHUNK, TOPK, RANKS = 64, 32, 8
 
-    def add(name: str, kernel: Callable, reference: Callable, nbytes: int, err: dict) -> None:
-        ref_ms = median_ms(reference, on_gpu)
-        row = {"kernel": name, "elements": numel, "bytes": nbytes, "torch_ms": ref_ms, **err}
-        if on_gpu:
-            ms = median_ms(kernel, on_gpu)
-            row.update(triton_ms=ms, GBps=nbytes / ms / 1e6, pct_of_copy=100 * nbytes / ms / 1e6 / bw,
-                       speedup=ref_ms / ms)
-        else:
-            row.update(torch_GBps=nbytes / ref_ms / 1e6)
-        rows.append(row)
-        print(f"  {name}: done", flush=True)
 
-    # DCT encode / decode
-    coeffs = dct.dct_encode_multi(xs, chunk)
-    ref_coeffs = [dct.dct_encode_reference(x, chunk) for x in xs]
-    back = dct.dct_decode_multi(coeffs, shapes, chunk, dtype=torch.float32)
-    add("dct_encode", lambda: dct.dct_encode_multi(xs, chunk),
-        lambda: [dct.dct_encode_reference(x, chunk) for x in xs], numel * (esz + 4),
-        {"rel_err": max(rel_err(c, r) for c, r in zip(coeffs, ref_coeffs)),
-         "roundtrip_err": max(rel_err(b, x) for b, x in zip(back, xs))})
-    add("dct_decode", lambda: dct.dct_decode_multi(coeffs, shapes, chunk, dtype),
-        lambda: [dct.dct_decode_reference(c, s, chunk).to(dtype) for c, s in zip(coeffs, shapes)],
-        numel * (4 + esz), {})
+def _bucket(ctx: Context) -> dict:
+    """The bucket every kernel phase uses (built once): bf16 grads on a GPU, fp32 on CPU."""
+    import torch
 
-    # top-k on the largest tensor's coefficients
-    big = max(coeffs, key=lambda c: c.numel())
-    idx, vals = topk.chunk_topk(big, k)
-    ridx, rvals = topk.chunk_topk_reference(big, k)
-    add("chunk_topk", lambda: topk.chunk_topk(big, k), lambda: topk.chunk_topk_reference(big, k),
-        big.numel() * 4 + idx.numel() * (idx.element_size() + 4),
-        {"index_agreement": float((idx == ridx).float().mean()), "rel_err": rel_err(vals, rvals)})
+    assert ctx.shared is not None
+    if "bucket" not in ctx.shared:
+        shapes = bucket_shapes(ctx)
+        dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
+        gen = torch.Generator(device=ctx.device).manual_seed(0)
+        xs = [torch.randn(s, device=ctx.device, generator=gen).to(dtype) for s in shapes]
+        ctx.shared["bucket"] = {"shapes": shapes, "dtype": dtype, "xs": xs, "numel": sum(x.numel() for x in xs),
+                                "esz": xs[0].element_size()}
+    return ctx.shared["bucket"]
 
-    # fused error-feedback encode (bf16 grads, fp32 buffers, fp16 payload values)
-    deltas = [torch.randn(s, device=device) * 0.01 for s in shapes]
+
+def _kernel_modules() -> list[Any]:
+    from cokit.triton_kernels import dct, error_feedback, topk
+
+    return [dct, topk, error_feedback]
+
+
+def _time_row(ctx: Context, name: str, kernel: Callable, reference: Callable, nbytes: int,
+              errs: dict, resources: list[dict]) -> dict:
+    """Time ``kernel`` (GPU) and ``reference``; one printed row with GB/s and registers."""
+    from cokit.bench.timing import median_ms, resources_text
+
+    b = _bucket(ctx)
+    row: dict[str, Any] = {"kernel": name, "elements": b["numel"], "bytes": nbytes, **errs,
+                           "n_regs": resources_text(resources, "n_regs"),
+                           "n_spills": resources_text(resources, "n_spills"), "compiled": resources}
+    bw = (ctx.shared or {}).get("copy_GBps")
+    if ctx.on_gpu:
+        if not ctx.budget.stop():
+            ms = median_ms(kernel, True, ctx.quick)
+            row.update(triton_ms=ms, GBps=nbytes / ms / 1e6)
+            if bw:
+                row["pct_of_copy"] = 100 * nbytes / ms / 1e6 / bw
+        if not ctx.budget.stop():
+            row["torch_ms"] = median_ms(reference, True, ctx.quick)
+            if "triton_ms" in row:
+                row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        cols = ["kernel", "triton_ms", "torch_ms", "GBps", "pct_of_copy", "speedup", "n_regs", "n_spills"]
+    else:
+        ms = median_ms(reference, False, ctx.quick)
+        row.update(torch_ms=ms, torch_GBps=nbytes / ms / 1e6)
+        cols = ["kernel", "torch_ms", "torch_GBps", "n_regs", "n_spills"]
+    cols += [k for k in errs]
+    print_rows([row], cols)
+    return row
+
+
+def _judge(row: dict, limits: dict[str, float]) -> list[str]:
+    """Problems: errors above their limit (or not finite), index agreement below its floor."""
+    problems = []
+    for key, limit in limits.items():
+        v = row.get(key)
+        if v is None:
+            continue
+        bad = v < limit if "agreement" in key else not (v <= limit)
+        if bad:
+            problems.append(f"{row['kernel']}: {key}={_fmt(v)} (limit {limit})")
+    return problems
+
+
+def _kernel_result(rows: list[dict], problems: list[str]) -> dict:
+    key = "; ".join(
+        f"{r['kernel']} " + (f"{r['GBps']:.0f} GB/s x{r.get('speedup', float('nan')):.2f} regs {r['n_regs']}"
+                             if "GBps" in r else f"torch {r['torch_ms']:.2f} ms")
+        for r in rows)
+    return {"rows": rows, "problems": problems, "key": key}
+
+
+def phase_dct(ctx: Context) -> dict:
+    import torch
+
+    from cokit.bench.timing import KernelWatch
+    from cokit.triton_kernels import dct
+
+    b = _bucket(ctx)
+    xs, shapes, dtype, numel, esz = b["xs"], b["shapes"], b["dtype"], b["numel"], b["esz"]
+    with KernelWatch(_kernel_modules()) as enc:
+        coeffs = dct.dct_encode_multi(xs, CHUNK)
+        _sync(ctx)
+    ref = [dct.dct_encode_reference(x, CHUNK) for x in xs]
+    with KernelWatch(_kernel_modules()) as dec:
+        back = dct.dct_decode_multi(coeffs, shapes, CHUNK, dtype=torch.float32)
+        _sync(ctx)
+    errs = {"rel_err": max(rel_err(c, r) for c, r in zip(coeffs, ref)),
+            "roundtrip_err": max(rel_err(x2, x) for x2, x in zip(back, xs))}
+    del back, ref
+    rows = [_time_row(ctx, "dct_encode", lambda: dct.dct_encode_multi(xs, CHUNK),
+                      lambda: [dct.dct_encode_reference(x, CHUNK) for x in xs], numel * (esz + 4), errs,
+                      enc.resources)]
+    problems = _judge(rows[0], {"rel_err": 1e-2, "roundtrip_err": 1e-2})
+    if not ctx.budget.stop():
+        rows.append(_time_row(ctx, "dct_decode", lambda: dct.dct_decode_multi(coeffs, shapes, CHUNK, dtype),
+                              lambda: [dct.dct_decode_reference(c, s, CHUNK).to(dtype) for c, s in zip(coeffs, shapes)],
+                              numel * (4 + esz), {}, dec.resources))
+    assert ctx.shared is not None
+    ctx.shared["coeffs"] = coeffs
+    return _kernel_result(rows, problems)
+
+
+def _coeffs(ctx: Context) -> list[Any]:
+    """DCT coefficients of the bucket (the torch reference when the dct phase did not run)."""
+    from cokit.triton_kernels import dct
+
+    assert ctx.shared is not None
+    if "coeffs" not in ctx.shared:
+        ctx.shared["coeffs"] = [dct.dct_encode_reference(x, CHUNK) for x in _bucket(ctx)["xs"]]
+    return ctx.shared["coeffs"]
+
+
+def phase_topk(ctx: Context) -> dict:
+    from cokit.bench.timing import KernelWatch
+    from cokit.triton_kernels import topk
+
+    big = max(_coeffs(ctx), key=lambda c: c.numel())
+    with KernelWatch(_kernel_modules()) as w:
+        idx, vals = topk.chunk_topk(big, TOPK)
+        _sync(ctx)
+    ridx, rvals = topk.chunk_topk_reference(big, TOPK)
+    errs = {"index_agreement": float((idx == ridx).float().mean()), "rel_err": rel_err(vals, rvals)}
+    row = _time_row(ctx, "chunk_topk", lambda: topk.chunk_topk(big, TOPK), lambda: topk.chunk_topk_reference(big, TOPK),
+                    big.numel() * 4 + idx.numel() * (idx.element_size() + 4), errs, w.resources)
+    return _kernel_result([row], _judge(row, {"index_agreement": 0.99, "rel_err": 1e-2}))
+
+
+def _payload(ctx: Context) -> tuple[Any, Any]:
+    """(indices, values) of one encoded step: from the ef_encode phase, else the torch reference."""
+    import torch
+
+    from cokit.triton_kernels import error_feedback
+
+    assert ctx.shared is not None
+    if "payload" not in ctx.shared:
+        b = _bucket(ctx)
+        deltas = [torch.randn(s, device=ctx.device) * 0.01 for s in b["shapes"]]
+        ctx.shared["payload"] = error_feedback.ef_encode_reference(deltas, b["xs"], 0.999, 0.01, CHUNK, TOPK,
+                                                                   value_dtype=torch.float16)
+    return ctx.shared["payload"]
+
+
+def phase_ef_encode(ctx: Context) -> dict:
+    """Fused error-feedback encode (bf16 grads, fp32 buffers, fp16 payload values)."""
+    import torch
+
+    from cokit.bench.timing import KernelWatch
+    from cokit.triton_kernels import error_feedback, tiling
+
+    b = _bucket(ctx)
+    xs, shapes, numel, esz = b["xs"], b["shapes"], b["numel"], b["esz"]
+    payload, _ = tiling.payload_shape(shapes, CHUNK, TOPK)
+    gen = torch.Generator(device=ctx.device).manual_seed(1)
+    deltas = [torch.randn(s, device=ctx.device, generator=gen) * 0.01 for s in shapes]
     d_ker, d_ref = [d.clone() for d in deltas], [d.clone() for d in deltas]
-    pi, pv = error_feedback.ef_encode(d_ker, xs, beta=0.999, lr=0.01, chunk=chunk, k=k, value_dtype=torch.float16)
-    ri, rv = error_feedback.ef_encode_reference(d_ref, xs, 0.999, 0.01, chunk, k, value_dtype=torch.float16)
-    enc_bytes = numel * (4 + esz + 4) + payload * (2 + 2)
-    encode_err = {"index_agreement": float((pi == ri).float().mean()),
-                  "delta_rel_err": max(rel_err(a, b) for a, b in zip(d_ker, d_ref))}
+    del deltas
+    with KernelWatch(_kernel_modules()) as w:
+        pi, pv = error_feedback.ef_encode(d_ker, xs, beta=0.999, lr=0.01, chunk=CHUNK, k=TOPK,
+                                          value_dtype=torch.float16)
+        _sync(ctx)
+    ri, _ = error_feedback.ef_encode_reference(d_ref, xs, 0.999, 0.01, CHUNK, TOPK, value_dtype=torch.float16)
+    errs = {"index_agreement": float((pi == ri).float().mean()),
+            "delta_rel_err": max(rel_err(a, r) for a, r in zip(d_ker, d_ref))}
+    assert ctx.shared is not None
+    ctx.shared["payload"] = (pi, pv)
     # timed runs keep updating their own buffers (as training does), outside the checked ones
-    add("ef_encode", lambda: error_feedback.ef_encode(d_ker, xs, beta=0.999, lr=0.01, chunk=chunk, k=k,
-                                                      value_dtype=torch.float16),
-        lambda: error_feedback.ef_encode_reference(d_ref, xs, 0.999, 0.01, chunk, k, value_dtype=torch.float16),
-        enc_bytes, encode_err)
+    row = _time_row(ctx, "ef_encode",
+                    lambda: error_feedback.ef_encode(d_ker, xs, beta=0.999, lr=0.01, chunk=CHUNK, k=TOPK,
+                                                     value_dtype=torch.float16),
+                    lambda: error_feedback.ef_encode_reference(d_ref, xs, 0.999, 0.01, CHUNK, TOPK,
+                                                               value_dtype=torch.float16),
+                    numel * (4 + esz + 4) + payload * (2 + 2), errs, w.resources)
+    return _kernel_result([row], _judge(row, {"index_agreement": 0.99, "delta_rel_err": 1e-2}))
 
-    # decode of `ranks` gathered payloads into bf16 parameters
-    gidx = torch.stack([pi] * ranks)
-    gval = torch.stack([pv * (1 + 0.1 * r) for r in range(ranks)])
+
+def phase_ef_decode(ctx: Context) -> dict:
+    """Decode of RANKS gathered payloads into the bucket's parameters."""
+    import torch
+
+    from cokit.bench.timing import KernelWatch
+    from cokit.triton_kernels import error_feedback, tiling
+
+    b = _bucket(ctx)
+    xs, shapes, numel, esz = b["xs"], b["shapes"], b["numel"], b["esz"]
+    payload, _ = tiling.payload_shape(shapes, CHUNK, TOPK)
+    pi, pv = _payload(ctx)
+    gidx = torch.stack([pi] * RANKS)
+    gval = torch.stack([pv * (1 + 0.1 * r) for r in range(RANKS)])
     p_ker, p_ref = [x.clone() for x in xs], [x.clone() for x in xs]
-    error_feedback.ef_decode(p_ker, gidx, gval, lr=0.01, chunk=chunk, k=k, use_sign=False)
-    error_feedback.ef_decode_reference(p_ref, gidx, gval, chunk, k, 0.01, use_sign=False)
-    dec_bytes = numel * 2 * esz + ranks * payload * (2 + 2)
-    decode_err = max(rel_err(a, b) for a, b in zip(p_ker, p_ref))
-    add("ef_decode", lambda: error_feedback.ef_decode(p_ker, gidx, gval, lr=0.01, chunk=chunk, k=k,
-                                                      use_sign=False, validate=False),
-        lambda: error_feedback.ef_decode_reference(p_ref, gidx, gval, chunk, k, 0.01, use_sign=False),
-        dec_bytes, {"rel_err": decode_err})
-    return rows
+    with KernelWatch(_kernel_modules()) as w:
+        error_feedback.ef_decode(p_ker, gidx, gval, lr=0.01, chunk=CHUNK, k=TOPK, use_sign=False)
+        _sync(ctx)
+    error_feedback.ef_decode_reference(p_ref, gidx, gval, CHUNK, TOPK, 0.01, use_sign=False)
+    errs = {"rel_err": max(rel_err(a, r) for a, r in zip(p_ker, p_ref))}
+    row = _time_row(ctx, "ef_decode",
+                    lambda: error_feedback.ef_decode(p_ker, gidx, gval, lr=0.01, chunk=CHUNK, k=TOPK,
+                                                     use_sign=False, validate=False),
+                    lambda: error_feedback.ef_decode_reference(p_ref, gidx, gval, CHUNK, TOPK, 0.01, use_sign=False),
+                    numel * 2 * esz + RANKS * payload * (2 + 2), errs, w.resources)
+    return _kernel_result([row], _judge(row, {"rel_err": 5e-2}))
 
 
-def print_table(rows: list[dict], on_gpu: bool) -> None:
-    cols = (["kernel", "triton_ms", "torch_ms", "GBps", "pct_of_copy", "speedup"] if on_gpu
-            else ["kernel", "torch_ms", "torch_GBps"])
-    extra = sorted({k for r in rows for k in r if "err" in k or "agreement" in k})
-    cols += extra
-    print("  ".join(f"{c:>14}" for c in cols))
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c, "")
-            cells.append(f"{v:>14.4g}" if isinstance(v, float) else f"{v!s:>14}")
-        print("  ".join(cells))
+def phase_optimizer(ctx: Context) -> dict:
+    from cokit.bench import optimizer_bench
+
+    rows = optimizer_bench.run(None, quick=ctx.quick, budget=ctx.budget)
+    key = ", ".join(f"{r['optimizer']} {r['step_ms']:.2f} ms" for r in rows)
+    return {"rows": rows, "key": key}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (a minute on a GPU)")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "out", "gpu_check.json"),
-                        help="where to write the JSON report")
-    args = parser.parse_args(argv)
+def _gemm_phase(section: str) -> Callable[[Context], dict]:
+    def phase(ctx: Context) -> dict:
+        from cokit.bench import gemm_bench
+
+        rows: list[dict] = []
+        cache_dir = os.path.join(ctx.out, "tuning_cache") if ctx.out else None  # a folder we know is writable
+        gemm_bench.run_section(section, rows, quick=ctx.quick, cache_dir=cache_dir, budget=ctx.budget)
+        gemm_bench.print_rows(rows, (section,))
+        summary = gemm_bench.summarize(rows, (section,))
+        problems = [f"{r.get('shape', '')} {r.get('dtype', '')} {r.get('form', r.get('variant', ''))}: "
+                    f"{r.get('error') or 'outside the error bound'}"
+                    for r in rows if r.get("error") or r.get("ok") is False]
+        if summary.get("occupancy_matches_driver") is False:
+            problems.append("occupancy calculator disagrees with the driver")
+        parts = [summary.get("correctness")]
+        if "best_tflops" in summary:
+            parts.append(f"best {summary['best_tflops']} TFLOP/s ({summary['best_shape']}, "
+                         f"x{summary['best_vs_torch']} vs torch)")
+        if "occupancy_matches_driver" in summary:
+            parts.append(f"driver agrees: {summary['occupancy_matches_driver']}")
+        if "sweep_tflops_range" in summary:
+            lo, hi = summary["sweep_tflops_range"]
+            parts.append(f"{summary['sweep_points']} points, {lo}-{hi} TFLOP/s")
+        return {"rows": rows, "summary": summary, "problems": problems[:20],
+                "key": "; ".join(p for p in parts if p)}
+
+    phase.__name__ = f"phase_gemm_{section}"
+    return phase
+
+
+def phase_overlap(ctx: Context) -> dict:
+    from cokit.bench import overlap_bench
+
+    report: dict = {}
+    rows = overlap_bench.run(report, quick=ctx.quick, budget=ctx.budget, tiny=not ctx.on_gpu, raise_errors=True)
+    summary = report.get("overlap", {})
+    best = summary.get("best") or {}
+    key = f"{summary.get('points', 0)} points"
+    if best:
+        key += f", best speedup {_fmt(best.get('speedup'))} ({_fmt(best.get('pct_of_ideal'))}% of ideal)"
+    problems = [str(r.get("error")) for r in rows if r.get("error")][:20]
+    return {"rows": rows, "summary": summary, "problems": problems, "key": key}
+
+
+def default_phases() -> list[Phase]:
+    """Every phase in order, with its budgets (seconds on one H200: --quick, full)."""
+    return [
+        Phase("env", phase_env, 15, 15, what="versions and device"),
+        Phase("copy_bandwidth", phase_copy, 10, 10, what="device copy GB/s"),
+        Phase("kernels.dct", phase_dct, 15, 30, what="DCT encode/decode"),
+        Phase("kernels.topk", phase_topk, 10, 20, what="chunk top-k"),
+        Phase("kernels.ef_encode", phase_ef_encode, 12, 25, what="fused error-feedback encode"),
+        Phase("kernels.ef_decode", phase_ef_decode, 12, 25, what="fused decode of 8 payloads"),
+        Phase("optimizer", phase_optimizer, 18, 40, what="DeMo step vs fused AdamW"),
+        Phase("gemm.correctness", _gemm_phase("correctness"), 22, 45, what="GEMM vs float64"),
+        Phase("gemm.occupancy", _gemm_phase("occupancy_check"), 8, 15, needs_gpu=True,
+              what="blocks/SM: calculator vs driver"),
+        Phase("gemm.perf", _gemm_phase("perf"), 18, 75, needs_gpu=True, what="tuned GEMM TFLOP/s vs torch"),
+        Phase("gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep"),
+        Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
+    ]
+
+
+# ---------------------------------------------------------------------- output
+class Tee(io.TextIOBase):
+    """Writes to the real stream and keeps a copy (the log)."""
+
+    def __init__(self, stream: TextIO, log: list[str]) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, s: str) -> int:
+        self.log.append(s)
+        with contextlib.suppress(Exception):
+            self.stream.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def check_writable(folder: str) -> str | None:
+    """None when ``folder`` can be created and written, else why not (one line)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".gpu_check_probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"--out {folder} is not writable: {exc.strerror or exc}"
+    return None
+
+
+def write_outputs(folder: str, report: dict, log: list[str]) -> None:
+    from cokit.bench.timing import atomic_write
+
+    atomic_write(os.path.join(folder, JSON_NAME), json.dumps(report, indent=1, default=str))
+    atomic_write(os.path.join(folder, LOG_NAME), "".join(log))
+
+
+def summary_table(phases: list[dict]) -> None:
+    print("\n" + "=" * 100)
+    print(f"{TAG} summary")
+    rows = [{"phase": p["name"], "status": p["status"], "seconds": f"{p['seconds']:.1f}",
+             "budget": f"{p['budget_s']:.0f}" if p.get("budget_s") is not None else "-",
+             "key numbers": (p.get("key") or p.get("error") or p.get("note") or "")[:110]} for p in phases]
+    print_rows(rows, ["phase", "status", "seconds", "budget", "key numbers"])
+
+
+# ---------------------------------------------------------------------- main
+def environment_problem(allow_cpu: bool) -> str | None:
+    """Why this process cannot run the check (one line), or None."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return ("TRITON_INTERPRET is set: Triton kernels would run in the CPU interpreter, which times "
+                "nothing real; unset it (env -u TRITON_INTERPRET ...)")
+    import torch
+
+    if not torch.cuda.is_available() and not allow_cpu:
+        return ("no GPU visible (torch.cuda.is_available() is False): this check needs a CUDA or ROCm GPU; "
+                "--allow-cpu runs the torch reference path on the CPU instead")
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cokit.bench.gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer points (< 3 min on one H200)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for {JSON_NAME} and {LOG_NAME} (default {DEFAULT_OUT})")
+    p.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU")
+    p.add_argument("--only", nargs="+", default=None, metavar="PHASE",
+                   help="run only these phases (names or prefixes, e.g. kernels gemm.perf)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="total seconds; phases that would start later are SKIPPED "
+                        "(default 170 with --quick, 470 without)")
+    p.add_argument("--list", action="store_true", help="list the phases and their budgets, then exit")
+    return p
+
+
+def _selected(phases: list[Phase], only: list[str] | None) -> list[Phase]:
+    if not only:
+        return phases
+    return [p for p in phases if any(p.name == o or p.name.startswith(o.rstrip(".") + ".") for o in only)]
+
+
+def main(argv: list[str] | None = None, phases: list[Phase] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    phases = default_phases() if phases is None else phases
+    if args.list:
+        for ph in phases:
+            print(f"{ph.name:<20} {ph.budget_quick:>5.0f} s quick  {ph.budget_full:>5.0f} s full  {ph.what}")
+        return 0
+    problem = environment_problem(args.allow_cpu)
+    if problem is None:
+        problem = check_writable(args.out)
+    if problem is not None:
+        print(f"gpu_check: error: {problem}", file=sys.stderr, flush=True)
+        return 2
+    chosen = _selected(phases, args.only)
+    if not chosen:
+        print(f"gpu_check: error: --only {' '.join(args.only)} matches no phase; "
+              f"allowed: {', '.join(p.name for p in phases)}", file=sys.stderr, flush=True)
+        return 2
+    log: list[str] = []
+    real_out, real_err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Tee(real_out, log), Tee(real_err, log)
+    try:
+        return _run(args, chosen, log)
+    finally:
+        sys.stdout, sys.stderr = real_out, real_err
+
+
+def _run(args: argparse.Namespace, phases: list[Phase], log: list[str]) -> int:
+    import torch
+
+    from cokit.bench.timing import Budget
 
     on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    report: dict = {"device": torch.cuda.get_device_name() if on_gpu else "cpu",
-                    "path": backend.kernel_path(device), "torch": torch.__version__}
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    limit = args.time_limit if args.time_limit is not None else (170.0 if args.quick else 470.0)
+    total = Budget(limit)
+    ctx = Context(device=device, on_gpu=on_gpu, quick=args.quick, shared={}, out=args.out)
+    _ensure_triton_cache()
+    mode = "gpu" if on_gpu else "cpu (torch reference path, tiny sizes: no GPU numbers)"
+    report: dict[str, Any] = {"tool": "cokit.bench.gpu_check", "argv": sys.argv[1:], "quick": args.quick,
+                              "mode": mode, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "time_limit_s": limit, "complete": False, "phases": []}
+    fail_hook = os.environ.get("COKIT_GPU_CHECK_FAIL", "")  # tests: make these phases raise
+    print(f"{TAG} {'--quick' if args.quick else 'full run'} on {mode}; {len(phases)} phases, "
+          f"time limit {limit:.0f} s; writing {os.path.abspath(args.out)}", flush=True)
     if not on_gpu:
-        print("No GPU visible: running the torch reference path only, at small sizes. "
-              "Triton kernel timings need a GPU.")
-    else:
-        print(f"GPU: {report['device']} (kernel path {report['path']})")
-    bw = copy_bandwidth(device, on_gpu)
-    report["copy_GBps"] = bw
-    print(f"device copy bandwidth (read + write): {bw:.0f} GB/s")
-    print("compression kernels:")
-    report["compression"] = check_kernels(device, on_gpu, args.quick, bw)
-    print_table(report["compression"], on_gpu)
+        print(f"{TAG} no GPU: the torch reference path only, at tiny sizes; Triton kernel timings need a GPU",
+              flush=True)
+    for i, ph in enumerate(phases, 1):
+        budget_s = ph.budget_quick if args.quick else ph.budget_full
+        entry: dict[str, Any] = {"name": ph.name, "what": ph.what, "budget_s": budget_s, "status": "SKIPPED",
+                                 "seconds": 0.0}
+        report["phases"].append(entry)
+        head = f"{TAG} [{i}/{len(phases)}] {ph.name}"
+        if ph.needs_gpu and not on_gpu:
+            entry["note"] = "needs a GPU"
+        elif total.spent():
+            entry["note"] = f"total time limit of {limit:.0f} s spent"
+        else:
+            budget = Budget(max(1.0, min(budget_s, total.left())))
+            ctx.budget = budget
+            print(f"{head}: start ({ph.what}; budget {budget.seconds:.0f} s)", flush=True)
+            watchdog = _arm_watchdog(3 * budget_s + 60)
+            try:
+                if ph.name in fail_hook.split(","):
+                    raise PhaseFailure(f"COKIT_GPU_CHECK_FAIL asked phase {ph.name} to fail")
+                result = ph.fn(ctx) or {}
+                _sync(ctx)
+                entry["status"] = "OK"
+                if result.get("problems"):
+                    entry["status"] = "WARN"
+                    for p in result["problems"]:
+                        print(f"  problem: {p}")
+                if budget.cut:
+                    entry["status"] = "BUDGET" if entry["status"] == "OK" else entry["status"] + "+BUDGET"
+                    entry["cut"] = budget.cut
+                entry["key"] = result.pop("key", "")
+                entry["result"] = result
+            except Exception as exc:
+                tb = traceback.format_exc()
+                entry.update(status="FAILED", error=f"{type(exc).__name__}: {exc}"[:300], traceback=tb)
+                print(tb, end="", flush=True)
+            finally:
+                if watchdog:
+                    faulthandler.cancel_dump_traceback_later()
+            entry["seconds"] = round(budget.elapsed(), 2)
+            entry["over_budget"] = budget.elapsed() > budget_s
+            if on_gpu:
+                with contextlib.suppress(Exception):
+                    torch.cuda.empty_cache()
+        extra = entry.get("key") or entry.get("error") or entry.get("note") or ""
+        over = " (over budget)" if entry.get("over_budget") else ""
+        print(f"{head}: {entry['status']} in {entry['seconds']:.1f} s{over}{': ' + extra[:160] if extra else ''}",
+              flush=True)
+        report["elapsed_s"] = round(total.elapsed(), 1)
+        _save(args.out, report, log)
+    report["complete"] = True
+    report["elapsed_s"] = round(total.elapsed(), 1)
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    counts = {s: sum(1 for p in report["phases"] if p["status"].startswith(s))
+              for s in ("OK", "WARN", "BUDGET", "FAILED", "SKIPPED")}
+    report["counts"] = counts
+    summary_table(report["phases"])
+    print(f"{TAG} done in {report['elapsed_s']:.0f} s: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    print(f"{TAG} wrote {os.path.join(args.out, JSON_NAME)} and {os.path.join(args.out, LOG_NAME)}", flush=True)
+    _save(args.out, report, log)
+    return 1 if counts["FAILED"] else 0
 
-    import optimizer_bench  # beside this file; DeMo vs AdamW optimizer-step time (world size 1)
 
-    print("optimizer step:")
-    optimizer_bench.run(report, quick=args.quick)
+def _save(folder: str, report: dict, log: list[str]) -> None:
+    try:
+        write_outputs(folder, report, log)
+    except Exception as exc:  # keep running: the results still reach stdout
+        print(f"{TAG} could not write {folder}: {type(exc).__name__}: {exc}", file=sys.__stderr__, flush=True)
 
-    import gemm_bench  # beside this file; adds report["gemm"]
 
-    print("GEMM:")
-    report["gemm_rows"] = gemm_bench.run(report, quick=args.quick)
+def _ensure_triton_cache() -> None:
+    """Point TRITON_CACHE_DIR at a temporary folder when ~/.triton cannot be written."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return
+    if check_writable(os.path.join(os.path.expanduser("~"), ".triton", "cache")) is not None:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cokit_triton_cache_")
+        print(f"{TAG} ~/.triton is not writable: TRITON_CACHE_DIR={os.environ['TRITON_CACHE_DIR']}")
 
-    import overlap_bench  # beside this file; adds report["overlap"] (one GPU: EMULATED comm)
 
-    print("overlap:")
-    report["overlap_rows"] = overlap_bench.run(report, quick=args.quick, budget_s=90.0 if args.quick else 240.0)
-
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print(f"wrote {args.out}")
-    return 0
+def _arm_watchdog(seconds: float) -> bool:
+    """Print every thread's stack to stderr if a phase hangs this long (does not kill)."""
+    stream = sys.__stderr__
+    if stream is None:
+        return False
+    try:
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=stream, exit=False)
+    except Exception:
+        return False
+    return True
 
 
 if __name__ == "__main__":

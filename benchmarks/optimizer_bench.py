@@ -1,6 +1,6 @@
 """Optimizer-step time of DeMo (world size 1: encode + decode, no network) vs AdamW.
 
-Part of ``benchmarks/gpu_check.py``; alone: ``python benchmarks/optimizer_bench.py [--quick]``.
+Part of ``python -m cokit.bench.gpu_check``; alone: ``python -m cokit.bench.optimizer_bench [--quick]``.
 The parameters are transformer-shaped (attention, MLP, norms) with random gradients. On a GPU,
 DeMo runs the Triton kernels and AdamW its fused implementation; on a CPU both run torch code
 and the numbers say nothing about a GPU.
@@ -9,14 +9,11 @@ and the numbers say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
+from typing import Any
 
 import torch
 
-
-from cokit.compress import DeMo
-from cokit.bench.timing import median_ms
+from cokit.bench.timing import Budget, median_ms
 
 
 def layer_shapes(d_model: int, layers: int) -> list[tuple[int, ...]]:
@@ -27,8 +24,12 @@ def layer_shapes(d_model: int, layers: int) -> list[tuple[int, ...]]:
     return block * layers
 
 
-def run(report: dict | None = None, quick: bool = False) -> list[dict]:
-    """Time each optimizer on one bucket of parameters; print a table; return rows."""
+def run(report: dict | None = None, quick: bool = False, budget: Budget | None = None) -> list[dict]:
+    """Time each optimizer on one bucket of parameters; print a table; return rows.
+
+    With a ``budget``, optimizers not yet timed when it is spent are skipped (and counted)."""
+    from cokit.compress import DeMo
+
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     d_model, layers = (1024, 4 if quick else 12) if on_gpu else (256, 2)
@@ -39,7 +40,7 @@ def run(report: dict | None = None, quick: bool = False) -> list[dict]:
     for p in params:
         p.grad = torch.randn_like(p)
     n = sum(p.numel() for p in params)
-    adamw_kw = {"fused": True} if on_gpu else {"foreach": True}
+    adamw_kw: dict[str, Any] = {"fused": True} if on_gpu else {"foreach": True}
     cases = [
         ("AdamW", lambda: torch.optim.AdamW(params, lr=1e-4, **adamw_kw)),
         ("DeMo compact k=32", lambda: DeMo(params, lr=1e-4, compression_topk=32)),
@@ -47,15 +48,22 @@ def run(report: dict | None = None, quick: bool = False) -> list[dict]:
         ("DeMo compact k=8", lambda: DeMo(params, lr=1e-4, compression_topk=8)),
     ]
     rows = []
-    for name, make in cases:
+    device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    for i, (name, make) in enumerate(cases):
+        if budget is not None and budget.stop(len(cases) - i):
+            print(f"  time budget spent: skipped {', '.join(c[0] for c in cases[i:])}")
+            break
         opt = make()
         ms = median_ms(opt.step, on_gpu, quick)
         rows.append({"optimizer": name, "params": n, "dtype": str(dtype).replace("torch.", ""),
-                     "device": torch.cuda.get_device_name() if on_gpu else "cpu", "step_ms": ms})
-    print(f"optimizer step, {n:,} parameters ({layers} blocks of d={d_model}, {rows[0]['dtype']}) on "
-          f"{rows[0]['device']}; DeMo at world size 1 (encode + decode, no network)")
+                     "device": device_name, "step_ms": ms})
+        if name != "AdamW" and rows[0]["optimizer"] == "AdamW":
+            rows[-1]["vs_adamw"] = ms / rows[0]["step_ms"]
+    print(f"optimizer step, {n:,} parameters ({layers} blocks of d={d_model}, {str(dtype).replace('torch.', '')}) on "
+          f"{device_name}; DeMo at world size 1 (encode + decode, no network)")
     for r in rows:
-        print(f"  {r['optimizer']:<20} {r['step_ms']:9.2f} ms")
+        rel = f"  ({r['vs_adamw']:.2f}x AdamW)" if "vs_adamw" in r else ""
+        print(f"  {r['optimizer']:<20} {r['step_ms']:9.2f} ms{rel}")
     if not on_gpu:
         print("  (CPU: torch path, not a GPU number)")
     if report is not None:

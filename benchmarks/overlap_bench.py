@@ -11,7 +11,7 @@ block per SM) x num_sms (tiled / persistent leaving the copy's SMs free) x strea
 prints the speedup over sequential (T_comp + T_comm) / T_ovl and the % of the ideal gain
 ((T_seq - T_ovl) / min(T_comp, T_comm)). Every row is labelled EMULATED.
 
-Without a GPU it runs the real CPU measurement instead (cokit.overlap.cpu_demo: a torch matmul
+Without a GPU it runs the real CPU measurement instead (cokit.cpu_demo: a torch matmul
 overlapped with a gloo all-reduce between two processes) and says so; no GPU numbers.
 Never asserts on time; stops adding points when the time budget is spent.
 """
@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-
 import torch
+
+from cokit.bench.timing import Budget, atomic_write, find_attr
+
+# where the CPU measurement lives (moved from cokit.overlap to the app layer; either works)
+_CPU_DEMO_MODULES = ("cokit.cpu_demo", "cokit.overlap.cpu_demo")
 
 
 def _fmt(v: Any) -> str:
@@ -42,7 +45,7 @@ def _print(rows: list[dict], cols: list[str]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
 
 
-def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget_s: float, t_start: float) -> None:
+def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budget) -> None:
     import triton.testing
 
     from cokit.overlap.emulate import EmulatedComm
@@ -50,8 +53,8 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget_s: fl
     from cokit.overlap.schedules import Overlap
     from cokit.triton_kernels.backend import device_limits, kernel_path
     from cokit.triton_kernels.gemm import gemm, warmup_gemm
-    from cokit.triton_kernels.gemm_configs import GemmConfig
-    from cokit.triton_kernels.occupancy import smem_for_blocks
+    GemmConfig = find_attr("GemmConfig", "cokit.triton_kernels.gemm_config", "cokit.triton_kernels.gemm_configs")
+    smem_for_blocks = find_attr("smem_for_blocks", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
 
     limits = device_limits(device)
     backend = kernel_path(device)
@@ -87,36 +90,39 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget_s: fl
                     cfg = cfg0.replace(smem_bytes=smem, persistent=num_sms is not None, num_sms=num_sms)
                     settings.append((cfg, prio, natural))
     repeats, warmup = (5, 2) if quick else (10, 3)
-    for comm in comms:
-        for cfg, prio, natural in settings:
-            if time.time() - t_start > budget_s:
-                rows.append(dict(kind="overlap_emulated", skipped="time budget spent"))
-                return
-            row: dict[str, Any] = dict(kind="overlap_emulated", emulated=True, comm=comm.label, num_warps=cfg.num_warps,
-                                       smem_bytes=cfg.smem_bytes or f"natural ({natural})",
-                                       num_sms=cfg.num_sms or "all (tiled)", priority=prio)
-            try:
-                bad = guard.violations(cfg, limits=limits, natural_smem=natural, priority=prio,
-                                       comm_sms=comm.n_sms if comm.kind == "copy-kernel" else None)
-                row["guard"] = "; ".join(bad) or "ok"
-                ov = Overlap(lambda cfg=cfg: gemm(a, b, config=cfg, out=out), comm, device=device, priority=prio,
-                             config=cfg, label="gemm+emulated")
-                res = ov.measure(repeats=repeats, warmup=warmup)
-                m = res.metrics
-                row.update(T_comp=m.t_comp, T_comm=m.t_comm, T_seq=m.t_seq, T_ovl=m.t_ovl, speedup=m.speedup,
-                           pct_of_ideal=100 * m.fraction_of_ideal_gain, comm_hidden=m.comm_hidden,
-                           compute_slowdown=m.compute_slowdown,
-                           speedup_iqr=res.metric_spread["speedup"].iqr)
-            except Exception as exc:  # one failing point must not hide the others
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
+    points = [(comm, setting) for comm in comms for setting in settings]
+    for i, (comm, (cfg, prio, natural)) in enumerate(points):
+        if budget.stop(len(points) - i):
+            rows.append(dict(kind="overlap_emulated", skipped=f"time budget spent ({len(points) - i} point(s) left)"))
+            return
+        row: dict[str, Any] = dict(kind="overlap_emulated", emulated=True, comm=comm.label, num_warps=cfg.num_warps,
+                                   smem_bytes=cfg.smem_bytes or f"natural ({natural})",
+                                   num_sms=cfg.num_sms or "all (tiled)", priority=prio)
+        try:
+            bad = guard.violations(cfg, limits=limits, natural_smem=natural, priority=prio,
+                                   comm_sms=comm.n_sms if comm.kind == "copy-kernel" else None)
+            row["guard"] = "; ".join(bad) or "ok"
+            ov = Overlap(lambda cfg=cfg: gemm(a, b, config=cfg, out=out), comm, device=device, priority=prio,
+                         config=cfg, label="gemm+emulated")
+            res = ov.measure(repeats=repeats, warmup=warmup)
+            m = res.metrics
+            row.update(T_comp=m.t_comp, T_comm=m.t_comm, T_seq=m.t_seq, T_ovl=m.t_ovl, speedup=m.speedup,
+                       pct_of_ideal=100 * m.fraction_of_ideal_gain, comm_hidden=m.comm_hidden,
+                       compute_slowdown=m.compute_slowdown,
+                       speedup_iqr=res.metric_spread["speedup"].iqr)
+        except Exception as exc:  # one failing point must not hide the others
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
 
 
-def _cpu(rows: list[dict], quick: bool) -> None:
-    from cokit.overlap.cpu_demo import cpu_gloo_measurement
-
-    per_rank = cpu_gloo_measurement(size=512 if quick else 768, numel=1_000_000 if quick else 2_000_000,
-                                    repeats=5 if quick else 10, warmup=2)
+def _cpu(rows: list[dict], quick: bool, tiny: bool = False) -> None:
+    cpu_gloo_measurement = find_attr("cpu_gloo_measurement", *_CPU_DEMO_MODULES)
+    if tiny:  # gpu_check --allow-cpu: only shows that the path runs
+        sizes: dict[str, int] = dict(size=128, numel=65_536, repeats=2, warmup=1, chunks=2)
+    else:
+        sizes = dict(size=512 if quick else 768, numel=1_000_000 if quick else 2_000_000,
+                     repeats=5 if quick else 10, warmup=2)
+    per_rank = cpu_gloo_measurement(**sizes)
     for rank, results in enumerate(per_rank):
         for res in results:
             m = res["metrics"]
@@ -128,26 +134,36 @@ def _cpu(rows: list[dict], quick: bool) -> None:
                 print(res["text"])
 
 
-def run(report: dict, quick: bool = False, budget_s: float = 240.0) -> list[dict]:
-    """Run the study; add a summary to ``report['overlap']`` and return the rows."""
+def run(report: dict, quick: bool = False, budget_s: float = 240.0, budget: Budget | None = None,
+        tiny: bool = False, raise_errors: bool = False) -> list[dict]:
+    """Run the study; add a summary to ``report['overlap']`` and return the rows.
+
+    ``budget`` (default: ``budget_s`` from now) stops adding points once spent; ``tiny``
+    shrinks the CPU measurement; ``raise_errors`` lets a failure of the whole study propagate
+    (gpu_check reports it as a FAILED phase) instead of becoming an error row."""
     t0 = time.time()
+    budget = budget if budget is not None else Budget(budget_s)
     rows: list[dict] = []
-    summary: dict[str, Any] = {"quick": quick, "budget_s": budget_s}
+    summary: dict[str, Any] = {"quick": quick, "budget_s": budget.seconds}
     if not torch.cuda.is_available():
         summary["note"] = ("no GPU: ran the real CPU measurement (torch matmul + gloo all-reduce, 2 processes) "
                            "instead of the one-GPU emulated study")
         print(f"[overlap] {summary['note']}")
         try:
-            _cpu(rows, quick)
+            _cpu(rows, quick, tiny)
         except Exception as exc:
+            if raise_errors:
+                raise
             rows.append(dict(kind="overlap_cpu_gloo", error=f"{type(exc).__name__}: {exc}"[:500]))
     else:
         device = torch.device("cuda", torch.cuda.current_device())
         summary.update(device=torch.cuda.get_device_name(device),
                        note="communication is EMULATED (copy kernel on a few SMs / device-to-host copy)")
         try:
-            _gpu_study(rows, device, quick, budget_s, t0)
+            _gpu_study(rows, device, quick, budget)
         except Exception as exc:
+            if raise_errors:
+                raise
             rows.append(dict(kind="overlap_emulated", error=f"{type(exc).__name__}: {exc}"[:500]))
     for r in rows:
         r.setdefault("bench", "overlap")
@@ -157,6 +173,8 @@ def run(report: dict, quick: bool = False, budget_s: float = 240.0) -> list[dict
         summary["best"] = {k: best.get(k) for k in ("num_warps", "smem_bytes", "num_sms", "priority", "comm", "label",
                                                     "speedup", "pct_of_ideal")}
     summary["errors"] = sum(1 for r in rows if r.get("error"))
+    summary["points"] = len(good)
+    summary["cut"] = budget.cut
     summary["seconds"] = round(time.time() - t0, 1)
     report["overlap"] = summary
     _print(rows, ["kind", "rank", "num_warps", "smem_bytes", "num_sms", "priority", "T_comp", "T_comm", "T_ovl",
@@ -169,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: run, print, write JSON."""
     import argparse
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer settings, smaller GEMM (about 1 minute on a GPU)")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop adding points after this many seconds")
     p.add_argument("--out", default=os.path.join("benchmarks", "out", "overlap.json"), help="JSON output file")
@@ -178,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(report, quick=args.quick, budget_s=args.budget_s)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": report["overlap"], "rows": rows}, indent=1, default=str))
+    atomic_write(out, json.dumps({"summary": report["overlap"], "rows": rows}, indent=1, default=str))
     print(f"[overlap] wrote {out}")
     return 0
 

@@ -10,10 +10,6 @@ command line. ``--help`` lists the options.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-
 from cokit.validation.study import main
 
 if __name__ == "__main__":

@@ -1,20 +1,19 @@
 """``cokit bench``: the benchmarks, one subcommand each.
 
     cokit bench validate [--quick]     # DeMo vs AdamW vs SGD vs PowerSGD: curves, bytes, cost
-    cokit bench gpu-check [--quick]    # benchmarks/gpu_check.py: kernels vs torch, speed
-    cokit bench gemm [--quick]         # benchmarks/gemm_bench.py: GEMM correctness, TFLOP/s, occupancy
+    cokit bench gpu-check [--quick]    # cokit.bench.gpu_check: kernels vs torch, speed (needs a GPU)
+    cokit bench gemm [--quick]         # cokit.bench.gemm_bench: GEMM correctness, TFLOP/s, occupancy
 
 ``validate`` writes its JSON, tables and plots to benchmarks/results/validation/ (full mode)
 or benchmarks/out/validation-quick/ (--quick); see ``cokit bench validate --help``.
-``gpu-check`` and ``gemm`` run the scripts in the checkout's benchmarks/ folder.
+``gpu-check`` and ``gemm`` run the modules of ``cokit.bench`` (installed with the package, or
+the checkout's benchmarks/ folder); ``gpu-check`` is ``python -m cokit.bench.gpu_check``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
-from pathlib import Path
 
 from cokit.cli import CliError
 
@@ -34,16 +33,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_arguments(v)
     v.set_defaults(func=run_validate)
 
-    g = sub.add_parser("gpu-check", help="benchmarks/gpu_check.py: every kernel vs torch, then speed")
-    g.add_argument("--quick", action="store_true", help="smaller sizes")
-    g.add_argument("--out", default=None, help="JSON output file (default benchmarks/out/gpu_check.json)")
-    g.set_defaults(func=lambda args: _run_script("gpu_check", args))
+    g = sub.add_parser("gpu-check", help="every kernel vs torch, then speed (python -m cokit.bench.gpu_check)",
+                       description="Run cokit.bench.gpu_check; see python -m cokit.bench.gpu_check --help.")
+    g.add_argument("--quick", action="store_true", help="smaller sizes (< 3 min on one H200)")
+    g.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.log "
+                                               "(default benchmarks/out/gpu_check)")
+    g.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU")
+    g.add_argument("--only", nargs="+", default=None, metavar="PHASE", help="run only these phases")
+    g.set_defaults(func=lambda args: _run_module("gpu_check", args))
 
-    m = sub.add_parser("gemm", help="benchmarks/gemm_bench.py: GEMM correctness, TFLOP/s, occupancy sweep")
+    m = sub.add_parser("gemm", help="cokit.bench.gemm_bench: GEMM correctness, TFLOP/s, occupancy sweep")
     m.add_argument("--quick", action="store_true", help="fewer shapes and sweep points")
     m.add_argument("--out", default=None, help="JSON output file (default benchmarks/out/gemm.json)")
     m.add_argument("--cache-dir", default=None, help="tuning cache directory (default $COKIT_CACHE_DIR)")
-    m.set_defaults(func=lambda args: _run_script("gemm_bench", args))
+    m.set_defaults(func=lambda args: _run_module("gemm_bench", args))
     return p
 
 
@@ -65,25 +68,19 @@ def run_validate(args: argparse.Namespace) -> int:
     return run_from_args(args, cfg)
 
 
-def benchmarks_dir() -> Path:
-    """The checkout's benchmarks/ folder (next to the cokit package)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks"
-    if not path.is_dir():
-        raise CliError(f"{path} not found: the benchmark scripts live in a cokit source checkout")
-    return path
-
-
-def _run_script(module: str, args: argparse.Namespace) -> int:
-    """Import ``benchmarks/<module>.py`` (its folder on sys.path: the scripts import each other)
-    and call its ``main(argv)``."""
-    folder = benchmarks_dir()
-    if not (folder / f"{module}.py").is_file():
-        raise CliError(f"{folder / module}.py not found")
+def _run_module(module: str, args: argparse.Namespace) -> int:
+    """Import ``cokit.bench.<module>`` and call its ``main(argv)`` with the given options."""
+    try:
+        mod = importlib.import_module(f"cokit.bench.{module}")
+    except ImportError as exc:
+        raise CliError(f"cannot import cokit.bench.{module}: {exc}") from None
     argv = ["--quick"] if args.quick else []
     if args.out is not None:
         argv += ["--out", args.out]
     if getattr(args, "cache_dir", None) is not None:
         argv += ["--cache-dir", args.cache_dir]
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    return int(importlib.import_module(module).main(argv) or 0)
+    if getattr(args, "allow_cpu", False):
+        argv.append("--allow-cpu")
+    if getattr(args, "only", None):
+        argv += ["--only", *args.only]
+    return int(mod.main(argv) or 0)
