@@ -29,7 +29,7 @@ import torch
 from cokit.bench.timing import Budget, atomic_write, find_attr
 
 # where the CPU measurement lives (moved from cokit.overlap to the app layer; either works)
-_CPU_DEMO_MODULES = ("cokit.cpu_demo", "cokit.overlap.cpu_demo")
+_CPU_DEMO_MODULES = ("cokit.cpu_demo",)
 
 
 def _fmt(v: Any) -> str:

@@ -55,4 +55,6 @@ def install(package_dir: str) -> None:
         if not (here / name).exists() and (root / folder / "__init__.py").is_file()
     }
     if locations and not any(isinstance(f, SourceTreeFinder) for f in sys.meta_path):
-        sys.meta_path.append(SourceTreeFinder(locations))
+        # first: the checkout whose cokit/ was imported decides where its subpackages come
+        # from, even when another copy is installed (an editable install elsewhere, say)
+        sys.meta_path.insert(0, SourceTreeFinder(locations))

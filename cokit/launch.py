@@ -15,7 +15,8 @@ import queue as queue_module
 import socket
 import time
 import traceback
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, fn
             queue.put((rank, True, buffer.getvalue()))
         finally:
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:  # reported to the parent
         queue.put((rank, False, traceback.format_exc()))
 
 

@@ -15,8 +15,9 @@ import io
 import json
 import os
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from cokit.files import atomic_write_bytes, atomic_write_text
 from cokit.overlap.sweep import SweepPoint, run_sweep

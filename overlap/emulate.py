@@ -17,6 +17,7 @@ Everything built from it is labelled as emulation (``emulated = True``, ``label`
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from typing import Any
 
 import torch
@@ -136,7 +137,5 @@ class EmulatedComm:
             self._pool = None
 
     def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the pool may be gone
             self.close()
-        except Exception:  # noqa: BLE001
-            pass

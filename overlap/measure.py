@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from cokit.triton_kernels._checks import check_int
 
 from .metrics import METRIC_NAMES, OverlapMetrics, Spread, compute_metrics, summarize
 
-__all__ = ["Clock", "OverlapResult", "Probe", "TIME_NAMES", "Workload", "measure"]
+__all__ = ["TIME_NAMES", "Clock", "OverlapResult", "Probe", "Workload", "measure"]
 
 #: the timed phases, in the order a round runs them (plus compute under overlap).
 TIME_NAMES = ("compute", "communicate", "sequential", "overlapped", "compute_under_overlap")
@@ -165,9 +167,9 @@ class OverlapResult:
         lines.append(f"  {'metric (from medians)':<24}{'value':>10}{'q1':>10}{'q3':>10}   (per-round spread)")
         for k in METRIC_NAMES:
             v = getattr(m, k)
-            s = self.metric_spread.get(k)
+            sp = self.metric_spread.get(k)
             val = "-" if v is None else f"{v:.4f}"
-            spread = f"{s.q1:>10.4f}{s.q3:>10.4f}" if s else ""
+            spread = f"{sp.q1:>10.4f}{sp.q3:>10.4f}" if sp else ""
             lines.append(f"  {k:<24}{val:>10}{spread}")
         return "\n".join(lines)
 
@@ -217,7 +219,7 @@ def measure(
         t_comm = timed(workload.run_communicate)
         t_seq = timed(workload.run_sequential)
         probe = Probe(clock)
-        t_ovl = timed(lambda: workload.run_overlapped(probe))
+        t_ovl = timed(functools.partial(workload.run_overlapped, probe))
         t_under = probe.total_ms()
         if i < warmup:
             continue
@@ -237,7 +239,7 @@ def measure(
         if vals:
             spread[k] = summarize(vals)
     return OverlapResult(
-        label=label or getattr(workload, "label", type(workload).__name__),
+        label=str(label or getattr(workload, "label", type(workload).__name__)),
         device=str(workload.device), timer=clock.name, repeats=repeats, warmup=warmup, rank=rank,
         world_size=world, emulated=bool(getattr(workload, "emulated", False)),
         comm=str(getattr(workload, "comm_label", "communication")),

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["METRIC_NAMES", "OverlapMetrics", "Spread", "compute_metrics", "summarize"]
 

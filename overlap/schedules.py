@@ -12,7 +12,13 @@
 
 Every schedule is a :class:`~cokit.overlap.measure.Workload`: ``run_sequential()`` is the plain
 version (one GEMM, one blocking collective), ``run_overlapped()`` the pipelined one, which
-returns exactly the same tensor (same GEMM tiles and K order per element, same reduction).
+computes the same sum in the same precision. It is bitwise the same tensor when the arithmetic
+is: on the Triton path with a fixed ``config`` and chunk boundaries on BLOCK_M multiples
+(``operand='b'``: BLOCK_N), every output tile is computed by the same program on the same
+inputs, and a 2-rank sum is one addition either way. Otherwise it agrees to fp32 rounding
+(within ``gamma_{K+W} * sum |a| @ |b|`` of the exact value, K the reduction length, W the ranks
+summed): CPU BLAS (the torch path) and config selection choose their blocking from the shape,
+and a collective's summation order over 3+ ranks may depend on the buffer size.
 :meth:`run` returns the output and, on request, the timings of :func:`cokit.overlap.measure.measure`.
 
 Each takes a :class:`~cokit.triton_kernels.gemm_configs.GemmConfig` (tiles, ``num_warps``,
@@ -27,7 +33,8 @@ on gloo's work threads while the GEMM runs on the calling thread.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -495,7 +502,7 @@ class Overlap(_Schedule):
         self.stream = stream or CommStream(dev, priority)
         self.compute, self.communicate = compute, communicate
         self.label = label
-        self.comm_label = comm_label or getattr(communicate, "label", getattr(communicate, "__name__", "communicate"))
+        self.comm_label = str(comm_label or getattr(communicate, "label", getattr(communicate, "__name__", "communicate")))
         self.info.update(schedule="overlap", emulated=self.emulated)
 
     def _start_comm(self) -> Any:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,8 @@ def priority_range(device: torch.device | str | int | None = None) -> tuple[int,
     """``(lowest, highest)`` stream priority on ``device`` (lower number = higher priority)."""
     dev = _device(device)
     if dev.type == "cuda":
-        least, greatest = torch.cuda.Stream.priority_range()
+        # a staticmethod (torch's stub types it as an instance method)
+        least, greatest = cast(Any, torch.cuda.Stream).priority_range()
         return int(least), int(greatest)
     return CPU_PRIORITY_RANGE
 
@@ -110,7 +112,7 @@ class CommStream:
         """True on CPU: no stream, every method does nothing."""
         return self.stream is None
 
-    def __enter__(self) -> "CommStream":
+    def __enter__(self) -> CommStream:
         if self.stream is not None:
             ctx = torch.cuda.stream(self.stream)
             ctx.__enter__()
@@ -212,25 +214,27 @@ def group_is_high_priority(group: Any = None) -> bool | None:
         return None
     try:
         backend = dist.get_backend(group)
-    except Exception:  # noqa: BLE001 - not a group of this process
+    except Exception:  # not a group of this process
         return None
     if backend != "nccl":
         return False
-    pg = group if group is not None else dist.group.WORLD
+    pg: Any = group if group is not None else dist.group.WORLD  # private API below: untyped
     try:
         return bool(pg._get_backend(torch.device("cuda")).options.is_high_priority_stream)
-    except Exception:  # noqa: BLE001 - private API moved: unknown
+    except Exception:  # private API moved: unknown
         return None
 
 
 def warn_if_priority_ignored(group: Any, priority: str | int) -> None:
     """Warn when a high priority is asked for collectives of a normal-priority NCCL group."""
-    if _is_high(priority):
-        if group_is_high_priority(group) is False and dist.is_initialized() and dist.get_backend(
-            group.group if isinstance(group, CommGroup) else group
-        ) == "nccl":
-            warnings.warn(
-                "high priority requested, but this NCCL group's collectives run on normal-priority streams; "
-                "create the group with cokit.overlap.streams.high_priority_group() (or set TORCH_NCCL_HIGH_PRIORITY=1)",
-                stacklevel=3,
-            )
+    if (
+        _is_high(priority)
+        and group_is_high_priority(group) is False
+        and dist.is_initialized()
+        and dist.get_backend(group.group if isinstance(group, CommGroup) else group) == "nccl"
+    ):
+        warnings.warn(
+            "high priority requested, but this NCCL group's collectives run on normal-priority streams; "
+            "create the group with cokit.overlap.streams.high_priority_group() (or set TORCH_NCCL_HIGH_PRIORITY=1)",
+            stacklevel=3,
+        )

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -162,7 +163,7 @@ def run_sweep(
     from .streams import _device
 
     device = _device(device)
-    dtype = parse_dtype(dtype)
+    dt = parse_dtype(dtype)
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     points = list(points)
     for p in points:
@@ -170,17 +171,17 @@ def run_sweep(
     limits = cached_device_limits(device) if device.type == "cuda" else None
     rows = []
     for i, p in enumerate(points):
-        row: dict[str, Any] = {**p.fields(), "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
+        row: dict[str, Any] = {**p.fields(), "dtype": str(dt).removeprefix("torch."), "device": str(device)}
         if device.type == "cpu":
             row["note"] = CPU_NOTE
         try:
-            wl = _workload(p, device, dtype, group, world, seed=1000 + i)
+            wl = _workload(p, device, dt, group, world, seed=1000 + i)
             res = wl.measure(repeats=repeats, warmup=warmup)
             row.update({k: v for k, v in res.flat().items() if k not in row})
             close = getattr(getattr(wl, "communicate", None), "close", None)
             if close is not None:
                 close()
-        except Exception as exc:  # noqa: BLE001 - recorded in the row, the sweep goes on
+        except Exception as exc:  # recorded in the row, the sweep goes on
             if dist.is_available() and dist.is_initialized() and world > 1:
                 raise  # ranks would fall out of step: stop everywhere
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]

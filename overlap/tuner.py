@@ -23,8 +23,9 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from cokit.triton_kernels._checks import check_int
 
@@ -140,7 +141,7 @@ class OnlineTuner:
             self._log_file.close()
             self._log_file = None
 
-    def __enter__(self) -> "OnlineTuner":
+    def __enter__(self) -> OnlineTuner:
         return self
 
     def __exit__(self, *exc: Any) -> None:

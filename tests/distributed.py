@@ -11,7 +11,8 @@ path by setting it to ``0`` (kernel paths are chosen per call).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cokit.launch import spawn
 

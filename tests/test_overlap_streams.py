@@ -25,9 +25,8 @@ def test_cpu_comm_stream_is_a_noop_with_the_same_api():
     assert cs.is_noop and cs.stream is None and cs.priority == CPU_PRIORITY_RANGE[1]
     x = torch.ones(3)
     cs.wait_for_current()
-    with cs:
-        with cs:  # re-entrant
-            y = x * 2
+    with cs, cs:  # re-entrant
+        y = x * 2
     cs.keep_alive(x, y)
     cs.join()
     cs.synchronize()
@@ -41,7 +40,7 @@ def test_priorities():
     for bad in (1, -4, "urgent", 0.5, True, None):
         with pytest.raises(ValueError, match="priority"):
             resolve_priority(bad, "cpu")
-    with pytest.raises(ValueError, match="cuda .* or cpu"):
+    with pytest.raises(ValueError, match=r"cuda .* or cpu"):
         CommStream("meta")
 
 
@@ -79,7 +78,7 @@ def test_starvation_guard():
     assert guard.violations(cfg, limits=lim, dtype=torch.bfloat16)  # estimated need 8192 B: 4.9x
     assert "high-priority" in guard.violations(priority="high")[0]
     assert guard.violations(priority=-1) and not guard.violations(priority="normal")
-    with pytest.raises(GuardViolation, match="starvation guard: .*34 of 132"):
+    with pytest.raises(GuardViolation, match=r"starvation guard: .*34 of 132"):
         guard.check(carve, limits=lim, comm_sms=2)
     slow = StarvationGuard(max_compute_slowdown=0.2)
     assert slow.check_measured(0.1) == [] and "above max_compute_slowdown" in slow.check_measured(0.3)[0]

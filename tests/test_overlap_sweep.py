@@ -60,6 +60,7 @@ def test_sweep_points_validation():
         check_point(p, 1)
 
 
+@pytest.mark.distributed
 def test_cli_sweep_gloo_two_ranks(tmp_path, capsys):
     rc = main(["sweep", "--sizes", "32", "--chunks", "2", "--repeats", "1", "--warmup", "0",
                "--num-warps", "4,8", "--out", str(tmp_path)])

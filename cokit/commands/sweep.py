@@ -118,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cokit.launch import in_torchrun
+    from cokit.overlap.schedules import _config_backend
     from cokit.overlap.sweep import SWEEP_COLLECTIVES, check_point, sweep_points
     from cokit.sweeps import default_plots, sweep_main, write_csv, write_json
-    from cokit.overlap.schedules import _config_backend
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm_configs import parse_config_spec, parse_dtype
 
