@@ -1,6 +1,6 @@
 """Compute/communication overlap: occupancy-shaped compute next to asynchronous collectives.
 
-DESIGN.md 1.2 (Cui & Pericas): give the compute kernel a shaped footprint (more shared
+docs/design.md §1.2 (Cui & Pericas): give the compute kernel a shaped footprint (more shared
 memory per block, fewer SMs for a persistent GEMM) and run communication on high-priority
 streams, so that collectives hide behind compute on NVIDIA and AMD alike.
 

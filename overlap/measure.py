@@ -8,7 +8,7 @@ order, compute alone, communication alone, both one after the other, and both ov
 on the current stream on a GPU and from a monotonic clock (``time.perf_counter``) on CPU.
 In a process group the ranks meet at a barrier before every timed phase (outside the timing).
 
-The result carries the medians and spreads of every time and of every metric of DESIGN.md
+The result carries the medians and spreads of every time and of every metric of docs/design.md
 1.2 (metrics from the median times, and per-round metrics for their spread).
 """
 

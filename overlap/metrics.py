@@ -1,4 +1,4 @@
-"""The overlap metrics of DESIGN.md 1.2, from isolated and overlapped times.
+"""The overlap metrics of docs/design.md §1.2, from isolated and overlapped times.
 
 With ``T_comp`` and ``T_comm`` measured alone, ``T_seq = T_comp + T_comm`` and ``T_ovl``
 measured with both running concurrently:
@@ -68,7 +68,7 @@ def compute_metrics(
     t_comp_under_overlap: float | None = None,
     t_seq_measured: float | None = None,
 ) -> OverlapMetrics:
-    """All metrics of DESIGN.md 1.2 from times in milliseconds (exact arithmetic, no rounding).
+    """All metrics of docs/design.md §1.2 from times in milliseconds (exact arithmetic, no rounding).
 
     Raises ``ValueError`` for non-finite, negative or zero times (``t_comp_under_overlap``
     may be 0: compute that finished instantly).

@@ -1,4 +1,4 @@
-"""A from-scratch float64 simulation of one DeMo step (DESIGN.md section 1.1) for tests.
+"""A from-scratch float64 simulation of one DeMo step (docs/design.md §1.1) for tests.
 
 Written independently of cokit's kernels and references: explicit DCT matrices, tiles by
 reshape, ``torch.topk`` per tile, scatter-mean over the ranks that chose a position.

@@ -10,7 +10,7 @@ reduce-scattered in chunks (tensor-parallel row-linear), or whose A operand is a
 in chunks first (all_gather), or, with ``emulated``, a GEMM next to a memory-bound copy
 kernel on --comm-sms SMs (one GPU; labelled EMULATED everywhere). Every point is timed alone,
 sequential and overlapped (--warmup + --repeats rounds); rows hold the medians, spreads and
-the metrics of DESIGN.md 1.2 (speedup, reduction, fraction of ideal gain, comm hidden,
+the metrics of docs/design.md §1.2 (speedup, reduction, fraction of ideal gain, comm hidden,
 compute slowdown).
 
 Axes are comma lists. --num-warps / --smem-bytes (bytes, k suffix = KiB, 'none' = natural) /
