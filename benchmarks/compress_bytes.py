@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from cokit.compress import DeMo
+from cokit.compress import DeMo, codec_names
 from cokit.launch import spawn
 
 
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, cases: list[dict], steps: int) -> list[dict]:
 
 def run(world: int, topks: list[int], chunk: int, steps: int) -> list[dict]:
     """Spawn ``world`` gloo ranks and measure every (payload, topk) case."""
-    cases = [{"payload": p, "topk": k, "chunk": chunk} for p in ("reference", "compact", "sign") for k in topks]
+    cases = [{"payload": p, "topk": k, "chunk": chunk} for p in codec_names() for k in topks]
     return spawn(world, _worker, cases, steps, timeout=1800, env={"TRITON_INTERPRET": None})[0]
 
 

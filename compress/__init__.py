@@ -1,6 +1,10 @@
 """Compressed gradient exchange: the DeMo optimizer, payload codecs and a DDP comm hook."""
 
 from cokit.compress.optimizer import DeMo
+from cokit.compress.payload import PayloadCodec, codec_names, get_codec, register_codec
 from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
 
-__all__ = ["DeMo", "CommStats", "ring_allgather_bytes", "ring_allreduce_bytes"]
+__all__ = [
+    "CommStats", "DeMo", "PayloadCodec", "codec_names", "get_codec", "register_codec",
+    "ring_allgather_bytes", "ring_allreduce_bytes",
+]

@@ -4,63 +4,55 @@ Per param group, tensors whose compressed payload would not be smaller than a de
 all-reduce of their buffer (prime dimensions, tiny 1-D tensors, 0-D scalars) go into one
 *dense* bucket; the rest are packed, in reverse parameter order (the order in which backward
 produces gradients), into *compressed* buckets of at most ``cap_bytes`` of fp32 buffer each.
-Each compressed bucket travels as one all-gather of one byte buffer (``reference`` payloads
-keep the DeMo reference's two all-gathers per tensor instead).
+Each compressed bucket travels as its codec's wire tensors, one all-gather each; a codec that
+is not ``bucketed`` (``reference``) gets one bucket per tensor, like the DeMo reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from cokit.compress.payload import PayloadCodec, PayloadKind, reference_nbytes
+from cokit.compress.payload import PayloadCodec
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels.error_feedback import payload_layout
 
 
 @dataclasses.dataclass
 class Bucket:
-    """Tensors that are encoded together and share one collective."""
+    """Tensors that are encoded together and share their collectives."""
 
     group: int  # param group index
     members: list[int]  # positions in the step's entry list
     dense: bool
     plan: tiling.TilePlan | None = None
-    codec: PayloadCodec | None = None  # None for dense and reference buckets
+    codec: PayloadCodec | None = None  # None for dense buckets
 
 
-def compressed_nbytes(shape: tuple[int, ...], chunk: int, k: int, kind: PayloadKind, value_dtype: torch.dtype) -> int:
+def compressed_nbytes(shape: tuple[int, ...], chunk: int, k: int, codec: type[PayloadCodec],
+                      value_dtype: torch.dtype) -> int:
     """Payload bytes per rank for one tensor sent alone."""
-    plan = payload_layout([shape], chunk, k)
-    if kind == "reference":
-        return reference_nbytes(plan)
-    return PayloadCodec(plan, kind, value_dtype).nbytes
+    return codec(payload_layout([shape], chunk, k), value_dtype).nbytes
 
 
-def sends_dense(shape: tuple[int, ...], chunk: int, k: int, kind: PayloadKind, value_dtype: torch.dtype,
+def sends_dense(shape: tuple[int, ...], chunk: int, k: int, codec: type[PayloadCodec], value_dtype: torch.dtype,
                 world_size: int) -> bool:
     """True when a dense all-reduce of the fp32 buffer costs no more than the all-gather of
     its compressed payload (ring volumes; world size taken as at least 2)."""
     if len(shape) == 0:
         return True
     w = max(world_size, 2)
-    dense = 2 * (w - 1) * 4 * _numel(shape) / w
-    return (w - 1) * compressed_nbytes(shape, chunk, k, kind, value_dtype) >= dense
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    dense = 2 * (w - 1) * 4 * math.prod(shape) / w
+    return (w - 1) * compressed_nbytes(shape, chunk, k, codec, value_dtype) >= dense
 
 
 def make_buckets(
     groups: list[int],
     shapes: list[tuple[int, ...]],
     settings: list[dict],
-    kind: PayloadKind,
+    codec: type[PayloadCodec],
     value_dtype: torch.dtype,
     cap_bytes: int,
     dense_fallback: bool,
@@ -77,30 +69,31 @@ def make_buckets(
         g = groups[i]
         chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
         to_dense = len(shapes[i]) == 0 or (
-            dense_fallback and sends_dense(shapes[i], chunk, k, kind, value_dtype, world_size)
+            dense_fallback and sends_dense(shapes[i], chunk, k, codec, value_dtype, world_size)
         )
         (dense if to_dense else compressed).setdefault(g, []).append(i)
 
     buckets = [Bucket(g, members, dense=True) for g, members in dense.items()]
     for g, members in compressed.items():
         chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
-        if kind == "reference":
-            buckets += [Bucket(g, [i], False, payload_layout([shapes[i]], chunk, k)) for i in members]
+        if not codec.bucketed:
+            buckets += [_compressed_bucket(g, [i], shapes, chunk, k, codec, value_dtype) for i in members]
             continue
         current: list[int] = []
         size = 0
         for i in members:
-            nbytes = 4 * _numel(shapes[i])
+            nbytes = 4 * math.prod(shapes[i])
             if current and size + nbytes > cap_bytes:
-                buckets.append(_compressed_bucket(g, current, shapes, chunk, k, kind, value_dtype))
+                buckets.append(_compressed_bucket(g, current, shapes, chunk, k, codec, value_dtype))
                 current, size = [], 0
             current.append(i)
             size += nbytes
         if current:
-            buckets.append(_compressed_bucket(g, current, shapes, chunk, k, kind, value_dtype))
+            buckets.append(_compressed_bucket(g, current, shapes, chunk, k, codec, value_dtype))
     return buckets
 
 
-def _compressed_bucket(g, members, shapes, chunk, k, kind, value_dtype) -> Bucket:
+def _compressed_bucket(g: int, members: list[int], shapes: list[tuple[int, ...]], chunk: int, k: int,
+                       codec: type[PayloadCodec], value_dtype: torch.dtype) -> Bucket:
     plan = payload_layout([shapes[i] for i in members], chunk, k)
-    return Bucket(g, list(members), False, plan, PayloadCodec(plan, kind, value_dtype))
+    return Bucket(g, list(members), False, plan, codec(plan, value_dtype))

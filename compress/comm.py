@@ -10,6 +10,7 @@ collectives are local copies and count zero bytes.
 from __future__ import annotations
 
 import datetime
+
 import torch
 import torch.distributed as dist
 

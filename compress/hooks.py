@@ -5,9 +5,10 @@
     ddp_model.register_comm_hook(state, dct_topk_hook)
 
 Per DDP bucket and rank: ``e = decay * e + grad``; the top-k DCT coefficients per tile of
-``e`` are sent (one all-gather of one compact/sign payload per bucket) and subtracted from
-``e``. Every rank then sums the gathered coefficients in rank order, divides by the world
-size and inverse-transforms: the gradient DDP hands to the optimizer is the average of the
+``e`` are sent and subtracted from ``e``: one all-gather per wire tensor of the bucket's
+payload codec (:mod:`cokit.compress.payload`: ``compact``, ``sign`` or any registered codec
+that is ``bucketed``). Every rank then sums the gathered coefficients in rank order, divides
+by the world size and inverse-transforms: the gradient DDP hands to the optimizer is the average of the
 ranks' decompressed gradients, bit-identical on every rank. Tensors whose payload would not
 be smaller than a dense all-reduce (biases, norms) are all-reduced dense alongside.
 ``warmup_steps`` dense iterations come first (like PowerSGD's ``start_powerSGD_iter``);
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress.buckets import sends_dense
-from cokit.compress.payload import PayloadCodec
+from cokit.compress.payload import PayloadCodec, codec_names, get_codec
 from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
 from cokit.triton_kernels.dct import dct_decode_multi
 from cokit.triton_kernels.error_feedback import ef_encode, payload_layout
@@ -59,8 +60,11 @@ class DCTTopKState:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"DCTTopKState: {name} must be a positive integer, got {v!r}")
-        if self.payload not in ("compact", "sign"):
-            raise ValueError(f"DCTTopKState: payload must be 'compact' or 'sign', got {self.payload!r}")
+        codec = get_codec(self.payload, owner="DCTTopKState")
+        if not codec.bucketed:
+            bucketed = tuple(n for n in codec_names() if get_codec(n).bucketed)
+            raise ValueError(f"DCTTopKState: payload must be a bucketed codec, one of {bucketed}, got "
+                             f"{self.payload!r} (it sends one tensor per collective)")
         if self.value_dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"DCTTopKState: value_dtype must be float16, bfloat16 or float32, got {self.value_dtype}")
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay <= 1.0):
@@ -98,13 +102,14 @@ class _BucketLayout:
 
     @classmethod
     def build(cls, state: DCTTopKState, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
+        codec_cls = get_codec(state.payload, owner="DCTTopKState")
         dense_idx = [i for i, s in enumerate(shapes)
-                     if sends_dense(s, state.chunk, state.topk, state.payload, state.value_dtype, world)]
+                     if sends_dense(s, state.chunk, state.topk, codec_cls, state.value_dtype, world)]
         sparse_idx = [i for i in range(len(shapes)) if i not in dense_idx]
         codec = None
         if sparse_idx:
             plan = payload_layout([shapes[i] for i in sparse_idx], state.chunk, state.topk)
-            codec = PayloadCodec(plan, state.payload, state.value_dtype)
+            codec = codec_cls(plan, state.value_dtype)
         deltas = [torch.zeros(shapes[i], dtype=torch.float32, device=device) for i in sparse_idx]
         return cls(shapes, dense_idx, sparse_idx, codec, deltas)
 
@@ -139,15 +144,12 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
         sent += ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
         futures.append(_dense_mean(state, flat))
 
-    if sparse_idx:
-        value_dtype = torch.float32 if state.payload == "sign" else state.value_dtype
+    if codec is not None:
         idx, vals = ef_encode(layout.deltas, [grads[i] for i in sparse_idx], beta=state.decay, lr=1.0,
-                              chunk=state.chunk, k=state.topk, value_dtype=value_dtype)
-        packed = codec.pack(idx, vals)
-        gathered = packed.new_empty(world * packed.numel())
-        work = dist.all_gather_single(gathered, packed, group=state.process_group, async_op=True)
-        sent += ring_allgather_bytes(packed.numel(), world)
-        futures.append(work.get_future().then(lambda _: gathered.view(world, -1)))
+                              chunk=state.chunk, k=state.topk, value_dtype=codec.encode_dtype)
+        for wire in codec.to_wire(idx, vals):
+            futures.append(_all_gather(state, wire.reshape(-1), world))
+            sent += ring_allgather_bytes(wire.numel() * wire.element_size(), world)
     state._count(sent, dense_bytes, bucket.is_last())
 
     def assemble(fut: torch.futures.Future) -> torch.Tensor:
@@ -156,8 +158,8 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
             flat = results.pop(0)
             for i, part in zip(dense_idx, flat.split([grads[i].numel() for i in dense_idx])):
                 grads[i].copy_(part.view(grads[i].shape))
-        if sparse_idx:
-            decoded = _average_decoded(codec, results.pop(0), [layout.shapes[i] for i in sparse_idx], state.chunk)
+        if codec is not None:
+            decoded = _average_decoded(codec, results, [layout.shapes[i] for i in sparse_idx], state.chunk)
             for i, d in zip(sparse_idx, decoded):
                 grads[i].copy_(d)
         return buffer
@@ -165,17 +167,23 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     return torch.futures.collect_all(futures).then(assemble)
 
 
-def _average_decoded(codec: PayloadCodec, gathered: torch.Tensor, shapes: list[tuple[int, ...]],
+def _all_gather(state: DCTTopKState, tensor: torch.Tensor, world: int) -> torch.futures.Future:
+    gathered = tensor.new_empty(world * tensor.numel())
+    work = dist.all_gather_single(gathered, tensor, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda _: gathered.view(world, -1))
+
+
+def _average_decoded(codec: PayloadCodec, gathered: list[torch.Tensor], shapes: list[tuple[int, ...]],
                      chunk: int) -> list[torch.Tensor]:
     """Sum every rank's coefficients in rank order, divide by the world size, inverse DCT."""
-    indices, values = codec.unpack(gathered)
+    indices, values = codec.from_wire(gathered)
     world = indices.shape[0]
     plan = codec.plan
     coeffs = []
     for t, off in zip(plan.tilings, plan.payload_offsets):
         ke = t.k_eff(plan.k)
         span = slice(off, off + t.n_tiles * ke)
-        dense = torch.zeros(t.n_tiles, t.tile_numel, dtype=torch.float32, device=gathered.device)
+        dense = torch.zeros(t.n_tiles, t.tile_numel, dtype=torch.float32, device=values.device)
         for r in range(world):  # positions are unique within one rank's tile: deterministic
             dense.scatter_add_(1, indices[r, span].long().view(t.n_tiles, ke),
                                values[r, span].float().view(t.n_tiles, ke))

@@ -1,4 +1,4 @@
-"""DeMo: decoupled momentum with DCT + top-k compression (DESIGN.md section 1.1).
+"""DeMo: decoupled momentum with DCT + top-k compression (docs/design.md §1.1).
 
 Each rank keeps an fp32 momentum / error-feedback buffer ``delta`` per parameter. A step:
 
@@ -7,10 +7,11 @@ Each rank keeps an fp32 momentum / error-feedback buffer ``delta`` per parameter
     all-gather `send` from every rank; per position, mean over the ranks that sent it
     p      = p * (1 - lr * wd) - lr * sign(IDCT(mean))
 
-Payloads: ``reference`` (int64 indices + fp32 values, two all-gathers per tensor: DeMo's
-reference), ``compact`` (int16 indices + fp16/bf16 values) or ``sign`` (int16 indices, 1 bit
-per value and one scale per tile). Compact and sign payloads of many tensors travel in one
-all-gather per bucket, launched asynchronously so that encoding bucket i+1 overlaps the
+Payloads are codecs of :mod:`cokit.compress.payload`: ``reference`` (int64 indices + fp32
+values, two all-gathers per tensor: DeMo's reference), ``compact`` (int16 indices + fp16/bf16
+values) or ``sign`` (int16 indices, 1 bit per value and one scale per tile), or any registered
+codec. Bucketed payloads (compact, sign) of many tensors travel together, one all-gather per
+wire tensor of the bucket, launched asynchronously so that encoding bucket i+1 overlaps the
 collective of bucket i. Tensors whose payload would not be smaller than a dense all-reduce go
 dense. Every rank decodes the same gathered bytes in rank order, so parameters stay
 bit-identical across ranks.
@@ -25,19 +26,19 @@ import dataclasses
 import datetime
 import math
 import zlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, overload
 
 import torch
 
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Communicator, Pending
-from cokit.compress.payload import PAYLOAD_KINDS
+from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 
 __all__ = ["DeMo"]
 
-_VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NONFINITE = ("error", "skip")
 # Per-parameter status travelling in the step's flag exchange.
 _OK, _BAD, _NO_GRAD = 0, 1, 2
@@ -59,12 +60,15 @@ class DeMo(torch.optim.Optimizer):
             world size 1 means local steps without communication).
         alpha: fraction of the transmitted part removed from the buffer (1.0 = DeMo; DeMo v2
             reports ~0.2 best).
-        payload: ``"compact"`` (default), ``"sign"`` or ``"reference"``.
+        payload: name of a payload codec (:mod:`cokit.compress.payload`): ``"compact"``
+            (default), ``"sign"``, ``"reference"`` or one added with ``register_codec``.
         value_dtype: value dtype of compact payloads and of sign-payload scales
-            (bf16 default, fp16 or fp32).
+            (bf16 default, fp16 or fp32); the codec decides how it applies (the reference
+            codec always sends fp32).
         bucket_cap_mb: fp32 buffer megabytes per compressed bucket (one collective each).
         dense_fallback: send a tensor dense when compression would not save bytes (default:
-            on for compact/sign, off for reference, which follows DeMo's reference exactly).
+            the codec's ``dense_fallback``: on for compact/sign, off for reference, which
+            follows DeMo's reference exactly).
         full_sync_every: every N steps, average parameters with a dense all-reduce.
         nonfinite: ``"error"`` raises on every rank, naming the parameter and rank, before
             anything is sent; ``"skip"`` skips the step on every rank (counted in
@@ -104,9 +108,8 @@ class DeMo(torch.optim.Optimizer):
         validate_payload: bool = False,
         overlap_backward: bool = False,
     ):
-        if payload not in PAYLOAD_KINDS:
-            raise ValueError(f"DeMo: payload must be one of {PAYLOAD_KINDS}, got {payload!r}")
-        if value_dtype not in _VALUE_DTYPES:
+        codec = get_codec(payload, owner="DeMo")
+        if value_dtype not in VALUE_DTYPES:
             raise TypeError(f"DeMo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}")
         if not (isinstance(bucket_cap_mb, (int, float)) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
             raise ValueError(f"DeMo: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
@@ -119,9 +122,10 @@ class DeMo(torch.optim.Optimizer):
             compression_chunk=compression_chunk, weight_decay=weight_decay, alpha=alpha,
         )
         self.payload = payload
-        self.value_dtype = value_dtype if payload != "reference" else torch.float32
+        self.codec = codec
+        self.value_dtype = codec.resolve_value_dtype(value_dtype)
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
-        self.dense_fallback = (payload != "reference") if dense_fallback is None else bool(dense_fallback)
+        self.dense_fallback = codec.dense_fallback if dense_fallback is None else bool(dense_fallback)
         self.full_sync_every = full_sync_every
         self.nonfinite = nonfinite
         self.validate_payload = bool(validate_payload)
@@ -158,7 +162,7 @@ class DeMo(torch.optim.Optimizer):
                 raise ValueError(f"{where}: {key} must be a positive integer, got {group[key]!r}")
         self._hook_plan = None
         for p in group["params"]:
-            if p.dtype not in _VALUE_DTYPES:
+            if p.dtype not in VALUE_DTYPES:
                 raise TypeError(f"{where}: DeMo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}")
         self._bucket_cache.clear()
 
@@ -188,8 +192,14 @@ class DeMo(torch.optim.Optimizer):
         self.comm_stats = CommStats(**stats)
 
     # ------------------------------------------------------------------ step
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One synchronized step over every parameter that has a gradient."""
         loss = None
         if closure is not None:
@@ -256,7 +266,7 @@ class DeMo(torch.optim.Optimizer):
         for p in params:
             if p.grad is None or p.grad.is_sparse:
                 raise RuntimeError("DeMo(overlap_backward=True): every parameter needs a dense gradient each step")
-        flags = torch.stack([~torch.isfinite(p.grad).all() for p in params]).to(torch.uint8)
+        flags = torch.stack([~torch.isfinite(_grad(p)).all() for p in params]).to(torch.uint8)
         work = [self._delta(p).clone() for p in params]
         finish = self._launch(bucket, params, work)
         return _Inflight(finish, self.comm.all_gather(flags, "gradient status exchange"), work, params)
@@ -332,7 +342,7 @@ class DeMo(torch.optim.Optimizer):
         # One small tensor on the parameters' device (NCCL/RCCL groups only move GPU tensors).
         flags = torch.full((len(entries),), _NO_GRAD, dtype=torch.uint8, device=entries[0][2].device)
         if with_grad:
-            finite = torch.stack([torch.isfinite(entries[n][2].grad).all() for n in with_grad])
+            finite = torch.stack([torch.isfinite(_grad(entries[n][2])).all() for n in with_grad])
             flags[with_grad] = torch.where(finite, _OK, _BAD).to(torch.uint8)
         everyone = self.comm.all_gather(flags, "gradient status exchange").wait().cpu()
         has_grad = everyone != _NO_GRAD
@@ -370,7 +380,7 @@ class DeMo(torch.optim.Optimizer):
         if buckets is None:
             buckets = make_buckets(
                 [gi for gi, _, _ in active], [tuple(p.shape) for _, _, p in active], self.param_groups,
-                self.payload, self.value_dtype, self.bucket_cap_bytes, self.dense_fallback,
+                self.codec, self.value_dtype, self.bucket_cap_bytes, self.dense_fallback,
                 self.comm.world_size,
             )
             self._bucket_cache[key] = buckets
@@ -390,28 +400,23 @@ class DeMo(torch.optim.Optimizer):
         beta, alpha = group["compression_decay"], group["alpha"]
         chunk, k = group["compression_chunk"], group["compression_topk"]
         deltas = [self._delta(p) for p in params] if deltas is None else deltas
-        grads = [p.grad for p in params]
+        grads = [_grad(p) for p in params]
 
         if bucket.dense:
             send = torch.cat([_dense_encode(d, g, beta, lr, alpha) for d, g in zip(deltas, grads)])
             pending = self.comm.all_reduce_mean(send, "dense all-reduce")
             return lambda: _dense_decode(params, pending.wait(), lr, wd)
 
-        value_dtype = torch.float32 if self.payload == "sign" else self.value_dtype
+        codec = bucket.codec
+        if codec is None:
+            raise RuntimeError("DeMo: internal error: a compressed bucket has no payload codec")
         idx, vals = ef_encode(deltas, grads, beta=beta, lr=lr, chunk=chunk, k=k, alpha=alpha,
-                              value_dtype=value_dtype)
-        if bucket.codec is None:  # reference: two all-gathers, int64 indices + fp32 values
-            pending_idx = self.comm.all_gather(idx.to(torch.int64), "index all-gather")
-            pending_val = self.comm.all_gather(vals, "value all-gather")
-            gathered: Callable[[], tuple[torch.Tensor, torch.Tensor]] = (
-                lambda: (pending_idx.wait(), pending_val.wait())
-            )
-        else:
-            codec, pending = bucket.codec, self.comm.all_gather(bucket.codec.pack(idx, vals), "payload all-gather")
-            gathered = lambda: codec.unpack(pending.wait())  # noqa: E731
+                              value_dtype=codec.encode_dtype)
+        gathers = [self.comm.all_gather(tensor, f"{wire.name} all-gather")
+                   for wire, tensor in zip(codec.wire, codec.to_wire(idx, vals))]
 
         def finish() -> None:
-            indices, values = gathered()
+            indices, values = codec.from_wire([g.wait() for g in gathers])
             ef_decode(params, indices, values, lr=lr, chunk=chunk, k=k, weight_decay=wd,
                       use_sign=True, validate=self.validate_payload)
 
@@ -459,6 +464,12 @@ def _dense_decode(params: list[torch.Tensor], mean: torch.Tensor, lr: float, wd:
         p.copy_(p.float() * (1.0 - lr * wd) - lr * update.sign())
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        raise RuntimeError(f"DeMo: parameter {tuple(p.shape)} lost its gradient during the step")
+    return p.grad
+
+
 def _positive_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
@@ -466,7 +477,7 @@ def _positive_int(v: object) -> bool:
 def _check_number(where: str, name: str, value: object, low: float, high: float | None = None) -> None:
     if isinstance(value, torch.Tensor):
         value = value.item()
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (high is not None and value > high):
+    number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number) or number < low or (high is not None and number > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{where}: {name} must be a finite number {bound}, got {value!r}")

@@ -1,29 +1,83 @@
-"""Payload codecs: how one bucket's top-k selection travels as a single byte buffer.
+"""Payload codecs: how a top-k selection travels between ranks. One protocol, one registry.
 
-A bucket's selection is ``P`` slots (``cokit.triton_kernels.error_feedback.payload_layout``): an
-index (position in its tile) and a value per slot. Codecs turn it into one flat ``uint8``
-buffer, so that a whole bucket goes in one all-gather, and back from the gathered
-``(world_size, nbytes)`` buffer:
+A selection is ``P`` slots laid out by :func:`cokit.triton_kernels.error_feedback.payload_layout`
+(a :class:`~cokit.triton_kernels.tiling.TilePlan`): per slot an index (position inside its
+tile) and a value. A codec, bound to one plan and one value dtype, says
 
+- ``wire``: the flat tensors one rank sends (name, dtype, numel), one all-gather each;
+  ``nbytes`` is their total, which is exactly what the byte counts report;
+- ``encode(indices, values)``: this rank's ``(P,)`` selection -> those wire tensors;
+- ``decode(gathered)``: the gathered wire tensors, each ``(world_size, numel)`` -> ``(indices,
+  values)``, each ``(world_size, P)``, ready for :func:`~cokit.triton_kernels.error_feedback.ef_decode`;
+
+and, per class, ``bucketed`` (True: many tensors share one payload and its collectives;
+False: one tensor per payload), ``dense_fallback`` (DeMo's default for sending a tensor dense
+when compression would not save bytes), ``resolve_value_dtype`` (which value dtype a requested
+``value_dtype`` becomes on the wire) and ``encode_dtype`` (the dtype ``ef_encode`` writes the
+selected values in, before ``encode``). Callers use ``to_wire`` / ``from_wire``: ``encode`` /
+``decode`` checked against ``wire`` (a gathered payload of another layout raises "the ranks
+disagree on the bucket layout").
+
+Built-in codecs:
+
+- ``reference``: DeMo's reference exchange: int64 indices and fp32 values, two all-gathers,
+  one tensor per payload, no dense fallback by default;
 - ``compact``: int16 indices (int32 for tiles of more than 32768 positions) and fp16/bf16/fp32
-  values;
+  values in one ``uint8`` buffer, one all-gather per bucket;
 - ``sign``: the same indices, one sign bit per value and one scale per tile (the mean |value|
-  of the tile's selection); decoded values are ``±scale``.
+  of the tile's selection, in the value dtype); decoded values are ``±scale``.
 
-Sections start at 8-byte offsets so that every one of them can be viewed in its own dtype.
+Sections of a ``uint8`` buffer start at 8-byte offsets so that each can be viewed in its dtype.
+
+Adding a codec: subclass :class:`PayloadCodec` (or :class:`BufferCodec` to pack typed sections
+into one ``uint8`` buffer), give it a unique ``name``, implement ``wire_layout``, ``encode`` and
+``decode``, and register it::
+
+    import torch
+    from cokit.compress.payload import PayloadCodec, Wire, register_codec
+
+    @register_codec
+    class Int32Fp32(PayloadCodec):
+        name = "int32-fp32"
+
+        @classmethod
+        def resolve_value_dtype(cls, value_dtype):  # fp32 values whatever value_dtype asks
+            return torch.float32
+
+        def wire_layout(self):
+            n = self.plan.payload_numel
+            return [Wire("index", torch.int32, n), Wire("value", torch.float32, n)]
+
+        def encode(self, indices, values):
+            return [indices.to(torch.int32), values.to(torch.float32)]
+
+        def decode(self, gathered):      # already checked against wire_layout()
+            return gathered[0], gathered[1]
+
+    DeMo(model.parameters(), payload="int32-fp32")                  # and DCTTopKState(payload=...)
+
+``get_codec(name)`` gives the class (a clear error lists the known names); every part of
+``cokit.compress`` (DeMo, its buckets, the DDP hook, the byte counts) goes through it. Register
+the codec in every rank's process (at import of the module that defines it).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import Literal
+from collections.abc import Sequence
+from typing import ClassVar, TypeVar
 
 import torch
 
 from cokit.triton_kernels.tiling import TilePlan
 
-PayloadKind = Literal["reference", "compact", "sign"]
-PAYLOAD_KINDS: tuple[str, ...] = ("reference", "compact", "sign")
+__all__ = [
+    "BufferCodec", "CompactCodec", "PayloadCodec", "ReferenceCodec", "Section", "SignCodec", "Wire",
+    "codec_names", "get_codec", "register_codec", "unregister_codec",
+]
+
+VALUE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 _ALIGN = 8
 
 
@@ -32,8 +86,178 @@ def _aligned(nbytes: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Wire:
+    """One flat tensor a rank sends: one all-gather of ``numel`` elements of ``dtype``."""
+
+    name: str  # names the collective in errors: "<name> all-gather"
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class PayloadCodec(abc.ABC):
+    """Encodes one plan's ``(indices, values)`` selection for the wire and decodes it back.
+
+    Subclasses set ``name`` and implement :meth:`wire_layout`, :meth:`encode` and
+    :meth:`decode` (module docstring). ``plan`` and ``value_dtype`` are set before
+    ``wire_layout`` is first called.
+    """
+
+    name: ClassVar[str] = ""
+    bucketed: ClassVar[bool] = True
+    dense_fallback: ClassVar[bool] = True
+
+    def __init__(self, plan: TilePlan, value_dtype: torch.dtype = torch.bfloat16):
+        if value_dtype not in VALUE_DTYPES:
+            raise TypeError(f"payload codec {self.name!r}: value_dtype must be torch.float16, bfloat16 or "
+                            f"float32, got {value_dtype}")
+        self.plan = plan
+        self.value_dtype = type(self).resolve_value_dtype(value_dtype)
+        self.wire: tuple[Wire, ...] = tuple(self.wire_layout())
+        if not self.wire:
+            raise ValueError(f"payload codec {self.name!r}: wire_layout() returned no wire tensors")
+        self.nbytes = sum(w.nbytes for w in self.wire)
+
+    @classmethod
+    def resolve_value_dtype(cls, value_dtype: torch.dtype) -> torch.dtype:
+        """The value dtype this codec uses for a requested ``value_dtype`` (default: as asked)."""
+        return value_dtype
+
+    @property
+    def encode_dtype(self) -> torch.dtype:
+        """The dtype ``ef_encode`` should write the selected values in (default: ``value_dtype``)."""
+        return self.value_dtype
+
+    @abc.abstractmethod
+    def wire_layout(self) -> Sequence[Wire]:
+        """The tensors one rank sends for ``self.plan``, in collective order."""
+
+    @abc.abstractmethod
+    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's ``(P,)`` indices and ``(P,)`` values (``encode_dtype``) -> wire tensors."""
+
+    @abc.abstractmethod
+    def decode(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered wire tensors, each ``(world_size, numel)`` -> ``(indices, values)``, each
+        ``(world_size, P)``; indices int16/int32/int64, values a float dtype."""
+
+    def to_wire(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`encode`, checked against ``wire`` (what the collectives send)."""
+        tensors = list(self.encode(indices, values))
+        if len(tensors) != len(self.wire) or any(
+            t.dtype != w.dtype or t.numel() != w.numel for w, t in zip(self.wire, tensors)
+        ):
+            got = [(t.dtype, t.numel()) for t in tensors]
+            raise ValueError(f"payload codec {self.name!r}: encode() gave {got}, its wire_layout() says "
+                             f"{[(w.dtype, w.numel) for w in self.wire]}")
+        return tensors
+
+    def from_wire(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode` of gathered wire tensors, after :meth:`check_gathered`."""
+        self.check_gathered(gathered)
+        indices, values = self.decode(gathered)
+        world, slots = gathered[0].shape[0], self.plan.payload_numel
+        if indices.shape != (world, slots) or values.shape != (world, slots):
+            raise ValueError(f"payload codec {self.name!r}: decode() gave indices {tuple(indices.shape)} and "
+                             f"values {tuple(values.shape)}, expected ({world}, {slots}) each")
+        return indices, values
+
+    def check_gathered(self, gathered: Sequence[torch.Tensor]) -> None:
+        """Raise unless ``gathered`` matches ``wire`` (one ``(world_size, numel)`` tensor each)."""
+        if len(gathered) != len(self.wire):
+            raise ValueError(f"payload codec {self.name!r} expects {len(self.wire)} gathered tensors, got "
+                             f"{len(gathered)}")
+        for w, g in zip(self.wire, gathered):
+            if g.dim() != 2 or g.shape[1] != w.numel or g.dtype != w.dtype:
+                raise ValueError(
+                    f"gathered {w.name} must be {w.dtype} (world_size, {w.numel}), got {g.dtype} "
+                    f"{tuple(g.shape)}: the ranks disagree on the bucket layout"
+                )
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, slots={self.plan.payload_numel}, "
+                f"value_dtype={self.value_dtype}, nbytes={self.nbytes})")
+
+
+# ----------------------------------------------------------------------------- registry
+
+_CODECS: dict[str, type[PayloadCodec]] = {}
+C = TypeVar("C", bound=type[PayloadCodec])
+
+
+def register_codec(cls: C) -> C:
+    """Register a :class:`PayloadCodec` subclass under ``cls.name`` (usable as a decorator).
+
+    Registering the same class again is a no-op; another class under a taken name is an error.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, PayloadCodec)):
+        raise TypeError(f"register_codec needs a PayloadCodec subclass, got {cls!r}")
+    name = cls.name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"payload codec {cls.__name__} needs a non-empty string `name`")
+    if cls.__abstractmethods__:
+        raise TypeError(f"payload codec {name!r} ({cls.__name__}) does not implement "
+                        f"{', '.join(sorted(cls.__abstractmethods__))}")
+    known = _CODECS.get(name)
+    if known is not None and known is not cls:
+        raise ValueError(f"payload codec name {name!r} is taken by {known.__module__}.{known.__qualname__}")
+    _CODECS[name] = cls
+    return cls
+
+
+def unregister_codec(name: str) -> None:
+    """Remove a registered codec (built-ins included); unknown names are an error."""
+    get_codec(name)
+    del _CODECS[name]
+
+
+def codec_names() -> tuple[str, ...]:
+    """Names of the registered codecs, in registration order."""
+    return tuple(_CODECS)
+
+
+def get_codec(name: object, owner: str = "") -> type[PayloadCodec]:
+    """The codec class registered as ``name``; a ValueError lists the known names otherwise."""
+    cls = _CODECS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        where = f"{owner}: " if owner else ""
+        raise ValueError(f"{where}payload must be one of {codec_names()}, got {name!r} "
+                         "(cokit.compress.payload.register_codec adds a codec)")
+    return cls
+
+
+# ----------------------------------------------------------------------------- built-in codecs
+
+
+@register_codec
+class ReferenceCodec(PayloadCodec):
+    """DeMo's reference: int64 indices and fp32 values in two all-gathers, one tensor each."""
+
+    name = "reference"
+    bucketed = False
+    dense_fallback = False
+
+    @classmethod
+    def resolve_value_dtype(cls, value_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def wire_layout(self) -> list[Wire]:
+        n = self.plan.payload_numel
+        return [Wire("index", torch.int64, n), Wire("value", torch.float32, n)]
+
+    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        return [indices.to(torch.int64), values.to(torch.float32)]
+
+    def decode(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return gathered[0], gathered[1]
+
+
+@dataclasses.dataclass(frozen=True)
 class Section:
-    """One typed region of a payload buffer."""
+    """One typed region of a :class:`BufferCodec` buffer."""
 
     name: str
     dtype: torch.dtype
@@ -45,44 +269,98 @@ class Section:
         return self.numel * self.dtype.itemsize
 
 
-class PayloadCodec:
-    """Packs a bucket's ``(indices, values)`` into bytes and unpacks gathered payloads."""
+class BufferCodec(PayloadCodec):
+    """A codec whose payload is one ``uint8`` buffer of typed sections (8-byte aligned).
 
-    def __init__(self, plan: TilePlan, kind: PayloadKind, value_dtype: torch.dtype):
-        if kind not in ("compact", "sign"):
-            raise ValueError(f"bucketed payload kind must be 'compact' or 'sign', got {kind!r}")
-        self.plan, self.kind, self.value_dtype = plan, kind, value_dtype
-        slots = plan.payload_numel
-        self.tile_slots = [(t.n_tiles, t.k_eff(plan.k)) for t in plan.tilings]
-        self.n_tiles = sum(n for n, _ in self.tile_slots)
-        self._slots_per_tile: dict[torch.device, torch.Tensor] = {}  # for sign decode, per device
-        layout = [("indices", plan.index_dtype, slots)]
-        if kind == "compact":
-            layout.append(("values", value_dtype, slots))
-        else:
-            layout += [("signs", torch.uint8, -(-slots // 8)), ("scales", value_dtype, self.n_tiles)]
+    Subclasses implement :meth:`section_layout` (name, dtype, numel per section), and
+    :meth:`encode` / :meth:`decode` with :meth:`put` and :meth:`get`.
+    """
+
+    def wire_layout(self) -> list[Wire]:
         self.sections: dict[str, Section] = {}
         offset = 0
-        for name, dtype, numel in layout:
+        for name, dtype, numel in self.section_layout():
+            if name in self.sections:
+                raise ValueError(f"payload codec {self.name!r}: section {name!r} appears twice")
             self.sections[name] = Section(name, dtype, numel, offset)
             offset = _aligned(offset + numel * dtype.itemsize)
-        self.nbytes = offset
+        return [Wire("payload", torch.uint8, offset)]
 
-    # ------------------------------------------------------------------ encode side
-    def pack(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """One rank's flat payload ``(P,)`` indices and fp32 values -> ``(nbytes,)`` uint8."""
-        out = torch.zeros(self.nbytes, dtype=torch.uint8, device=indices.device)
-        self._put(out, "indices", indices)
-        if self.kind == "compact":
-            self._put(out, "values", values)
-        else:
-            self._put(out, "signs", _pack_bits(values < 0))
-            self._put(out, "scales", self._tile_scales(values))
-        return out
+    @abc.abstractmethod
+    def section_layout(self) -> Sequence[tuple[str, torch.dtype, int]]:
+        """``(name, dtype, numel)`` of each section, in buffer order."""
 
-    def _put(self, out: torch.Tensor, name: str, data: torch.Tensor) -> None:
+    def new_buffer(self, device: torch.device) -> torch.Tensor:
+        """A zeroed ``(nbytes,)`` uint8 buffer (padding bytes stay zero)."""
+        return torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+
+    def put(self, out: torch.Tensor, name: str, data: torch.Tensor) -> None:
+        """Write ``data`` (cast to the section's dtype) into section ``name`` of ``out``."""
         s = self.sections[name]
         out[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(data)
+
+    def get(self, gathered: torch.Tensor, name: str) -> torch.Tensor:
+        """Section ``name`` of every rank: ``(world_size, numel)`` in the section's dtype."""
+        s = self.sections[name]
+        return gathered[:, s.offset:s.offset + s.nbytes].contiguous().view(s.dtype)
+
+    # pack/unpack: the single-buffer view of encode/decode
+    def pack(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``encode`` as one ``(nbytes,)`` uint8 buffer (checked)."""
+        return self.to_wire(indices, values)[0]
+
+    def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode`` of one gathered ``(world_size, nbytes)`` uint8 buffer (checked)."""
+        return self.from_wire([gathered])
+
+
+@register_codec
+class CompactCodec(BufferCodec):
+    """int16/int32 indices and value-dtype values in one buffer per bucket."""
+
+    name = "compact"
+
+    def section_layout(self) -> list[tuple[str, torch.dtype, int]]:
+        n = self.plan.payload_numel
+        return [("indices", self.plan.index_dtype, n), ("values", self.value_dtype, n)]
+
+    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        out = self.new_buffer(indices.device)
+        self.put(out, "indices", indices)
+        self.put(out, "values", values)
+        return [out]
+
+    def decode(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get(gathered[0], "indices"), self.get(gathered[0], "values")
+
+
+@register_codec
+class SignCodec(BufferCodec):
+    """int16/int32 indices, one sign bit per value and one scale per tile (mean |value|)."""
+
+    name = "sign"
+
+    def __init__(self, plan: TilePlan, value_dtype: torch.dtype = torch.bfloat16):
+        self.tile_slots = [(t.n_tiles, t.k_eff(plan.k)) for t in plan.tilings]
+        self.n_tiles = sum(n for n, _ in self.tile_slots)
+        self._slots_per_tile: dict[torch.device, torch.Tensor] = {}  # decode, per device
+        super().__init__(plan, value_dtype)
+
+    @property
+    def encode_dtype(self) -> torch.dtype:
+        return torch.float32  # scales are means of the unrounded magnitudes
+
+    def section_layout(self) -> list[tuple[str, torch.dtype, int]]:
+        n = self.plan.payload_numel
+        return [("indices", self.plan.index_dtype, n), ("signs", torch.uint8, -(-n // 8)),
+                ("scales", self.value_dtype, self.n_tiles)]
+
+    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        out = self.new_buffer(indices.device)
+        self.put(out, "indices", indices)
+        self.put(out, "signs", _pack_bits(values < 0))
+        self.put(out, "scales", self._tile_scales(values))
+        return [out]
 
     def _tile_scales(self, values: torch.Tensor) -> torch.Tensor:
         mags = values.float().abs()
@@ -92,29 +370,17 @@ class PayloadCodec:
             pos += n_tiles * ke
         return torch.cat(scales)
 
-    # ------------------------------------------------------------------ decode side
-    def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(world_size, nbytes)`` uint8 -> ``(indices, values)``, each ``(world_size, P)``."""
-        if gathered.dim() != 2 or gathered.shape[1] != self.nbytes or gathered.dtype != torch.uint8:
-            raise ValueError(
-                f"gathered payload must be uint8 (world_size, {self.nbytes}), got {gathered.dtype} "
-                f"{tuple(gathered.shape)}: the ranks disagree on the bucket layout"
-            )
-        indices = self._get(gathered, "indices")
-        if self.kind == "compact":
-            return indices, self._get(gathered, "values")
-        signs = _unpack_bits(self._get(gathered, "signs"), self.plan.payload_numel)
-        scales = self._get(gathered, "scales").float()
-        repeats = self._slots_per_tile.get(gathered.device)
+    def decode(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = gathered[0]
+        indices = self.get(buf, "indices")
+        signs = _unpack_bits(self.get(buf, "signs"), self.plan.payload_numel)
+        scales = self.get(buf, "scales").float()
+        repeats = self._slots_per_tile.get(buf.device)
         if repeats is None:
-            repeats = torch.tensor([ke for n, ke in self.tile_slots for _ in range(n)], device=gathered.device)
-            self._slots_per_tile[gathered.device] = repeats
+            repeats = torch.tensor([ke for n, ke in self.tile_slots for _ in range(n)], device=buf.device)
+            self._slots_per_tile[buf.device] = repeats
         per_slot = scales.repeat_interleave(repeats, dim=1, output_size=self.plan.payload_numel)
         return indices, torch.where(signs, -per_slot, per_slot)
-
-    def _get(self, gathered: torch.Tensor, name: str) -> torch.Tensor:
-        s = self.sections[name]
-        return gathered[:, s.offset:s.offset + s.nbytes].contiguous().view(s.dtype)
 
 
 _BIT_WEIGHTS = [1 << i for i in range(8)]
@@ -134,8 +400,3 @@ def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = (packed.unsqueeze(-1) >> shifts) & 1
     return bits.flatten(-2)[..., :n].bool()
-
-
-def reference_nbytes(plan: TilePlan) -> int:
-    """Bytes per rank of the reference payload (int64 indices + fp32 values)."""
-    return plan.payload_numel * (8 + 4)

@@ -21,7 +21,7 @@ summed): CPU BLAS (the torch path) and config selection choose their blocking fr
 and a collective's summation order over 3+ ranks may depend on the buffer size.
 :meth:`run` returns the output and, on request, the timings of :func:`cokit.overlap.measure.measure`.
 
-Each takes a :class:`~cokit.triton_kernels.gemm_configs.GemmConfig` (tiles, ``num_warps``,
+Each takes a :class:`~cokit.triton_kernels.gemm_config.GemmConfig` (tiles, ``num_warps``,
 ``num_stages``, ``num_sms``, ``smem_bytes``: the occupancy shaping) and a stream priority.
 Process-group collectives run on the backend's own streams: on NCCL/RCCL their priority is
 the group's (:func:`cokit.overlap.streams.high_priority_group`; asking ``'high'`` of a normal
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from cokit.triton_kernels._checks import check_int
 from cokit.triton_kernels.backend import cached_device_limits, kernel_path
 from cokit.triton_kernels.gemm import PRECISIONS, gemm
-from cokit.triton_kernels.gemm_configs import GemmConfig, dtype_name
+from cokit.triton_kernels.gemm_config import GemmConfig, dtype_name
 
 from .guard import StarvationGuard
 from .measure import NULL_PROBE, OverlapResult, Probe, measure

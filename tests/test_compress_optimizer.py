@@ -6,13 +6,13 @@ import copy
 import math
 import os
 
+import demo_simulation as sim
 import pytest
 import torch
+from distributed import run_gloo
 
-import demo_simulation as sim
 from cokit.compress import DeMo
 from cokit.compress.comm import CollectiveTimeout
-from distributed import run_gloo
 
 SHAPES = [(96, 128), (130, 70), (16, 3, 3, 3), (7,), (67,), ()]
 LR, BETA, CHUNK, K, WD = 0.01, 0.9, 64, 5, 0.1
@@ -32,7 +32,7 @@ def _grads(rank: int, step: int, shapes=SHAPES) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-# ----------------------------------------------------------------------------- DESIGN 1.1
+# ----------------------------------------------------------------------------- docs/design.md §1.1
 
 
 def _reference_steps(rank: int, world: int, steps: int):
@@ -47,6 +47,8 @@ def _reference_steps(rank: int, world: int, steps: int):
     return [p.detach().clone() for p in params], [opt.state[p]["delta"].clone() for p in params]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_reference_payload_equals_float64_simulation(world):
     steps = 2
@@ -167,6 +169,8 @@ def _expected_step_bytes(shapes, world: int, payload: str, k: int = 8, chunk: in
     return flags + (world - 1) * payload_bytes + 2 * (world - 1) * 4 * dense_numel // world
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("payload", ["compact", "sign"])
 def test_ranks_stay_bit_identical_resume_is_exact_and_bytes_are_counted(payload):
     world = 3
@@ -207,6 +211,8 @@ def _regression(rank: int, world: int):
     return losses, hook_losses, [p.detach().clone() for p in net.parameters()], state.comm_stats.as_dict()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_regression_trains_with_demo_and_with_the_ddp_hook():
     results = run_gloo(2, _regression)
     for losses, hook_losses, params, stats in results:
@@ -244,6 +250,8 @@ def _hook_full_k(rank: int, world: int):
     return diffs, sent
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_hook_with_every_coefficient_returns_the_dense_average_and_full_sync_is_counted():
     for diffs, sent in run_gloo(3, _hook_full_k):
         assert max(diffs) < 1e-5
@@ -296,6 +304,8 @@ def _bad_steps(rank: int, world: int):
     return out
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_nonfinite_gradients_and_mismatched_ranks_fail_on_every_rank():
     for out in run_gloo(2, _bad_steps):
         assert "non-finite gradient in group 0 param 1 (130, 70) on rank 1" in out["error"]
@@ -318,6 +328,8 @@ def _absent_rank(rank: int, world: int):
     return "no error"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_rank_that_never_steps_gives_a_timeout_error_naming_demo():
     message = run_gloo(2, _absent_rank)[0]
     assert message.startswith("DeMo.step: the parameter layout check"), message
@@ -356,10 +368,10 @@ def test_sparse_gradients_and_integer_params_are_rejected():
 
 
 def _codec(kind, value_dtype=torch.bfloat16):
-    from cokit.compress.payload import PayloadCodec
+    from cokit.compress.payload import get_codec
     from cokit.triton_kernels.error_feedback import payload_layout
 
-    return PayloadCodec(payload_layout([(40, 24), (9,)], 8, 3), kind, value_dtype)
+    return get_codec(kind)(payload_layout([(40, 24), (9,)], 8, 3), value_dtype)
 
 
 def test_compact_payload_round_trips_indices_and_values():
@@ -467,6 +479,8 @@ def _overlap_backward(rank: int, world: int):
     return runs[False][0], runs[False][1], params, deltas, unchanged, opt.skipped_steps, n_buckets
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_overlap_backward_gives_the_same_steps_and_still_skips_nonfinite():
     for sync_p, sync_d, ovl_p, ovl_d, unchanged, skipped, n_buckets in run_gloo(2, _overlap_backward):
         assert n_buckets >= 3  # the small cap splits the model into several buckets

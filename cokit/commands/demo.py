@@ -22,7 +22,6 @@ import time
 
 from cokit.cli import CliError
 
-PAYLOADS = ("compact", "reference", "sign")
 METHOD_NAMES = ("demo", "adamw")
 DEFAULTS = {
     "ranks": 2, "steps": 400, "model": "tiny", "batch_size": 16, "topk": 32, "chunk": 64,
@@ -32,6 +31,7 @@ DEFAULTS = {
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``cokit demo``."""
+    from cokit.compress.payload import codec_names
     from cokit.train import SCHEDULES
     from cokit.workloads.model import MODEL_PRESETS
 
@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--topk", type=int, default=d["topk"], help=f"DeMo: coefficients kept per tile (default {d['topk']})")
     p.add_argument("--chunk", type=int, default=d["chunk"], help=f"DeMo: tile side target (default {d['chunk']})")
     p.add_argument("--decay", type=float, default=d["decay"], help=f"DeMo: momentum decay (default {d['decay']})")
-    p.add_argument("--payload", choices=PAYLOADS, default="compact",
+    p.add_argument("--payload", choices=codec_names(), default="compact",
                    help="DeMo wire format: compact (int16 idx + bf16 values), sign (1 bit/value), "
                         "reference (int64 + fp32, DeMo's reference) (default compact)")
     p.add_argument("--demo-lr", type=float, default=d["demo_lr"], help=f"DeMo learning rate (default {d['demo_lr']})")
