@@ -30,21 +30,22 @@ from typing import Any
 
 import torch
 
-from cokit.bench.timing import Budget, atomic_write, find_attr, kernel_resources, median_ms
+from cokit.bench.timing import Budget, atomic_write, kernel_resources, median_ms
 
-# Kernel modules are imported when a section runs (never at import), under their current
-# names or the ones before the gemm_configs / occupancy split, so that gpu_check always imports.
-_CONFIG_MODULES = ("cokit.triton_kernels.gemm_config", "cokit.triton_kernels.gemm_configs")
-_SHAPED_MODULES = ("cokit.triton_kernels.shaped_launch", "cokit.triton_kernels.occupancy")
-_CACHE_MODULES = ("cokit.triton_kernels.tuning_cache", "cokit.triton_kernels.gemm_configs")
+# Kernel modules are imported when a section runs (never at import), so that gpu_check
+# imports and reports even when one of them fails to.
 
 
 def _gemm() -> Any:
-    return find_attr("gemm", "cokit.triton_kernels.gemm")
+    from cokit.triton_kernels.gemm import gemm
+
+    return gemm
 
 
 def _config_cls() -> Any:
-    return find_attr("GemmConfig", *_CONFIG_MODULES)
+    from cokit.triton_kernels.gemm_config import GemmConfig
+
+    return GemmConfig
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -52,7 +53,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _with_shared_memory(kernel: Any, smem: int, limits: Any) -> Any:
-    return find_attr("with_shared_memory", *_SHAPED_MODULES)(kernel, smem, limits)
+    from cokit.triton_kernels.shaped_launch import with_shared_memory
+
+    return with_shared_memory(kernel, smem, limits)
 
 
 def _regs(kernel: Any) -> dict[str, Any]:
@@ -116,7 +119,7 @@ def correctness(rows: list[dict], device: torch.device, backend: str, quick: boo
     Each distinct shape/stride specialization is a new compile (seconds each), so the cases
     are a covering list rather than the full product; ``quick`` keeps one odd shape."""
     from cokit.triton_kernels.backend import device_limits
-    smem_for_blocks = find_attr("smem_for_blocks", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
+    from cokit.triton_kernels.occupancy import smem_for_blocks
 
     gemm, GemmConfig = _gemm(), _config_cls()
     precisions = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee")]
@@ -187,9 +190,7 @@ def occupancy_check(rows: list[dict], device: torch.device, backend: str, quick:
     """The smem_bytes knob on hardware: calculator vs the driver, before and after shaping."""
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm import warmup_gemm
-    driver_occupancy = find_attr("driver_occupancy", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
-    kernel_occupancy = find_attr("kernel_occupancy", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
-    smem_for_blocks = find_attr("smem_for_blocks", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
+    from cokit.triton_kernels.occupancy import driver_occupancy, kernel_occupancy, smem_for_blocks
 
     GemmConfig = _config_cls()
     limits = device_limits(device)
@@ -229,7 +230,7 @@ def perf(rows: list[dict], device: torch.device, quick: bool, cache_dir: str | N
     from cokit.triton_kernels.gemm import select_config, warmup_gemm
 
     gemm = _gemm()
-    TuningCache = find_attr("TuningCache", *_CACHE_MODULES)
+    from cokit.triton_kernels.tuning_cache import TuningCache
     shapes = PERF_SHAPES[:1] if quick else PERF_SHAPES
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
     points = [(shape, dtype) for shape in shapes for dtype in dtypes]
@@ -272,8 +273,7 @@ def sweep(rows: list[dict], device: torch.device, backend: str, quick: bool,
     persistent form on that many SMs (the rest carved out)."""
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm import warmup_gemm
-    kernel_occupancy = find_attr("kernel_occupancy", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
-    smem_for_blocks = find_attr("smem_for_blocks", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
+    from cokit.triton_kernels.occupancy import kernel_occupancy, smem_for_blocks
 
     gemm, GemmConfig = _gemm(), _config_cls()
     limits = device_limits(device)

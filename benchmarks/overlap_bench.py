@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from cokit.bench.timing import Budget, atomic_write, find_attr
+from cokit.bench.timing import Budget, atomic_write
 
 # where the CPU measurement lives (moved from cokit.overlap to the app layer; either works)
-_CPU_DEMO_MODULES = ("cokit.cpu_demo",)
 
 
 def _fmt(v: Any) -> str:
@@ -53,8 +52,8 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budg
     from cokit.overlap.schedules import Overlap
     from cokit.triton_kernels.backend import device_limits, kernel_path
     from cokit.triton_kernels.gemm import gemm, warmup_gemm
-    GemmConfig = find_attr("GemmConfig", "cokit.triton_kernels.gemm_config", "cokit.triton_kernels.gemm_configs")
-    smem_for_blocks = find_attr("smem_for_blocks", "cokit.triton_kernels.occupancy", "cokit.triton_kernels.shaped_launch")
+    from cokit.triton_kernels.gemm_config import GemmConfig
+    from cokit.triton_kernels.occupancy import smem_for_blocks
 
     limits = device_limits(device)
     backend = kernel_path(device)
@@ -116,7 +115,7 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budg
 
 
 def _cpu(rows: list[dict], quick: bool, tiny: bool = False) -> None:
-    cpu_gloo_measurement = find_attr("cpu_gloo_measurement", *_CPU_DEMO_MODULES)
+    from cokit.cpu_demo import cpu_gloo_measurement
     if tiny:  # gpu_check --allow-cpu: only shows that the path runs
         sizes: dict[str, int] = dict(size=128, numel=65_536, repeats=2, warmup=1, chunks=2)
     else:

@@ -185,21 +185,3 @@ def atomic_write(path: str | os.PathLike, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def find_attr(name: str, *modules: str) -> Any:
-    """``name`` from the first of ``modules`` that defines it (imported lazily, so that a module
-    moved or split between versions of the tree is found under either name)."""
-    import importlib
-
-    errors = []
-    for module in modules:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as exc:
-            errors.append(f"{module}: {exc}")
-            continue
-        if hasattr(mod, name):
-            return getattr(mod, name)
-        errors.append(f"{module} has no {name}")
-    raise ImportError(f"cannot import {name}: " + "; ".join(errors))

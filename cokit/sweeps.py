@@ -21,7 +21,7 @@ from typing import Any
 
 from cokit.files import atomic_write_bytes, atomic_write_text
 from cokit.overlap.sweep import SweepPoint, run_sweep
-from cokit.triton_kernels.gemm_configs import GemmConfig
+from cokit.triton_kernels.gemm_config import GemmConfig
 
 
 # ---------------------------------------------------------------------- records

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from cokit.triton_kernels.backend import ArchLimits
-from cokit.triton_kernels.gemm_configs import GemmConfig, estimate_shared_bytes
+from cokit.triton_kernels.gemm_config import GemmConfig, estimate_shared_bytes
 
 __all__ = ["GuardViolation", "StarvationGuard", "reserved_sms"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from cokit.triton_kernels.gemm_configs import GemmConfig, parse_dtype
+from cokit.triton_kernels.gemm_config import GemmConfig, parse_dtype
 
 __all__ = [
     "SWEEP_COLLECTIVES",

@@ -44,7 +44,7 @@ def _describe(c: Any) -> Any:
 
 
 def _config_of(c: Any) -> Any:
-    from cokit.triton_kernels.gemm_configs import GemmConfig
+    from cokit.triton_kernels.gemm_config import GemmConfig
 
     if isinstance(c, GemmConfig):
         return c

@@ -5,7 +5,12 @@ import torch
 
 from cokit.triton_kernels import backend
 
+needs_interpreter = pytest.mark.skipif(
+    not backend.interpreter_enabled(), reason="compares the CPU interpreter path; this run uses the GPU"
+)
 
+
+@needs_interpreter
 def test_cpu_tensors_use_the_interpreter_in_tests(monkeypatch):
     assert backend.kernel_path("cpu") == "interpreter"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -13,7 +18,7 @@ def test_cpu_tensors_use_the_interpreter_in_tests(monkeypatch):
 
 
 def test_unsupported_device_is_rejected():
-    with pytest.raises(ValueError, match="cuda .* or cpu"):
+    with pytest.raises(ValueError, match=r"cuda .* or cpu"):
         backend.kernel_path("meta")
 
 
@@ -37,6 +42,7 @@ def test_named_targets():
         backend.arch_limits("sm_75")
 
 
+@needs_interpreter
 def test_torch_path_matches_interpreter(monkeypatch):
     """The pure-torch path (CPU without interpreter) gives the kernels' results."""
     from cokit.triton_kernels.dct import dct_encode
@@ -59,3 +65,23 @@ def test_torch_path_matches_interpreter(monkeypatch):
     assert torch.equal(interp[2], torch_path[2])
     for a, b in zip(interp[3:], torch_path[3:]):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+@needs_interpreter
+def test_compat_interpreter_converts_scalar_arguments():
+    """After import, the interpreter turns a scalar argument into an int (range(n) in a
+    kernel), whatever the triton version (3.6 needs _compat's fix, 3.9 does it itself)."""
+    from triton.runtime import interpreter
+
+    from cokit.triton_kernels import _compat
+
+    assert _compat._index_works(interpreter._patch_lang_tensor, interpreter._LangPatchScope)
+
+
+def test_compat_compile_options():
+    from cokit.triton_kernels._compat import TRITON_VERSION, compile_option_names
+
+    assert TRITON_VERSION >= (3, 6, 0)
+    assert {"num_warps", "num_stages", "maxnreg"} <= compile_option_names("cuda", 90, 32)
+    assert {"num_warps", "waves_per_eu", "matrix_instr_nonkdim"} <= compile_option_names("hip", "gfx942", 64)
+    assert "waves_per_eu" not in compile_option_names("cuda", 90, 32)

@@ -54,7 +54,7 @@ def test_multi_needs_list_and_one_device():
 
 
 def test_unsupported_device():
-    with pytest.raises(ValueError, match="cuda .* or cpu"):
+    with pytest.raises(ValueError, match=r"cuda .* or cpu"):
         dct_encode(torch.randn(4, device="meta"))
 
 
@@ -68,21 +68,22 @@ def test_encode_argument_checks():
         ef_encode([torch.zeros(8, 8).half()], g, beta=0.9, lr=0.1)
     with pytest.raises(ValueError, match=r"deltas\[0\] has shape \(8, 4\) but grads\[0\] has \(8, 8\)"):
         ef_encode([torch.zeros(8, 4)], g, beta=0.9, lr=0.1)
-    with pytest.raises(ValueError, match="got 1 deltas but 2 grads"):
+    with pytest.raises(ValueError, match=r"got 1 deltas but 2 grads"):
         ef_encode(d, g * 2, beta=0.9, lr=0.1)
     with pytest.raises(TypeError, match="value_dtype"):
         ef_encode(d, g, beta=0.9, lr=0.1, value_dtype=torch.int8)
 
 
-def _payload():
-    params = [torch.randn(8, 8)]
-    idx, vals = ef_encode([torch.zeros(8, 8)], [torch.randn(8, 8)], beta=0.0, lr=1.0, k=4)
+def _payload(device):
+    params = [torch.randn(8, 8, device=device)]
+    idx, vals = ef_encode([torch.zeros(8, 8, device=device)], [torch.randn(8, 8, device=device)],
+                          beta=0.0, lr=1.0, k=4)
     return params, idx[None].clone(), vals[None].clone()
 
 
-def test_decode_payload_checks():
-    params, idx, vals = _payload()
-    with pytest.raises(ValueError, match="payload has 3 slots per rank.*need 4"):
+def test_decode_payload_checks(device):
+    params, idx, vals = _payload(device)
+    with pytest.raises(ValueError, match=r"payload has 3 slots per rank.*need 4"):
         ef_decode(params, idx[:, :3], vals[:, :3], lr=0.1, k=4)
     with pytest.raises(ValueError, match="indices and values must both be"):
         ef_decode(params, idx, vals[:, :3], lr=0.1, k=4)

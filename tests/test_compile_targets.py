@@ -27,21 +27,35 @@ def report():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the report compiles 30 kernels (~70 s on 2 cores)
 def test_every_kernel_compiles_for_every_target(report):
     built = {(r["kernel"], r["target"]) for r in report}
     expected = {(label, t) for label, *_ in kernel_specs() for t in TARGETS}
     assert built == expected
 
 
+@pytest.mark.slow
 def test_resources_within_arch_limits(report):
     for r in report:
         assert 0 <= r["shared_bytes"] <= r["max_shared_per_block"], r
         assert r["registers"] is not None and 0 < r["registers"] <= r["max_registers_per_thread"], r
 
 
-def test_compile_only_refuses_interpreter_process():
+def test_compile_only_refuses_interpreter_process(monkeypatch):
     from cokit.triton_kernels.compile_only import compile_for_target
 
-    label, fn, sig, constexprs = kernel_specs()[0]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as in CPU test runs; GPU runs leave it unset
+    _, fn, sig, constexprs = kernel_specs()[0]
     with pytest.raises(RuntimeError, match="without TRITON_INTERPRET"):
         compile_for_target(fn, sig, constexprs, "sm_90")
+
+
+def test_compile_only_rejects_options_the_backend_lacks(monkeypatch):
+    """Triton drops unknown options silently; compile_for_target names them instead (checked
+    before compiling, so this needs no compiler)."""
+    from cokit.triton_kernels.compile_only import compile_for_target
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, fn, sig, constexprs = kernel_specs()[0]
+    with pytest.raises(ValueError, match=r"has no cuda compile option 'waves_per_eu'; allowed: .*num_warps"):
+        compile_for_target(fn, sig, constexprs, "sm_90", waves_per_eu=2)

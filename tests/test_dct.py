@@ -1,9 +1,10 @@
-"""Tiled DCT kernels vs a float64 reference, under the Triton interpreter."""
+"""Tiled DCT kernels vs a float64 reference, on the ``device`` fixture's device (the Triton
+interpreter on CPU, compiled kernels on a GPU)."""
 
 import pytest
 import torch
-
 from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
+
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels.dct import (
     dct_decode,
@@ -42,8 +43,9 @@ def test_reference_matches_direct_dct_formula():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_encode_decode_vs_float64(shape, dtype, poison):
-    x = torch.randn(shape).to(dtype)
+@pytest.mark.usefixtures("poison")
+def test_encode_decode_vs_float64(shape, dtype, device):
+    x = torch.randn(shape).to(dtype).to(device)
     coeffs = dct_encode(x, chunk=64)
     ref = dct_encode_reference(x.double(), 64, torch.float64)
     assert coeffs.dtype == torch.float32 and coeffs.shape == ref.shape
@@ -57,29 +59,33 @@ def test_encode_decode_vs_float64(shape, dtype, poison):
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 32])
-def test_other_chunk_targets(chunk, poison):
-    x = torch.randn(40, 24)
+@pytest.mark.usefixtures("poison")
+def test_other_chunk_targets(chunk, device):
+    x = torch.randn(40, 24, device=device)
     coeffs = dct_encode(x, chunk)
     assert rel_err(coeffs, dct_encode_reference(x.double(), chunk, torch.float64)) < 2e-6
     assert rel_err(dct_decode(coeffs, x.shape, chunk), x) < 2e-6
 
 
-def test_prime_rows_make_one_d_tiles(poison):
-    x = torch.randn(67, 48)  # 67 is prime: tiles are 1 x 48 rows
+@pytest.mark.usefixtures("poison")
+def test_prime_rows_make_one_d_tiles(device):
+    x = torch.randn(67, 48, device=device)  # 67 is prime: tiles are 1 x 48 rows
     coeffs = dct_encode(x, 64)
     assert coeffs.shape == (67, 48)
     assert rel_err(coeffs, dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
 
 
-def test_decode_to_low_precision(poison):
-    x = torch.randn(32, 48)
+@pytest.mark.usefixtures("poison")
+def test_decode_to_low_precision(device):
+    x = torch.randn(32, 48, device=device)
     back = dct_decode(dct_encode(x), x.shape, dtype=torch.float16)
     assert back.dtype == torch.float16
     assert rel_err(back, x) < 1e-3
 
 
-def test_multi_tensor_bucket_equals_single(poison):
-    xs = [torch.randn(s) for s in SHAPES] + [torch.randn(33).half()]
+@pytest.mark.usefixtures("poison")
+def test_multi_tensor_bucket_equals_single(device):
+    xs = [torch.randn(s, device=device) for s in SHAPES] + [torch.randn(33, device=device).half()]
     multi = dct_encode_multi(xs, 64)
     for x, c in zip(xs, multi):
         assert torch.allclose(c, dct_encode(x, 64), rtol=0, atol=1e-6)
@@ -95,7 +101,8 @@ def test_bucket_uses_one_launch_per_tile_class():
     assert sorted(len(c.tensors) for c in plan.classes) == [2, 3]
 
 
-def test_non_contiguous_input(poison):
-    x = torch.randn(96, 64).t()  # (64, 96), transposed view
+@pytest.mark.usefixtures("poison")
+def test_non_contiguous_input(device):
+    x = torch.randn(96, 64, device=device).t()  # (64, 96), transposed view
     assert not x.is_contiguous()
     assert rel_err(dct_encode(x), dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6

@@ -1,9 +1,10 @@
-"""Fused error-feedback encode/decode vs float64 references."""
+"""Fused error-feedback encode/decode vs float64 references, on the ``device`` fixture's
+device (the Triton interpreter on CPU, compiled kernels on a GPU)."""
 
 import pytest
 import torch
-
 from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
+
 from cokit.triton_kernels.error_feedback import (
     ef_decode,
     ef_decode_reference,
@@ -15,9 +16,10 @@ from cokit.triton_kernels.error_feedback import (
 
 @pytest.mark.parametrize("k", [1, 3, 32, 4096])
 @pytest.mark.parametrize("grad_dtype", DTYPES)
-def test_encode_vs_float64(k, grad_dtype, poison):
-    grads = [torch.randn(s).to(grad_dtype) for s in SHAPES]
-    deltas = [torch.randn(s) for s in SHAPES]
+@pytest.mark.usefixtures("poison")
+def test_encode_vs_float64(k, grad_dtype, device):
+    grads = [torch.randn(s).to(grad_dtype).to(device) for s in SHAPES]
+    deltas = [torch.randn(s, device=device) for s in SHAPES]
     ref_deltas = [d.double() for d in deltas]
     before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads)]
     idx, vals = ef_encode(deltas, grads, beta=0.9, lr=0.05, chunk=64, k=k, alpha=0.8)
@@ -34,8 +36,9 @@ def test_encode_vs_float64(k, grad_dtype, poison):
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
-def test_encode_compact_values(value_dtype, poison):
-    grads, deltas = [torch.randn(96, 128)], [torch.zeros(96, 128)]
+@pytest.mark.usefixtures("poison")
+def test_encode_compact_values(value_dtype, device):
+    grads, deltas = [torch.randn(96, 128, device=device)], [torch.zeros(96, 128, device=device)]
     ref = [d.clone() for d in deltas]
     _, vals = ef_encode(deltas, grads, beta=0.999, lr=1.0, k=8, value_dtype=value_dtype)
     _, ref_vals = ef_encode_reference(ref, grads, 0.999, 1.0, 64, 8)
@@ -46,23 +49,25 @@ def test_encode_compact_values(value_dtype, poison):
     assert rel_err(deltas[0], ref[0]) < 1e-6
 
 
-def test_error_feedback_keeps_what_was_not_sent(poison):
-    g = torch.randn(64, 64)
-    delta = [torch.zeros(64, 64)]
-    idx, vals = ef_encode(delta, [g], beta=0.0, lr=1.0, k=4096)  # send everything
+@pytest.mark.usefixtures("poison")
+def test_error_feedback_keeps_what_was_not_sent(device):
+    g = torch.randn(64, 64, device=device)
+    delta = [torch.zeros(64, 64, device=device)]
+    ef_encode(delta, [g], beta=0.0, lr=1.0, k=4096)  # send everything
     assert delta[0].abs().max() < 1e-5
-    delta = [torch.zeros(64, 64)]
+    delta = [torch.zeros(64, 64, device=device)]
     ef_encode(delta, [g], beta=0.0, lr=1.0, k=32)
     # what is left is g minus its 32 largest DCT components: smaller, but not zero
     assert 0 < delta[0].norm() < g.norm()
 
 
-def gathered_payloads(shapes, k, ranks, value_dtype=torch.float32):
+def gathered_payloads(shapes, k, ranks, device, value_dtype=torch.float32):
     """Payloads of `ranks` ranks; the last rank repeats rank 0's positions (overlap)."""
     idx, vals = [], []
     for r in range(ranks):
-        deltas = [torch.randn(s) for s in shapes]
-        i, v = ef_encode(deltas, [torch.randn(s) for s in shapes], beta=0.5, lr=1.0, k=k, value_dtype=value_dtype)
+        deltas = [torch.randn(s, device=device) for s in shapes]
+        grads = [torch.randn(s, device=device) for s in shapes]
+        i, v = ef_encode(deltas, grads, beta=0.5, lr=1.0, k=k, value_dtype=value_dtype)
         idx.append(idx[0] if r == ranks - 1 and r > 0 else i)
         vals.append(v)
     return torch.stack(idx), torch.stack(vals)
@@ -71,9 +76,10 @@ def gathered_payloads(shapes, k, ranks, value_dtype=torch.float32):
 @pytest.mark.parametrize("use_sign", [True, False])
 @pytest.mark.parametrize("k", [1, 3, 32])
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_decode_vs_float64(ranks, k, use_sign, poison):
-    idx, vals = gathered_payloads(SHAPES, k, ranks)
-    params = [torch.randn(s) for s in SHAPES]
+@pytest.mark.usefixtures("poison")
+def test_decode_vs_float64(ranks, k, use_sign, device):
+    idx, vals = gathered_payloads(SHAPES, k, ranks, device)
+    params = [torch.randn(s, device=device) for s in SHAPES]
     ref = [p.double() for p in params]
     ef_decode(params, idx, vals, lr=0.01, k=k, weight_decay=0.1, use_sign=use_sign)
     ef_decode_reference(ref, idx, vals.double(), 64, k, 0.01, weight_decay=0.1, use_sign=use_sign, dtype=torch.float64)
@@ -85,9 +91,10 @@ def test_decode_vs_float64(ranks, k, use_sign, poison):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_low_precision_params(dtype, poison):
-    idx, vals = gathered_payloads([(96, 128), (7,)], 8, 2, torch.float16)
-    params = [torch.randn(96, 128).to(dtype), torch.randn(7).to(dtype)]
+@pytest.mark.usefixtures("poison")
+def test_decode_low_precision_params(dtype, device):
+    idx, vals = gathered_payloads([(96, 128), (7,)], 8, 2, device, torch.float16)
+    params = [torch.randn(96, 128, device=device).to(dtype), torch.randn(7, device=device).to(dtype)]
     ref = [p.double() for p in params]
     ef_decode(params, idx, vals, lr=0.01, k=8, use_sign=False)
     ef_decode_reference(ref, idx, vals.double(), 64, 8, 0.01, use_sign=False, dtype=torch.float64)
@@ -96,9 +103,10 @@ def test_decode_low_precision_params(dtype, poison):
         assert rel_err(p, r) < 1e-2  # one rounding to the parameter dtype
 
 
-def test_decode_is_deterministic(poison):
-    idx, vals = gathered_payloads([(130, 70), (64,)], 16, 3)
-    start = [torch.randn(130, 70), torch.randn(64)]
+@pytest.mark.usefixtures("poison")
+def test_decode_is_deterministic(device):
+    idx, vals = gathered_payloads([(130, 70), (64,)], 16, 3, device)
+    start = [torch.randn(130, 70, device=device), torch.randn(64, device=device)]
     a = [p.clone() for p in start]
     b = [p.clone() for p in start]
     ef_decode(a, idx, vals, lr=0.1, k=16, use_sign=False)
@@ -106,21 +114,24 @@ def test_decode_is_deterministic(poison):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_mean_over_ranks_that_chose_a_position(poison):
+@pytest.mark.usefixtures("poison")
+def test_mean_over_ranks_that_chose_a_position(device):
     # one 1x8 tile; rank 0 picks positions {0, 1}, rank 1 picks {1, 2}
-    idx = torch.tensor([[0, 1], [1, 2]], dtype=torch.int16)
-    vals = torch.tensor([[4.0, 2.0], [6.0, 8.0]])
-    p = [torch.zeros(8)]
+    idx = torch.tensor([[0, 1], [1, 2]], dtype=torch.int16, device=device)
+    vals = torch.tensor([[4.0, 2.0], [6.0, 8.0]], device=device)
+    p = [torch.zeros(8, device=device)]
     ef_decode(p, idx, vals, lr=1.0, k=2, chunk=8, use_sign=False)
-    dense = torch.tensor([[4.0, 4.0, 8.0, 0, 0, 0, 0, 0]])  # position 1: mean(2, 6)
+    dense = torch.tensor([[4.0, 4.0, 8.0, 0, 0, 0, 0, 0]], device=device)  # position 1: mean(2, 6)
     from cokit.triton_kernels.dct import dct_decode_reference
+
     assert torch.allclose(p[0], -dct_decode_reference(dense, (8,), 8), atol=1e-6)
 
 
-def test_non_contiguous_buffers_are_updated_in_place(poison):
-    base = torch.randn(64, 96)
-    delta = torch.zeros(96, 64).t()  # non-contiguous (64, 96)
+@pytest.mark.usefixtures("poison")
+def test_non_contiguous_buffers_are_updated_in_place(device):
+    base = torch.randn(64, 96, device=device)
+    delta = torch.zeros(96, 64, device=device).t()  # non-contiguous (64, 96)
     ef_encode([delta], [base], beta=0.0, lr=1.0, k=4)
-    ref = [torch.zeros(64, 96)]
+    ref = [torch.zeros(64, 96, device=device)]
     ef_encode_reference(ref, [base], 0.0, 1.0, 64, 4)
     assert rel_err(delta, ref[0]) < 1e-6

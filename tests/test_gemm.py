@@ -1,27 +1,36 @@
-"""GEMM kernel under the Triton interpreter vs a float64 reference; configs; tuning cache;
+"""GEMM kernel vs a float64 reference (on the ``device`` fixture: the GPU when there is one,
+else the Triton interpreter on CPU); configs and the per-vendor config spaces; tuning cache;
 the cokit::matmul custom op (autograd, opcheck, torch.compile)."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+from cokit.triton_kernels import gemm_configs_amd, gemm_configs_nvidia
 from cokit.triton_kernels.backend import arch_limits
 from cokit.triton_kernels.gemm import gemm, gemm_reference, matmul
-from cokit.triton_kernels.gemm_configs import (
+from cokit.triton_kernels.gemm_config import (
+    CUDA_KNOBS,
+    HIP_KNOBS,
     GemmConfig,
-    TuningCache,
-    autotune,
     config_space,
+    default_config,
     estimate_shared_bytes,
     interpreter_config,
     parse_config_spec,
     prune_configs,
-    shape_bucket,
 )
+from cokit.triton_kernels.tuning_cache import TuningCache, autotune, default_cache_dir, shape_bucket
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPES = [(1, 1, 1), (17, 33, 65), (128, 96, 200)]
@@ -59,8 +68,15 @@ def _check(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     assert worst <= 1.0, f"error exceeds bound by {worst:.2f}x (max abs err {err.max().item():.3g})"
 
 
-def _poisoned(M: int, N: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full((M, N), float("nan"), dtype=dtype)
+def _poisoned(M: int, N: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.full((M, N), float("nan"), dtype=dtype, device=device)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory, monkeypatch):
+    """GEMMs tuned on a GPU write their winners to a throwaway cache, not ~/.cache/cokit."""
+    if "COKIT_CACHE_DIR" not in os.environ:
+        monkeypatch.setenv("COKIT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cokit-cache"))
 
 
 # ---------------------------------------------------------------------- numerics
@@ -71,27 +87,28 @@ def _poisoned(M: int, N: int, dtype: torch.dtype) -> torch.Tensor:
     [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"), (torch.float32, "tf32")],
     ids=["fp16", "bf16", "fp32-ieee", "fp32-tf32"],
 )
-def test_gemm_vs_float64(dtype, precision, shape, persistent):
+def test_gemm_vs_float64(dtype, precision, shape, persistent, device):
     M, N, K = shape
-    a = torch.randn(M, K).to(dtype)
-    b = torch.randn(K, N).to(dtype)
-    bias = torch.randn(N).to(dtype) if M > 1 else None
-    c = gemm(a, b, bias, precision=precision, persistent=persistent, out=_poisoned(M, N, dtype))
+    a = torch.randn(M, K, device=device).to(dtype)
+    b = torch.randn(K, N, device=device).to(dtype)
+    bias = torch.randn(N, device=device).to(dtype) if M > 1 else None
+    c = gemm(a, b, bias, precision=precision, persistent=persistent, tune=False,
+             out=_poisoned(M, N, dtype, device))
     _check(c, a, b, bias, precision)
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tiled", "persistent"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
-def test_gemm_transposed_and_strided_operands(dtype, persistent):
+def test_gemm_transposed_and_strided_operands(dtype, persistent, device):
     M, N, K = 17, 33, 65
-    a_t = torch.randn(K, M).to(dtype).t()  # column-major A
-    b_t = torch.randn(N, K).to(dtype).t()  # column-major B
+    a_t = torch.randn(K, M, device=device).to(dtype).t()  # column-major A
+    b_t = torch.randn(N, K, device=device).to(dtype).t()  # column-major B
     assert not a_t.is_contiguous() and not b_t.is_contiguous()
-    _check(gemm(a_t, b_t, persistent=persistent), a_t, b_t)
-    a_s = torch.randn(M, 2 * K).to(dtype)[:, ::2]  # every other column: stride 2 along K
-    bias_s = torch.randn(2 * N).to(dtype)[::2]
-    out = torch.full((N, M), float("nan"), dtype=dtype).t()  # strided output
-    c = gemm(a_s, b_t, bias_s, persistent=persistent, out=out)
+    _check(gemm(a_t, b_t, persistent=persistent, tune=False), a_t, b_t)
+    a_s = torch.randn(M, 2 * K, device=device).to(dtype)[:, ::2]  # every other column: stride 2 along K
+    bias_s = torch.randn(2 * N, device=device).to(dtype)[::2]
+    out = _poisoned(N, M, dtype, device).t()  # strided output
+    c = gemm(a_s, b_t, bias_s, persistent=persistent, tune=False, out=out)
     assert c.data_ptr() == out.data_ptr()
     _check(c, a_s, b_t, bias_s)
 
@@ -105,26 +122,27 @@ def test_gemm_transposed_and_strided_operands(dtype, persistent):
     ],
     ids=["tiled-grouped", "persistent-3", "persistent-1"],
 )
-def test_gemm_explicit_configs_cover_many_tiles(config):
+def test_gemm_explicit_configs_cover_many_tiles(config, device):
     """Several tiles, partial edge tiles, grouped ordering and persistent striding."""
     M, N, K = 33, 47, 65
-    a = torch.randn(M, K, dtype=torch.bfloat16)
-    b = torch.randn(K, N, dtype=torch.bfloat16)
-    bias = torch.randn(N, dtype=torch.bfloat16)
-    _check(gemm(a, b, bias, config=config, out=_poisoned(M, N, torch.bfloat16)), a, b, bias)
+    a = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    b = torch.randn(K, N, dtype=torch.bfloat16, device=device)
+    bias = torch.randn(N, dtype=torch.bfloat16, device=device)
+    _check(gemm(a, b, bias, config=config, out=_poisoned(M, N, torch.bfloat16, device)), a, b, bias)
 
 
-def test_gemm_degenerate_shapes():
-    a = torch.randn(3, 0)
-    b = torch.randn(0, 5)
-    assert torch.equal(gemm(a, b), torch.zeros(3, 5))
-    bias = torch.randn(5)
+def test_gemm_degenerate_shapes(device):
+    a = torch.randn(3, 0, device=device)
+    b = torch.randn(0, 5, device=device)
+    assert torch.equal(gemm(a, b), torch.zeros(3, 5, device=device))
+    bias = torch.randn(5, device=device)
     assert torch.equal(gemm(a, b, bias), bias.expand(3, 5))
-    assert gemm(torch.randn(0, 4), torch.randn(4, 6)).shape == (0, 6)
+    assert gemm(torch.randn(0, 4, device=device), torch.randn(4, 6, device=device)).shape == (0, 6)
 
 
 def test_torch_path_without_interpreter(monkeypatch):
-    """CPU tensors without TRITON_INTERPRET run the torch reference with the same semantics."""
+    """CPU tensors without TRITON_INTERPRET run the torch reference with the same semantics
+    (CPU by definition: this is the path without Triton)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     a = torch.randn(17, 65, dtype=torch.bfloat16)
     b = torch.randn(65, 33, dtype=torch.bfloat16)
@@ -143,21 +161,21 @@ def test_torch_path_without_interpreter(monkeypatch):
         (lambda: (torch.randn(4, 5).double(), torch.randn(5, 3).double()), "not supported; allowed: fp16, bf16, fp32"),
     ],
 )
-def test_gemm_rejects_bad_inputs(make, match):
-    a, b = make()
+def test_gemm_rejects_bad_inputs(make, match, device):
+    a, b = (t.to(device) for t in make())
     with pytest.raises(ValueError, match=match):
         gemm(a, b)
 
 
-def test_gemm_rejects_bad_bias_precision_out_and_form():
-    a, b = torch.randn(4, 5), torch.randn(5, 3)
+def test_gemm_rejects_bad_bias_precision_out_and_form(device):
+    a, b = torch.randn(4, 5, device=device), torch.randn(5, 3, device=device)
     with pytest.raises(ValueError, match=r"bias must have shape \(3,\)"):
-        gemm(a, b, torch.randn(4))
+        gemm(a, b, torch.randn(4, device=device))
     with pytest.raises(ValueError, match="precision='fp64' is invalid; allowed: ieee, tf32"):
         gemm(a, b, precision="fp64")
     with pytest.raises(ValueError, match="out must be a 4x3"):
-        gemm(a, b, out=torch.empty(3, 4))
-    with pytest.raises(ValueError, match="contradicts config.persistent"):
+        gemm(a, b, out=torch.empty(3, 4, device=device))
+    with pytest.raises(ValueError, match=r"contradicts config\.persistent"):
         gemm(a, b, config=GemmConfig(), persistent=True)
 
 
@@ -201,12 +219,77 @@ def test_valid_vendor_configs_pass():
             cfg.validate(backend)
 
 
-def test_interpreter_rejects_smem_below_estimate():
-    a, b = torch.randn(4, 5), torch.randn(5, 3)
+# ---------------------------------------------------------------------- per-vendor spaces
+VENDORS = [(gemm_configs_nvidia, "sm_80"), (gemm_configs_nvidia, "sm_90"),
+           (gemm_configs_amd, "gfx90a"), (gemm_configs_amd, "gfx942")]
+
+
+@pytest.mark.parametrize("vendor,target", VENDORS, ids=[t for _, t in VENDORS])
+def test_vendor_space_validates_against_its_chip(vendor, target):
+    """Every config of a vendor's space is valid on that vendor's chips (both forms, every
+    program count up to the chip's SMs/CUs), fits a block's threads, and the 16-bit space
+    pruned for the chip keeps most of it, the default (first) config included."""
+    limits = arch_limits(target)
+    assert target in vendor.TARGETS and limits.backend == vendor.BACKEND
+    assert limits.warp_size == vendor.WARP_SIZE
+    space = config_space(vendor.BACKEND)
+    assert space and len(space) == len(vendor.SPACE) and len(set(space)) == len(space)
+    foreign = HIP_KNOBS if vendor.BACKEND == "cuda" else CUDA_KNOBS
+    for cfg in space:
+        cfg.validate(vendor.BACKEND, limits)
+        cfg.replace(persistent=True, num_sms=limits.num_sms).validate(vendor.BACKEND, limits)
+        assert cfg.num_warps in vendor.NUM_WARPS
+        assert cfg.num_warps * limits.warp_size <= limits.max_threads_per_block
+        assert all(getattr(cfg, knob) is None for knob in foreign)
+        opts = cfg.launch_options(vendor.BACKEND)
+        assert set(opts) - {"num_warps", "num_stages"} <= set(vendor.KNOBS)
+    for dtype in (torch.float16, torch.bfloat16):
+        kept = prune_configs(space, dtype, limits)
+        assert space[0] in kept and len(kept) >= len(space) // 2
+        for cfg in kept:  # a footprint equal to the estimate is accepted
+            need = estimate_shared_bytes(cfg, dtype, limits)
+            cfg.replace(smem_bytes=need).validate(vendor.BACKEND, limits, dtype=dtype)
+    assert default_config(vendor.BACKEND) == space[0]
+
+
+def test_amd_space_is_rejected_on_nvidia():
+    """Every AMD config carries AMD-only knobs, so none passes as an NVIDIA config; an NVIDIA
+    knob is refused on AMD."""
+    for cfg in config_space("hip"):
+        with pytest.raises(ValueError, match=r"is an AMD \(hip\) knob; it cannot be used on cuda"):
+            cfg.validate("cuda", arch_limits("sm_90"))
+    with pytest.raises(ValueError, match=r"maxnreg is an NVIDIA \(cuda\) knob"):
+        config_space("cuda")[0].replace(maxnreg=128).validate("hip", arch_limits("gfx942"))
+
+
+def test_config_space_dispatches_to_the_vendor_module():
+    for vendor in (gemm_configs_nvidia, gemm_configs_amd):
+        assert config_space(vendor.BACKEND) == [GemmConfig(**f) for f in vendor.SPACE]
+        persistent = config_space(vendor.BACKEND, persistent=True)
+        assert all(c.persistent for c in persistent)
+        assert [c.replace(persistent=False) for c in persistent] == config_space(vendor.BACKEND)
+        assert default_config(vendor.BACKEND, persistent=True).persistent
+    with pytest.raises(ValueError, match="backend 'cpu' has no config space; allowed: cuda, hip"):
+        config_space("cpu")
+
+
+def test_config_modules_layout():
+    """gemm_configs.py is gone (no shim); the vendor modules are leaves (import nothing of
+    cokit), so triton_kernels' module graph stays acyclic."""
+    assert importlib.util.find_spec("cokit.triton_kernels.gemm_configs") is None
+    for vendor in (gemm_configs_nvidia, gemm_configs_amd):
+        tree = ast.parse(Path(vendor.__file__).read_text())
+        imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in imports)
+
+
+def test_smem_below_need_is_rejected(device):
+    """Interpreter: checked against the estimate; GPU: against the compiled kernel."""
+    a, b = torch.randn(4, 5, device=device), torch.randn(5, 3, device=device)
     with pytest.raises(ValueError, match="smem_bytes=16 is below"):
         gemm(a, b, config=GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, smem_bytes=16))
     # a footprint above the need is accepted (it only changes occupancy on a GPU)
-    cfg = GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_stages=2, smem_bytes=100_000)
+    cfg = GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_stages=2, smem_bytes=60_000)
     _check(gemm(a, b, config=cfg), a, b)
 
 
@@ -292,6 +375,43 @@ def test_cache_dir_from_env_and_argument(tmp_path, monkeypatch):
     assert TuningCache().load("k") == GemmConfig()
 
 
+def test_tuning_cache_round_trips_every_field(tmp_path):
+    """A stored config (vendor knobs, persistent form, footprint) loads back equal from a
+    fresh cache object; other entries and the extra info are kept; the file is versioned JSON."""
+    cuda = GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=4, num_warps=8, num_stages=4,
+                      persistent=True, num_sms=100, smem_bytes=98304, maxnreg=128)
+    hip = config_space("hip")[3].replace(persistent=True, num_sms=200)
+    k1 = TuningCache.key("NVIDIA H200", torch.bfloat16, 4096, 1024, 512, True, "ieee")
+    k2 = TuningCache.key("AMD Instinct MI300X", torch.float32, 100, 200, 300, True, "ieee")
+    k3 = TuningCache.key("NVIDIA H200", torch.float32, 4096, 1024, 512, False, "tf32")
+    assert len({k1, k2, k3}) == 3
+    assert k3 == "NVIDIA H200|fp32|tiled|tf32|4096x1024x512"
+    TuningCache(tmp_path).store(k1, cuda, time_ms=1.5)
+    TuningCache(tmp_path).store(k2, hip)
+    TuningCache(tmp_path).store(k3, default_config("cuda"))
+    fresh = TuningCache(tmp_path)
+    assert fresh.load(k1) == cuda and fresh.load(k2) == hip and fresh.load(k3) == default_config("cuda")
+    assert fresh.load("missing") is None
+    assert fresh.entries()[k1]["time_ms"] == 1.5
+    data = json.loads((tmp_path / TuningCache.FILENAME).read_text())
+    assert data["version"] == TuningCache.VERSION and set(data["entries"]) == {k1, k2, k3}
+    # overwrite in place; no temp files left behind
+    TuningCache(tmp_path).store(k1, cuda.replace(smem_bytes=None))
+    assert TuningCache(tmp_path).load(k1).smem_bytes is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [TuningCache.FILENAME]
+
+
+def test_default_cache_dir_order(monkeypatch, tmp_path):
+    monkeypatch.setenv("COKIT_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("COKIT_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "x" / "cokit"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert default_cache_dir() == tmp_path / "h" / ".cache" / "cokit"
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"entries": 3}', ""])
 def test_corrupt_cache_is_ignored_with_warning(tmp_path, content):
     (tmp_path / TuningCache.FILENAME).write_text(content)
@@ -325,10 +445,10 @@ def test_autotune_skips_failing_configs():
 
 
 # ---------------------------------------------------------------------- custom op
-def test_matmul_autograd_through_the_kernel():
-    a = torch.randn(17, 65, requires_grad=True)
-    b = torch.randn(65, 33, requires_grad=True)
-    bias = torch.randn(33, requires_grad=True)
+def test_matmul_autograd_through_the_kernel(device):
+    a = torch.randn(17, 65, device=device, requires_grad=True)
+    b = torch.randn(65, 33, device=device, requires_grad=True)
+    bias = torch.randn(33, device=device, requires_grad=True)
     out = matmul(a, b, bias)
     g = torch.randn_like(out)
     out.backward(g)
@@ -337,28 +457,30 @@ def test_matmul_autograd_through_the_kernel():
     torch.testing.assert_close(bias.grad, g.sum(0))
 
 
-def test_matmul_opcheck():
-    a, b, bias = torch.randn(9, 20), torch.randn(20, 7), torch.randn(7)
+def test_matmul_opcheck(device):
+    a, b, bias = (torch.randn(*s, device=device) for s in ((9, 20), (20, 7), (7,)))
     torch.library.opcheck(torch.ops.cokit.matmul.default, (a, b, bias, "ieee", False))
     torch.library.opcheck(torch.ops.cokit.matmul.default, (a.t().contiguous().t(), b, None, "tf32", True))
 
 
-def test_matmul_torch_compile_fullgraph():
-    a = torch.randn(17, 65, requires_grad=True)
-    b = torch.randn(65, 33, requires_grad=True)
-    bias = torch.randn(33, requires_grad=True)
+@pytest.mark.slow
+def test_matmul_torch_compile_fullgraph(device):
+    a = torch.randn(17, 65, device=device, requires_grad=True)
+    b = torch.randn(65, 33, device=device, requires_grad=True)
+    bias = torch.randn(33, device=device, requires_grad=True)
     fn = torch.compile(lambda x, y, z: matmul(x, y, z), fullgraph=True)
     out = fn(a, b, bias)
     _check(out.detach(), a.detach(), b.detach(), bias.detach())
     out.sum().backward()
-    torch.testing.assert_close(bias.grad, torch.full((33,), 17.0))
+    torch.testing.assert_close(bias.grad, torch.full((33,), 17.0, device=device))
     assert a.grad is not None and b.grad is not None
     dyn = torch.compile(lambda x, y: matmul(x, y).sum(), fullgraph=True, dynamic=True, backend="aot_eager")
     for M, K, N in ((5, 7, 3), (6, 9, 4)):
-        x, y = torch.randn(M, K), torch.randn(K, N)
+        x, y = torch.randn(M, K, device=device), torch.randn(K, N, device=device)
         torch.testing.assert_close(dyn(x, y), (x @ y).sum(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not INTERPRETER, reason="fakes a GPU through the interpreter (CPU only)")
 def test_gpu_tuning_flow_with_a_fake_device(monkeypatch, tmp_path):
     """gemm() without a config on a 'GPU' (faked: sm_90 limits, interpreter execution, a fake
     timer): the pruned config space is timed once, the winner persists in the JSON cache under
@@ -381,3 +503,21 @@ def test_gpu_tuning_flow_with_a_fake_device(monkeypatch, tmp_path):
     assert len(calls) == len(candidates)  # second run: cache hit, nothing timed
     gemm(a, b, persistent=True)  # the persistent form is tuned under its own key
     assert "FakeGPU|fp16|persistent|ieee|64x64x64" in TuningCache(tmp_path).entries()
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_persists_and_is_reused(tmp_path, device):
+    """On a real GPU: gemm() without a config times the pruned space once, stores the winner
+    under this device's key, and the second call reuses it (no new entry, same result)."""
+    a = torch.randn(256, 192, dtype=torch.float16, device=device)
+    b = torch.randn(192, 160, dtype=torch.float16, device=device)
+    c = gemm(a, b, cache_dir=tmp_path)
+    _check(c, a, b)
+    entries = TuningCache(tmp_path).entries()
+    assert len(entries) == 1
+    (key,) = entries
+    assert key.endswith("|fp16|tiled|ieee|256x256x256") and entries[key]["candidates"] >= 1
+    best = TuningCache(tmp_path).load(key)
+    assert best is not None
+    torch.testing.assert_close(gemm(a, b, cache_dir=tmp_path), gemm(a, b, config=best), rtol=0, atol=0)
+    assert TuningCache(tmp_path).entries() == entries

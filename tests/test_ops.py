@@ -7,21 +7,24 @@ from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 from cokit.triton_kernels.topk import chunk_topk
 
 
-def test_opcheck_every_op():
-    xs = [torch.randn(96, 128), torch.randn(7).half()]
+def test_opcheck_every_op(device):
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+
+    xs = [randn(96, 128), randn(7).half()]
     torch.library.opcheck(torch.ops.cokit.dct_encode_multi.default, (xs, 64))
-    coeffs = [torch.randn(4, 3072), torch.randn(1, 7)]
+    coeffs = [randn(4, 3072), randn(1, 7)]
     torch.library.opcheck(torch.ops.cokit.dct_decode_multi.default, (coeffs, [96, 128, 7], [2, 1], 64, torch.float32))
-    torch.library.opcheck(torch.ops.cokit.chunk_topk.default, (torch.randn(5, 40), 3))
-    deltas, grads = [torch.randn(64, 64), torch.randn(7)], [torch.randn(64, 64), torch.randn(7)]
+    torch.library.opcheck(torch.ops.cokit.chunk_topk.default, (randn(5, 40), 3))
+    deltas, grads = [randn(64, 64), randn(7)], [randn(64, 64), randn(7)]
     torch.library.opcheck(torch.ops.cokit.ef_encode.default, (deltas, grads, 0.9, 0.1, 1.0, 64, 4, torch.float16))
-    idx, vals = ef_encode([torch.randn(64, 64), torch.randn(7)], grads, beta=0.9, lr=0.1, k=4)
-    params = [torch.randn(64, 64), torch.randn(7)]
+    idx, vals = ef_encode([randn(64, 64), randn(7)], grads, beta=0.9, lr=0.1, k=4)
+    params = [randn(64, 64), randn(7)]
     torch.library.opcheck(torch.ops.cokit.ef_decode.default,
                           (params, idx[None], vals[None], 64, 4, 0.01, 0.0, True))
 
 
-def test_torch_compile_fullgraph():
+def test_torch_compile_fullgraph(device):
     def step(x, delta, grad, param):
         coeffs = dct_encode(x, 64)
         idx, vals = chunk_topk(coeffs, 8)
@@ -30,8 +33,8 @@ def test_torch_compile_fullgraph():
         ef_decode([param], p_idx[None], p_vals[None], lr=0.01, k=8, validate=False)
         return back * 2, idx, vals
 
-    x, g = torch.randn(96, 128), torch.randn(64, 64)
-    d_eager, p_eager = torch.randn(64, 64), torch.randn(64, 64)
+    x, g = torch.randn(96, 128, device=device), torch.randn(64, 64, device=device)
+    d_eager, p_eager = torch.randn(64, 64, device=device), torch.randn(64, 64, device=device)
     d_comp, p_comp = d_eager.clone(), p_eager.clone()
     eager = step(x, d_eager, g, p_eager)
     compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, d_comp, g, p_comp)

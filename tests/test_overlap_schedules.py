@@ -82,7 +82,7 @@ def _checks(rank, world, path):
     )
     from cokit.overlap.streams import high_priority_group
     from cokit.triton_kernels.backend import kernel_path
-    from cokit.triton_kernels.gemm_configs import GemmConfig
+    from cokit.triton_kernels.gemm_config import GemmConfig
 
     os.environ["TRITON_INTERPRET"] = "1" if path == "interpreter" else "0"
     W = world

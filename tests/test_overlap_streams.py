@@ -16,7 +16,7 @@ from cokit.overlap.streams import (
     wait_handle,
 )
 from cokit.triton_kernels.backend import arch_limits
-from cokit.triton_kernels.gemm_configs import GemmConfig
+from cokit.triton_kernels.gemm_config import GemmConfig
 from cokit.triton_kernels.sm_copy import sm_copy, sm_copy_reference
 
 

@@ -8,7 +8,7 @@ import pytest
 from cokit.cli import main
 from cokit.overlap.sweep import check_point, run_sweep, sweep_points
 from cokit.sweeps import default_plots, plot_heatmap, plot_timeline, write_csv, write_json
-from cokit.triton_kernels.gemm_configs import GemmConfig
+from cokit.triton_kernels.gemm_config import GemmConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

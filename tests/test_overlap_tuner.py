@@ -7,7 +7,7 @@ import pytest
 from cokit.overlap.guard import StarvationGuard
 from cokit.overlap.tuner import OnlineTuner
 from cokit.triton_kernels.backend import arch_limits
-from cokit.triton_kernels.gemm_configs import GemmConfig
+from cokit.triton_kernels.gemm_config import GemmConfig
 
 CONFIGS = [GemmConfig(num_warps=w, num_stages=s) for w, s in ((4, 3), (8, 3), (4, 4), (8, 4))]
 

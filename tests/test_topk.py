@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import DTYPES, poison  # noqa: F401
+
 from cokit.triton_kernels.topk import chunk_topk, chunk_topk_reference
 
 
@@ -22,48 +22,54 @@ def float64_topk(x: torch.Tensor, k: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols", [(1, 1), (3, 7), (2, 15), (2, 4096), (5, 910), (4, 432)])
 @pytest.mark.parametrize("k", [1, 3, 32, "tile"])
-def test_topk_vs_float64(rows, cols, k, dtype, poison):
+@pytest.mark.usefixtures("poison")
+def test_topk_vs_float64(rows, cols, k, dtype, device):
     k = cols if k == "tile" else k
     x = torch.randn(rows, cols).to(dtype)
-    idx, vals = chunk_topk(x, k)
+    idx, vals = (t.cpu() for t in chunk_topk(x.to(device), k))
     ref_i, ref_v = float64_topk(x, min(k, cols))
     assert idx.dtype == torch.int16 and vals.dtype == dtype
     assert torch.equal(idx.long(), ref_i)
     assert torch.equal(vals.double(), ref_v)
 
 
-def test_ties_lower_position_wins(poison):
-    x = torch.tensor([[1.0, -2.0, 2.0, 0.5, -2.0, 2.0, 1.0]])
+@pytest.mark.usefixtures("poison")
+def test_ties_lower_position_wins(device):
+    x = torch.tensor([[1.0, -2.0, 2.0, 0.5, -2.0, 2.0, 1.0]], device=device)
     idx, vals = chunk_topk(x, 3)
     assert idx.tolist() == [[1, 2, 4]]
     assert vals.tolist() == [[-2.0, 2.0, -2.0]]
-    zeros = torch.zeros(2, 40)
+    zeros = torch.zeros(2, 40, device=device)
     idx, _ = chunk_topk(zeros, 5)
     assert idx.tolist() == [list(range(5))] * 2
 
 
-def test_reference_matches_kernel_on_many_ties(poison):
-    x = torch.randint(-3, 4, (6, 50)).float()
+@pytest.mark.usefixtures("poison")
+def test_reference_matches_kernel_on_many_ties(device):
+    x = torch.randint(-3, 4, (6, 50)).float().to(device)
     for k in (1, 7, 50):
         i1, v1 = chunk_topk(x, k)
         i2, v2 = chunk_topk_reference(x, k)
         assert torch.equal(i1, i2) and torch.equal(v1, v2)
 
 
-def test_large_tile_uses_int32_indices(poison):
+@pytest.mark.usefixtures("poison")
+def test_large_tile_uses_int32_indices(device):
     x = torch.randn(1, 40000)
-    idx, vals = chunk_topk(x, 5)
+    idx, vals = (t.cpu() for t in chunk_topk(x.to(device), 5))
     assert idx.dtype == torch.int32
     ref_i, ref_v = float64_topk(x, 5)
     assert torch.equal(idx.long(), ref_i) and torch.equal(vals.double(), ref_v)
 
 
-def test_k_larger_than_tile_is_clamped(poison):
-    idx, vals = chunk_topk(torch.randn(2, 6), 100)
+@pytest.mark.usefixtures("poison")
+def test_k_larger_than_tile_is_clamped(device):
+    idx, _ = chunk_topk(torch.randn(2, 6, device=device), 100)
     assert idx.shape == (2, 6) and idx.tolist() == [list(range(6))] * 2
 
 
-def test_extreme_values(poison):
-    x = torch.tensor([[0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e38, 1.0, float("nan")]])
+@pytest.mark.usefixtures("poison")
+def test_extreme_values(device):
+    x = torch.tensor([[0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e38, 1.0, float("nan")]], device=device)
     idx, _ = chunk_topk(x, 4)
     assert idx.tolist() == [[2, 3, 5, 7]]  # NaN ranks above every number (documented)

@@ -39,7 +39,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one device; returns it."""
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
-    for name, dev in devices.items():
+    for dev in devices.values():
         if dev != first:
             listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
             raise ValueError(f"all tensors must be on one device, got {listing}")

@@ -24,8 +24,8 @@ import torch
 Path = Literal["cuda", "hip", "interpreter", "torch"]
 
 __all__ = [
-    "ArchLimits",
     "KNOWN_TARGETS",
+    "ArchLimits",
     "Path",
     "arch_limits",
     "compile_target",
@@ -156,7 +156,7 @@ def arch_limits(target: str) -> ArchLimits:
         ) from None
 
 
-def _table_key(props: object) -> str | None:
+def _table_key(props: object) -> str:
     """The KNOWN_TARGETS key closest to a live device, used for fields the driver omits."""
     arch = getattr(props, "gcnArchName", "") or ""
     if torch.version.hip:
@@ -175,7 +175,7 @@ def device_limits(device: torch.device | str | int | None = None) -> ArchLimits:
         dev = torch.device("cuda", device)
     props = torch.cuda.get_device_properties(dev)
     base = KNOWN_TARGETS[_table_key(props)]
-    backend = "hip" if torch.version.hip else "cuda"
+    backend: Literal["cuda", "hip"] = "hip" if torch.version.hip else "cuda"
     arch: int | str = (
         props.gcnArchName.split(":")[0] if backend == "hip" else props.major * 10 + props.minor
     )

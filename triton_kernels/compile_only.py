@@ -3,11 +3,18 @@
 Used by tests (GPU-only compile errors show up here, not under the interpreter), by the
 occupancy calculator and by ``cokit info``. Must run in a process where
 ``TRITON_INTERPRET`` is unset: the interpreter replaces the compiler.
+
+Every kernel family declares its own builds: a module-level ``compile_specs()`` returning
+``(label, kernel, signature, constexprs)`` tuples. :func:`kernel_specs` collects them from the
+modules named in :data:`KERNEL_MODULES`, imported by name when asked, so those modules never
+import this one. The GEMM's builds are config-dependent and go through
+:func:`cokit.triton_kernels.gemm.compile_gemm` instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
 import shutil
@@ -15,9 +22,16 @@ import subprocess
 import tempfile
 from typing import Any
 
+from ._compat import TRITON_VERSION_STRING, compile_option_names
 from .backend import ArchLimits, arch_limits, compile_target
 
-__all__ = ["CompiledKernel", "compile_for_target"]
+__all__ = ["KERNEL_MODULES", "CompiledKernel", "compile_all", "compile_for_target", "kernel_specs"]
+
+#: modules of this package whose ``compile_specs()`` :func:`kernel_specs` collects, in order.
+KERNEL_MODULES = ("dct", "error_feedback", "topk", "sm_copy")
+
+#: (label, @triton.jit kernel, {argument: Triton type}, {constexpr argument: value})
+KernelSpec = tuple[str, Any, dict[str, str], dict[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +110,13 @@ def compile_for_target(
     from triton.compiler import ASTSource
 
     limits = arch_limits(target)
+    known = compile_option_names(limits.backend, limits.arch, limits.warp_size)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"triton {TRITON_VERSION_STRING} has no {limits.backend} compile option "
+            f"{', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(known))}"
+        )
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=compile_target(target), options=options)
     if limits.backend == "cuda":
@@ -114,42 +135,12 @@ def compile_for_target(
     )
 
 
-def _geometry_args(ref_types: dict[str, str]) -> dict[str, str]:
-    return {"geometry": "*i64", "pointers": "*i64", "bank": "*fp32", **ref_types}
-
-
-def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    """(label, kernel, signature, constexprs) for every compression kernel at typical sizes:
-    64x64 tiles (TWO_D) and 64-wide 1-D tiles (ONE_D), bf16 tensors, int16 indices."""
-    from . import dct, error_feedback, tiling, topk
-
-    G = tiling.G_COLS
-    specs = []
-    for two_d, rows in ((True, 64), (False, tiling.ONE_D_ELEMENTS // 64)):
-        mode = "2d" if two_d else "1d"
-        for inverse in (False, True):
-            sig = _geometry_args({"src_ref": "*fp32" if inverse else "*bf16", "dst_ref": "*bf16" if inverse else "*fp32"})
-            sig.update(dict.fromkeys(("G_COLS", "TWO_D", "INVERSE", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
-            specs.append((f"dct_{'decode' if inverse else 'encode'}_{mode}", dct._dct_kernel, sig,
-                          {"G_COLS": G, "TWO_D": two_d, "INVERSE": inverse, "BLOCK_ROWS": rows, "BLOCK_W": 64}))
-        sig = _geometry_args({"delta_ref": "*fp32", "grad_ref": "*bf16", "idx_out": "*i16", "val_out": "*fp16",
-                              "beta": "fp32", "lr": "fp32", "alpha": "fp32"})
-        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
-        specs.append((f"ef_encode_{mode}", error_feedback._ef_encode_kernel, sig,
-                      {"G_COLS": G, "TWO_D": two_d, "BLOCK_ROWS": rows, "BLOCK_W": 64}))
-        sig = _geometry_args({"param_ref": "*bf16", "scratch_ref": "*fp32", "indices": "*i16", "values": "*fp16",
-                              "n_ranks": "i32", "payload_numel": "i32", "lr": "fp32", "decay": "fp32"})
-        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2"), "constexpr"))
-        specs.append((f"ef_decode_{mode}", error_feedback._ef_decode_kernel, sig,
-                      {"G_COLS": G, "TWO_D": two_d, "USE_SIGN": True, "BLOCK_ROWS": rows, "BLOCK_W": 64, "K_POW2": 32}))
-    sig = {"x": "*fp32", "idx_out": "*i16", "val_out": "*fp32", "n_rows": "i32", "n_cols": "i32", "k": "i32",
-           "BLOCK_ROWS": "constexpr", "BLOCK_W": "constexpr"}
-    specs.append(("chunk_topk", topk._topk_kernel, sig, {"BLOCK_ROWS": 1, "BLOCK_W": 4096}))
-    from . import sm_copy  # the emulated communication side of overlap/ (a persistent copy)
-
-    specs.append(("sm_copy", sm_copy._sm_copy_kernel,
-                  {"src": "*fp32", "dst": "*fp32", "n": "i64", "passes": "i32", "BLOCK": "constexpr"},
-                  {"BLOCK": 4096}))
+def kernel_specs() -> list[KernelSpec]:
+    """Every build of :data:`KERNEL_MODULES`: each module's ``compile_specs()``, in order."""
+    specs: list[KernelSpec] = []
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"{__package__}.{name}")
+        specs.extend(module.compile_specs())
     return specs
 
 

@@ -14,7 +14,8 @@ Layout: Triton kernel + launcher + torch reference + ``torch.library`` ops (``co
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -25,6 +26,7 @@ from ._checks import check_float_tensor, check_positive_int, check_same_device, 
 from .backend import kernel_path
 
 __all__ = [
+    "compile_specs",
     "dct_decode",
     "dct_decode_multi",
     "dct_decode_reference",
@@ -39,13 +41,31 @@ __all__ = [
 
 @triton.jit
 def table_pointer(table, row, col: tl.constexpr, n_cols: tl.constexpr, ref):
-    """Pointer stored in an int64 table, typed like the tensor argument ``ref``."""
+    """The data pointer at ``table[row, col]``, typed like the tensor argument ``ref``.
+
+    Args:
+        table: int64, ``(n_rows, n_cols)`` row-major: data pointers stored as integers
+            (:func:`cokit.triton_kernels.tiling.pointer_table`).
+        row: int64 scalar, the table row (a tensor's index inside its launch class).
+        col (constexpr): the column (which argument), ``0 <= col < n_cols``.
+        n_cols (constexpr): columns of the table.
+        ref: a pointer argument of the kernel; the result points at ``ref``'s element type.
+    """
     return tl.load(table + row * n_cols + col).to(tl.pointer_type(ref.dtype.element_ty), bitcast=True)
 
 
 @triton.jit
 def load_basis(bank, off, n, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """The ``n x n`` DCT matrix at ``bank + off`` (or its transpose), zero-padded to BLOCK."""
+    """The ``n x n`` DCT matrix at ``bank + off`` (or its transpose), zero-padded to
+    ``BLOCK x BLOCK`` (fp32).
+
+    Args:
+        bank: fp32, flat basis bank; the matrix is ``n * n`` elements row-major from ``off``.
+        off: int64 scalar, element offset of the matrix in ``bank``.
+        n: int64 scalar, matrix side, ``1 <= n <= BLOCK``.
+        BLOCK (constexpr): power of 2, the padded side (rows/columns past ``n`` are 0).
+        TRANSPOSE (constexpr): True returns ``B^T``.
+    """
     i = tl.arange(0, BLOCK)[:, None]
     j = tl.arange(0, BLOCK)[None, :]
     mask = (i < n) & (j < n)
@@ -61,7 +81,22 @@ def transform_block(x, bank, bh_off, bw_off, h, w,
     """Encode ``B_h x B_w^T`` / decode ``B_h^T x B_w`` of a zero-padded fp32 block.
 
     In ONE_D mode (``TWO_D`` false) every row of ``x`` is its own 1-D tile: only the
-    right-hand transform applies.
+    right-hand transform applies. The dots use ``input_precision="ieee"`` (never TF32).
+
+    Args:
+        x: fp32 ``(BLOCK_ROWS, BLOCK_W)`` block, zero outside the valid ``h x w`` (TWO_D) or
+            ``rows x w`` (ONE_D) part.
+        bank: fp32, flat basis bank (see :func:`load_basis`).
+        bh_off: int64 scalar, offset of the ``h x h`` matrix in ``bank`` (unused in ONE_D).
+        bw_off: int64 scalar, offset of the ``w x w`` matrix in ``bank``.
+        h: int64 scalar, tile height, ``<= BLOCK_ROWS`` (1 in ONE_D).
+        w: int64 scalar, tile width, ``<= BLOCK_W``.
+        TWO_D (constexpr): the block is one 2-D tile (else rows of 1-D tiles).
+        INVERSE (constexpr): False encodes (DCT-II), True decodes (DCT-III).
+        BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), rows of the block.
+        BLOCK_W (constexpr): power of 2 >= 16, columns of the block.
+
+    Returns the transformed fp32 block, zero outside the valid part.
     """
     if INVERSE:
         right = load_basis(bank, bw_off, w, BLOCK_W, False)
@@ -81,6 +116,37 @@ def transform_block(x, bank, bh_off, bw_off, h, w,
 def _dct_kernel(geometry, pointers, bank, src_ref, dst_ref,
                 G_COLS: tl.constexpr, TWO_D: tl.constexpr, INVERSE: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """DCT-II encode or DCT-III decode of the tiles of a bucket of tensors, fp32 math.
+
+    Grid: ``(n_programs,)`` of one launch class (:class:`~cokit.triton_kernels.tiling.ClassPlan`);
+    program ``i`` handles geometry row ``i``: one ``h x w`` tile (TWO_D) or a block of up to
+    ``BLOCK_ROWS`` consecutive 1-D tiles (ONE_D) of one tensor. It loads the block, transforms
+    it and stores it; no two programs write the same element.
+
+    Args:
+        geometry: int64, ``(n_programs, G_COLS)`` row-major, one row per program (columns
+            ``tiling.G_*``): the tensor's row in ``pointers`` (G_TENSOR), the element offset
+            of the block in the tensor's matrix view (G_X_OFF) and that view's row stride
+            (G_ROW_STRIDE), the offset of the block's coefficients (G_Y_OFF), its valid rows
+            (G_ROWS), the tile height and width (G_H, G_W) and the offsets of the ``h x h``
+            and ``w x w`` DCT matrices in ``bank`` (G_BH_OFF, G_BW_OFF).
+        pointers: int64, ``(n_tensors, 2)`` row-major: per tensor of the class, the data
+            pointer of its source (column 0) and destination (column 1), both contiguous.
+        bank: fp32, flat: every DCT matrix of the plan, each ``n x n`` row-major.
+        src_ref: the class's first source; only its element type is used (every source of
+            the launch has it). Encode: the tensor (fp32/fp16/bf16, matrix layout). Decode:
+            its fp32 coefficients (tile layout: tiles in order, each row-major).
+        dst_ref: the class's first destination, likewise: fp32 coefficients (encode) or the
+            tensor (fp32/fp16/bf16, decode).
+        G_COLS (constexpr): columns of a geometry row (``tiling.G_COLS``).
+        TWO_D (constexpr): True: the block is one 2-D tile; False: rows of 1-D tiles of
+            width ``w`` (right-hand transform only).
+        INVERSE (constexpr): False encodes (matrix -> tile layout), True decodes.
+        BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), at least the tile height
+            (TWO_D) or the tiles per program (ONE_D); rows past G_ROWS are masked.
+        BLOCK_W (constexpr): power of 2 >= 16, at least the tile width; columns past G_W
+            are masked.
+    """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
     x_off = tl.load(g + 1)
@@ -106,6 +172,22 @@ def _dct_kernel(geometry, pointers, bank, src_ref, dst_ref,
         tl.store(dst + matrix_addr, y.to(dst.dtype.element_ty), mask=mask)
     else:
         tl.store(dst + tile_addr, y.to(dst.dtype.element_ty), mask=mask)
+
+
+def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """Compile-only builds (collected by :mod:`cokit.triton_kernels.compile_only`): encode
+    (bf16 tensor -> fp32 coefficients) and decode (fp32 -> bf16) of 64x64 tiles and of blocks
+    of 64-wide 1-D tiles."""
+    specs = []
+    for mode, two_d, rows, width in tiling.compile_blocks():
+        for inverse in (False, True):
+            sig = tiling.geometry_signature(src_ref="*fp32" if inverse else "*bf16",
+                                            dst_ref="*bf16" if inverse else "*fp32")
+            sig.update(dict.fromkeys(("G_COLS", "TWO_D", "INVERSE", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
+            specs.append((f"dct_{'decode' if inverse else 'encode'}_{mode}", _dct_kernel, sig,
+                          {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "INVERSE": inverse,
+                           "BLOCK_ROWS": rows, "BLOCK_W": width}))
+    return specs
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -269,6 +351,6 @@ def dct_decode_multi(
 ) -> list[torch.Tensor]:
     """:func:`dct_decode` of a bucket of tensors, one launch per tile class."""
     coeffs = check_tensor_list("coeffs", coeffs)
-    shapes = [[int(s) for s in shape] for shape in shapes]
-    _check_coeffs(coeffs, shapes, chunk, dtype)
-    return torch.ops.cokit.dct_decode_multi(coeffs, *pack_shapes(shapes), chunk, dtype)
+    int_shapes = [[int(s) for s in shape] for shape in shapes]
+    _check_coeffs(coeffs, int_shapes, chunk, dtype)
+    return torch.ops.cokit.dct_decode_multi(coeffs, *pack_shapes(int_shapes), chunk, dtype)

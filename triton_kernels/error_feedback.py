@@ -27,19 +27,27 @@ Layout: Triton kernels + launchers + torch references + ``torch.library`` ops (`
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from . import tiling
-from ._checks import FLOAT_DTYPES, check_float_tensor, check_positive_int, check_same_device, check_tensor_list
+from ._checks import (
+    FLOAT_DTYPES,
+    check_float_tensor,
+    check_positive_int,
+    check_same_device,
+    check_tensor_list,
+)
 from .backend import kernel_path
 from .dct import dct_decode_reference, dct_encode_reference, table_pointer, transform_block
 from .topk import chunk_topk_reference, topk_select
 
 __all__ = [
+    "compile_specs",
     "ef_decode",
     "ef_decode_reference",
     "ef_encode",
@@ -58,6 +66,37 @@ def _ef_encode_kernel(geometry, pointers, bank, delta_ref, grad_ref, idx_out, va
                       beta, lr, alpha,
                       G_COLS: tl.constexpr, TWO_D: tl.constexpr,
                       BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Error-feedback encode of the tiles of a bucket (module docstring, encode steps).
+
+    Grid: ``(n_programs,)`` of one launch class; program ``i`` handles geometry row ``i``:
+    one ``h x w`` tile (TWO_D) or a block of up to ``BLOCK_ROWS`` 1-D tiles (ONE_D). It
+    updates that part of the buffer in place (``beta * delta + lr * grad``), takes its DCT,
+    keeps the top-``k`` coefficients of each tile, subtracts ``alpha`` times their inverse
+    DCT from the buffer and writes the tile's ``k`` payload slots. Programs touch disjoint
+    elements and slots.
+
+    Args:
+        geometry: int64, ``(n_programs, G_COLS)`` row-major (columns ``tiling.G_*``), as in
+            :func:`cokit.triton_kernels.dct._dct_kernel`, plus the first payload slot of the
+            program (G_P_OFF) and the slots per tile (G_K, ``k`` clamped to the tile size).
+        pointers: int64, ``(n_tensors, 2)`` row-major: per tensor of the class, the data
+            pointers of its buffer (column 0) and gradient (column 1), both contiguous.
+        bank: fp32, flat: every DCT matrix of the plan, each ``n x n`` row-major.
+        delta_ref: the class's first buffer (fp32, updated in place); only its type is used.
+        grad_ref: the class's first gradient (fp32/fp16/bf16); only its type is used.
+        idx_out: ``(payload_numel,)`` int16 or int32, the flat payload's positions: per tile
+            (tensors in order, tiles in order) ``k`` positions inside the tile (row-major in
+            TWO_D), increasing.
+        val_out: ``(payload_numel,)`` fp32/fp16/bf16: the coefficients at those positions.
+        beta: fp32, buffer decay, in [0, 1].
+        lr: fp32 >= 0, gradient scale.
+        alpha: fp32 in [0, 1], fraction of the sent part removed from the buffer.
+        G_COLS (constexpr): columns of a geometry row (``tiling.G_COLS``).
+        TWO_D (constexpr): True: one 2-D tile per program; False: rows of 1-D tiles.
+        BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), at least the tile height
+            (TWO_D) or the tiles per program (ONE_D); extra rows are masked.
+        BLOCK_W (constexpr): power of 2 >= 16, at least the tile width; extra columns masked.
+    """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
     x_off = tl.load(g + 1)
@@ -101,6 +140,40 @@ def _ef_decode_kernel(geometry, pointers, bank, param_ref, scratch_ref, indices,
                       n_ranks, payload_numel, lr, decay,
                       G_COLS: tl.constexpr, TWO_D: tl.constexpr, USE_SIGN: tl.constexpr,
                       BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, K_POW2: tl.constexpr):
+    """Error-feedback decode of gathered payloads into the parameters (module docstring).
+
+    Grid: ``(n_programs,)`` of one launch class; program ``i`` handles geometry row ``i``
+    (one 2-D tile or a block of 1-D tiles). It zeroes its tiles' accumulators, adds every
+    rank's values at their positions rank by rank (rank 0 first, a barrier after each),
+    takes the per-position mean over the ranks that chose it, inverse-transforms it,
+    optionally takes the sign and updates its part of the parameter in place. Only this
+    program touches its accumulators and parameter elements.
+
+    Args:
+        geometry: int64, ``(n_programs, G_COLS)`` row-major, as for the encode kernel
+            (G_P_OFF: the program's first payload slot; G_K: slots per tile).
+        pointers: int64, ``(n_tensors, 3)`` row-major: per tensor of the class, the data
+            pointers of its parameter (column 0, contiguous, updated in place) and of its
+            fp32 sum (column 1) and count (column 2) accumulators, each the tensor's numel
+            in tile layout.
+        bank: fp32, flat: every DCT matrix of the plan, each ``n x n`` row-major.
+        param_ref: the class's first parameter (fp32/fp16/bf16); only its type is used.
+        scratch_ref: the fp32 accumulator buffer; only its type is used.
+        indices: ``(n_ranks, payload_numel)`` row-major, int16/int32/int64: each rank's
+            positions inside their tiles (validated by the launcher).
+        values: ``(n_ranks, payload_numel)`` row-major, fp32/fp16/bf16: the values there.
+        n_ranks: int32 >= 1, ranks (rows of ``indices``/``values``).
+        payload_numel: int32, slots per rank (the row stride of ``indices``/``values``).
+        lr: fp32 >= 0, step size.
+        decay: fp32, ``1 - lr * weight_decay``, the factor applied to the parameter first.
+        G_COLS (constexpr): columns of a geometry row (``tiling.G_COLS``).
+        TWO_D (constexpr): True: one 2-D tile per program; False: rows of 1-D tiles.
+        USE_SIGN (constexpr): apply ``sign`` to the decoded update (DeMo's signum step).
+        BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), as for the encode kernel.
+        BLOCK_W (constexpr): power of 2 >= 16, at least the tile width.
+        K_POW2 (constexpr): power of 2 >= the largest slots per tile of the class; extra
+            slots are masked.
+    """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
     x_off = tl.load(g + 1)
@@ -152,6 +225,26 @@ def _ef_decode_kernel(geometry, pointers, bank, param_ref, scratch_ref, indices,
     p = tl.load(param_ptr + addr, mask=mask, other=0.0).to(tl.float32)
     p = p * decay - lr * update
     tl.store(param_ptr + addr, p.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """Compile-only builds (collected by :mod:`cokit.triton_kernels.compile_only`): encode and
+    decode of 64x64 tiles and of blocks of 64-wide 1-D tiles; bf16 gradients and parameters,
+    int16 indices, fp16 values, k = 32."""
+    specs = []
+    for mode, two_d, rows, width in tiling.compile_blocks():
+        sig = tiling.geometry_signature(delta_ref="*fp32", grad_ref="*bf16", idx_out="*i16", val_out="*fp16",
+                                        beta="fp32", lr="fp32", alpha="fp32")
+        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
+        specs.append((f"ef_encode_{mode}", _ef_encode_kernel, sig,
+                      {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "BLOCK_ROWS": rows, "BLOCK_W": width}))
+        sig = tiling.geometry_signature(param_ref="*bf16", scratch_ref="*fp32", indices="*i16", values="*fp16",
+                                        n_ranks="i32", payload_numel="i32", lr="fp32", decay="fp32")
+        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2"), "constexpr"))
+        specs.append((f"ef_decode_{mode}", _ef_decode_kernel, sig,
+                      {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "USE_SIGN": True, "BLOCK_ROWS": rows,
+                       "BLOCK_W": width, "K_POW2": 32}))
+    return specs
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -315,7 +408,7 @@ def _check_scalar(name: str, value: object, low: float, high: float | None = Non
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     v = float(value)
-    if not (v == v) or v in (float("inf"), float("-inf")) or v < low or (high is not None and v > high):
+    if v != v or v in (float("inf"), float("-inf")) or v < low or (high is not None and v > high):
         allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be finite and {allowed}, got {value}")
     return v

@@ -13,34 +13,29 @@ Two forms from one tile routine:
 fp16, bf16 and fp32 inputs (fp32 with ``precision='tf32'`` or ``'ieee'``), any M, N, K
 (masked edges), any strides (transposed operands need no copy), fp32 accumulation; the
 output has the input dtype. ``GemmConfig.smem_bytes`` launches the same compiled code with a
-larger per-block shared-memory reservation (:func:`cokit.triton_kernels.occupancy.with_shared_memory`).
+larger per-block shared-memory reservation (:func:`cokit.triton_kernels.shaped_launch.with_shared_memory`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from .backend import ArchLimits, arch_limits, cached_device_limits, device_index, kernel_path
-from .gemm_configs import (
-    GemmConfig,
-    TuningCache,
-    autotune,
-    config_space,
-    interpreter_config,
-    parse_dtype,
-    prune_configs,
-)
+from .gemm_config import GemmConfig, config_space, interpreter_config, parse_dtype, prune_configs
+from .tuning_cache import TuningCache, autotune
 
 __all__ = [
     "PRECISIONS",
     "compile_gemm",
     "gemm",
+    "gemm_occupancy",
     "gemm_reference",
     "matmul",
     "select_config",
@@ -61,7 +56,14 @@ def _gemm_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Compute output tile ``tile_id`` (grouped ordering) and store it."""
+    """Compute output tile ``tile_id`` of ``C = A @ B (+ bias)`` and store it.
+
+    The routine both kernels share (inlined). ``tile_id`` (int32, ``0 <= tile_id <
+    cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)``) is mapped to tile coordinates ``(pid_m, pid_n)``
+    by grouped ordering (``GROUP_M``); the tile's K loop accumulates in fp32, then adds the
+    bias and stores the masked tile in C's dtype. Every other argument is as documented on
+    :func:`_gemm_kernel`.
+    """
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_in_group = GROUP_M * num_pid_n
@@ -113,7 +115,54 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Tiled form: program ``i`` computes tile ``i``."""
+    """Tiled GEMM, ``C = A @ B (+ bias)``: one program per output tile.
+
+    Grid: ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)``. Program ``i`` computes output tile
+    ``i`` in grouped ordering (see ``GROUP_M``): a ``BLOCK_M x BLOCK_N`` block of C, from
+    ``cdiv(K, BLOCK_K)`` steps of ``tl.dot`` into an fp32 accumulator. Launch options:
+    ``num_warps``, ``num_stages`` and the vendor knobs of :class:`GemmConfig`
+    (``maxnreg``; ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``).
+
+    Pointers (all one dtype: fp16, bf16 or fp32; any layout, strides in elements):
+
+    * ``a_ptr`` -- A, ``M x K``; element ``(m, k)`` at ``a_ptr + m*stride_am + k*stride_ak``
+      (row-major: ``stride_ak == 1``; a transposed view: ``stride_am == 1``).
+    * ``b_ptr`` -- B, ``K x N``; element ``(k, n)`` at ``b_ptr + k*stride_bk + n*stride_bn``.
+    * ``c_ptr`` -- C, ``M x N``, written (masked to the matrix) at
+      ``c_ptr + m*stride_cm + n*stride_cn``; the fp32 accumulator is cast to C's element type.
+    * ``bias_ptr`` -- bias, ``N`` elements at ``bias_ptr + n*stride_bias``, added to every row
+      (in fp32) when ``HAS_BIAS``; otherwise any valid pointer, never read (the launcher
+      passes ``c_ptr``).
+
+    Scalars (int32; the launcher handles empty problems and never launches them):
+
+    * ``M``, ``N``, ``K`` -- problem sizes, each >= 1; M and N need not be multiples of the
+      blocks (edge rows/columns are clamped for loads and masked for stores), nor K (see
+      ``EVEN_K``).
+    * ``stride_am``, ``stride_ak`` -- A's strides along M and K (elements, >= 0).
+    * ``stride_bk``, ``stride_bn`` -- B's strides along K and N.
+    * ``stride_cm``, ``stride_cn`` -- C's strides along M and N; C must not overlap A or B.
+    * ``stride_bias`` -- bias's element stride (ignored without ``HAS_BIAS``).
+      Row offsets are computed in int64, so ``M * stride_am`` etc. may exceed 2**31.
+
+    Constexprs (each distinct value compiles a separate kernel):
+
+    * ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` -- tile sizes: powers of 2 from 16 to 256
+      (``tl.arange`` needs powers of 2, ``tl.dot`` needs >= 16); one program holds a
+      ``BLOCK_M x BLOCK_N`` fp32 accumulator and loads ``BLOCK_M x BLOCK_K`` and
+      ``BLOCK_K x BLOCK_N`` operand tiles per step (shared memory: ``num_stages`` of them).
+    * ``GROUP_M`` -- grouped ordering (>= 1): consecutive tile ids walk ``GROUP_M`` tile rows
+      down a tile column before moving right, so programs running together share B columns
+      and A rows in L2. 1 = row-major tile order.
+    * ``HAS_BIAS`` -- add ``bias[n]`` to column ``n``.
+    * ``EVEN_K`` -- ``K % BLOCK_K == 0``: the K loop loads without masks; when False the
+      last K step is masked (zeros past K).
+    * ``UPCAST`` -- convert the loaded tiles to fp32 before ``tl.dot``. Set only under the
+      Triton interpreter for bf16 (its bf16 dot is wrong); False on GPUs.
+    * ``INPUT_PRECISION`` -- ``tl.dot``'s ``input_precision``: 'ieee' (exact fp32 products)
+      or 'tf32' (NVIDIA tensor cores, 10-bit mantissa inputs). Only changes fp32 operands;
+      the launcher passes 'ieee' for 16-bit ones. 'tf32' is not available on AMD.
+    """
     _gemm_tile(
         a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
@@ -130,7 +179,55 @@ def _gemm_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Persistent form: the grid's programs (``num_sms`` of them) stride over all tiles."""
+    """Persistent GEMM, ``C = A @ B (+ bias)``: a fixed number of programs loop over the tiles.
+
+    Grid: ``(P,)`` with ``P = min(num_sms, number of tiles)`` (``GemmConfig.num_sms``; by
+    default every SM/CU). Program ``p`` computes tiles ``p, p + P, p + 2P, ...`` (tile ids in
+    grouped ordering), so only ``P`` SMs/CUs are occupied and the rest stay free for a
+    communication kernel (SM carve-out). Launch options as for :func:`_gemm_kernel`.
+
+    Arguments: the same as :func:`_gemm_kernel`, with the same meaning and constraints.
+
+    Pointers (all one dtype: fp16, bf16 or fp32; any layout, strides in elements):
+
+    * ``a_ptr`` -- A, ``M x K``; element ``(m, k)`` at ``a_ptr + m*stride_am + k*stride_ak``
+      (row-major: ``stride_ak == 1``; a transposed view: ``stride_am == 1``).
+    * ``b_ptr`` -- B, ``K x N``; element ``(k, n)`` at ``b_ptr + k*stride_bk + n*stride_bn``.
+    * ``c_ptr`` -- C, ``M x N``, written (masked to the matrix) at
+      ``c_ptr + m*stride_cm + n*stride_cn``; the fp32 accumulator is cast to C's element type.
+    * ``bias_ptr`` -- bias, ``N`` elements at ``bias_ptr + n*stride_bias``, added to every row
+      (in fp32) when ``HAS_BIAS``; otherwise any valid pointer, never read (the launcher
+      passes ``c_ptr``).
+
+    Scalars (int32; the launcher handles empty problems and never launches them):
+
+    * ``M``, ``N``, ``K`` -- problem sizes, each >= 1; M and N need not be multiples of the
+      blocks (edge rows/columns are clamped for loads and masked for stores), nor K (see
+      ``EVEN_K``).
+    * ``stride_am``, ``stride_ak`` -- A's strides along M and K (elements, >= 0).
+    * ``stride_bk``, ``stride_bn`` -- B's strides along K and N.
+    * ``stride_cm``, ``stride_cn`` -- C's strides along M and N; C must not overlap A or B.
+    * ``stride_bias`` -- bias's element stride (ignored without ``HAS_BIAS``).
+      Row offsets are computed in int64, so ``M * stride_am`` etc. may exceed 2**31.
+
+    Constexprs (each distinct value compiles a separate kernel):
+
+    * ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` -- tile sizes: powers of 2 from 16 to 256
+      (``tl.arange`` needs powers of 2, ``tl.dot`` needs >= 16); one program holds a
+      ``BLOCK_M x BLOCK_N`` fp32 accumulator and loads ``BLOCK_M x BLOCK_K`` and
+      ``BLOCK_K x BLOCK_N`` operand tiles per step (shared memory: ``num_stages`` of them).
+    * ``GROUP_M`` -- grouped ordering (>= 1): consecutive tile ids walk ``GROUP_M`` tile rows
+      down a tile column before moving right, so programs running together share B columns
+      and A rows in L2. 1 = row-major tile order.
+    * ``HAS_BIAS`` -- add ``bias[n]`` to column ``n``.
+    * ``EVEN_K`` -- ``K % BLOCK_K == 0``: the K loop loads without masks; when False the
+      last K step is masked (zeros past K).
+    * ``UPCAST`` -- convert the loaded tiles to fp32 before ``tl.dot``. Set only under the
+      Triton interpreter for bf16 (its bf16 dot is wrong); False on GPUs.
+    * ``INPUT_PRECISION`` -- ``tl.dot``'s ``input_precision``: 'ieee' (exact fp32 products)
+      or 'tf32' (NVIDIA tensor cores, 10-bit mantissa inputs). Only changes fp32 operands;
+      the launcher passes 'ieee' for 16-bit ones. 'tf32' is not available on AMD.
+    """
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         _gemm_tile(
@@ -216,6 +313,7 @@ def select_config(
     if path not in ("cuda", "hip"):
         return interpreter_config(M, N, K, persistent)
     limits = _limits_for(path, a.device)
+    assert limits is not None  # a GPU path has limits
     configs = prune_configs(config_space(path, persistent), a.dtype, limits, M, N, K, precision)
     if not configs:
         raise RuntimeError(f"no GEMM config fits {limits.name} for {a.dtype}")
@@ -279,12 +377,12 @@ def _precompile(
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        with ThreadPoolExecutor(max_workers=min(len(configs), os.cpu_count() or 1, 16)) as pool:
-            with async_mode(pool, ignore_errors=True):
-                for cfg in configs:
-                    kernel, grid, args, opts = _prepare(a, b, bias, c, cfg, precision, path, limits)
-                    kernel.warmup(**args, **opts, grid=grid)
-    except Exception:  # noqa: BLE001 - tuning compiles again on demand
+        workers = min(len(configs), os.cpu_count() or 1, 16)
+        with ThreadPoolExecutor(max_workers=workers) as pool, async_mode(pool, ignore_errors=True):
+            for cfg in configs:
+                kernel, grid, args, opts = _prepare(a, b, bias, c, cfg, precision, path, limits)
+                kernel.warmup(**args, **opts, grid=grid)
+    except Exception:  # tuning compiles again on demand
         pass
 
 
@@ -296,7 +394,7 @@ def _launch(
     if cfg.smem_bytes is None or path == "interpreter":
         kernel[grid](**args, **opts)
         return
-    from .occupancy import launch_shaped
+    from .shaped_launch import launch_shaped
 
     launch_shaped(kernel, grid, args, opts, cfg.smem_bytes, limits, device_index(a.device))
 
@@ -312,7 +410,7 @@ def warmup_gemm(
     device: torch.device | str | None = None,
 ) -> Any:
     """Compile (without running) the GEMM for ``config`` on the live GPU; returns Triton's
-    ``CompiledKernel`` (``smem_bytes`` not applied; see ``occupancy.with_shared_memory``)."""
+    ``CompiledKernel`` (``smem_bytes`` not applied; see ``shaped_launch.with_shared_memory``)."""
     dtype = parse_dtype(dtype)
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     path = kernel_path(device)
@@ -404,7 +502,7 @@ def compile_gemm(
 
     Returns :class:`cokit.triton_kernels.compile_only.CompiledKernel` (shared bytes, registers,
     spills, and the Triton kernel object in ``.compiled``). ``config.smem_bytes`` is not applied
-    here: pass the result to :func:`cokit.triton_kernels.occupancy.with_shared_memory`. The build is
+    here: pass the result to :func:`cokit.triton_kernels.shaped_launch.with_shared_memory`. The build is
     specialized as the JIT does on a GPU: 16-byte aligned pointers, unit inner strides and,
     with ``aligned``, M/N/K and row strides divisible by 16. ``extra_options`` are passed to
     the compiler as is (e.g. ``min_shared_mem`` on CUDA). Needs a process without
@@ -438,6 +536,40 @@ def compile_gemm(
     attrs = _specialization_attrs(kernel, limits.backend, aligned)
     options = {**config.launch_options(limits.backend), **(extra_options or {})}
     return compile_for_target(kernel, signature, constexprs, target, attrs=attrs, **options)
+
+
+def gemm_occupancy(
+    config: GemmConfig,
+    target: str | None = None,
+    dtype: torch.dtype | str = "bf16",
+    *,
+    precision: str = "ieee",
+) -> tuple[Any, Any, int]:
+    """Compile the GEMM for ``config`` and compute its occupancy, ``smem_bytes`` applied.
+
+    ``target`` names a chip ('sm_80', 'sm_90', 'gfx90a', 'gfx942'; compile-only, needs a
+    process without ``TRITON_INTERPRET``); ``None`` means the live GPU. Returns the
+    :class:`~cokit.triton_kernels.occupancy.Occupancy`, the compiled kernel (a
+    :class:`~cokit.triton_kernels.compile_only.CompiledKernel` for a named target, a Triton
+    ``CompiledKernel`` on the live GPU; launch footprint ``smem_bytes``) and the shared memory
+    the kernel itself uses.
+    """
+    from .backend import device_limits
+    from .occupancy import kernel_occupancy
+    from .shaped_launch import triton_compiled, with_shared_memory
+
+    if target is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no GPU here: name a target (sm_80, sm_90, gfx90a, gfx942)")
+        limits = device_limits()
+        built = warmup_gemm(config.replace(smem_bytes=None), dtype, precision=precision)
+    else:
+        limits = arch_limits(target)
+        built = compile_gemm(config.replace(smem_bytes=None), dtype, target, precision=precision)
+    used = int(triton_compiled(built).metadata.shared)
+    if config.smem_bytes is not None:
+        built = with_shared_memory(built, config.smem_bytes, limits)
+    return kernel_occupancy(built, limits), built, used
 
 
 def _specialization_attrs(kernel: Any, backend: str, aligned: bool) -> dict[tuple[int, ...], list]:

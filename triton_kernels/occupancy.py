@@ -15,35 +15,37 @@ rules of CUDA's occupancy calculator (``cuda_occupancy.h``) and of AMD CDNA:
 * blocks: ``max_blocks_per_sm``.
 
 It works for a live GPU (:func:`kernel_occupancy` of a launched kernel, limits from the
-driver) and for a named target from a laptop (:func:`gemm_occupancy` compiles for
-'sm_80' / 'sm_90' / 'gfx90a' / 'gfx942' without a GPU).
+driver, checked against the driver's own count by :func:`driver_occupancy`) and for a named
+target from a laptop (a :class:`~cokit.triton_kernels.compile_only.CompiledKernel` built for
+'sm_80' / 'sm_90' / 'gfx90a' / 'gfx942' without a GPU; the GEMM's is
+:func:`cokit.triton_kernels.gemm.gemm_occupancy`).
 
-:func:`with_shared_memory` is the occupancy-shaping knob: a copy of a compiled Triton kernel
-whose launch reserves more shared memory per block (same binary; the launcher passes
-``metadata.shared`` as the dynamic shared-memory size and raises the opt-in limit from it).
+:func:`smem_for_blocks` inverts the shared-memory rule: the per-block request that leaves a
+chosen number of blocks per SM, for the occupancy-shaping knob of
+:mod:`cokit.triton_kernels.shaped_launch`. This module is arithmetic on kernels and limits; it
+imports no kernel family.
 """
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import dataclasses
 from typing import Any
 
 import torch
 
-from .backend import ArchLimits, arch_limits, device_limits
+from .backend import ArchLimits, device_limits
+from .shaped_launch import triton_compiled
 
 __all__ = [
     "SHARED_ALLOC_UNIT",
     "Occupancy",
+    "describe",
     "driver_occupancy",
-    "gemm_occupancy",
     "kernel_occupancy",
     "occupancy",
+    "shaping_table",
     "smem_for_blocks",
-    "launch_shaped",
-    "with_shared_memory",
 ]
 
 #: shared memory / LDS allocation granule per block, bytes.
@@ -165,78 +167,6 @@ def smem_for_blocks(limits: ArchLimits, blocks: int) -> int:
 
 
 # ---------------------------------------------------------------------- kernels
-def _triton_compiled(kernel: Any) -> Any:
-    """The Triton CompiledKernel inside ``kernel`` (compile_only.CompiledKernel or itself)."""
-    inner = getattr(kernel, "compiled", None)
-    return inner if inner is not None and hasattr(inner, "metadata") else kernel
-
-
-def with_shared_memory(kernel: Any, smem_bytes: int, limits: ArchLimits | None = None) -> Any:
-    """A copy of a compiled kernel that reserves ``smem_bytes`` of shared memory per block.
-
-    ``kernel`` is a Triton ``CompiledKernel`` (from ``fn.warmup``/``fn[grid](...)`` or
-    ``triton.compile``) or a :class:`~cokit.triton_kernels.compile_only.CompiledKernel`; the result
-    has the same type. The binary is shared; only ``metadata.shared`` (what the launcher passes
-    as the dynamic shared-memory size, and the opt-in limit it sets at load) changes, so the
-    copy launches the same code with fewer blocks per SM. Raises when ``smem_bytes`` is below
-    what the kernel uses or above ``limits.max_shared_per_block``.
-    """
-    from triton.compiler.compiler import make_backend
-
-    compiled = _triton_compiled(kernel)
-    wrapped = compiled is not kernel  # a compile_only.CompiledKernel around it
-    used = int(compiled.metadata.shared)
-    if not isinstance(smem_bytes, int) or isinstance(smem_bytes, bool):
-        raise ValueError(f"smem_bytes={smem_bytes!r} is invalid; allowed: an integer number of bytes")
-    if limits is None:
-        limits = getattr(kernel, "limits", None)
-    if smem_bytes < used:
-        hi = f" to {limits.max_shared_per_block}" if limits is not None else " or more"
-        raise ValueError(
-            f"smem_bytes={smem_bytes} is below the {used} B of shared memory kernel "
-            f"{compiled.metadata.name} uses; allowed: {used}{hi}"
-        )
-    if limits is not None and smem_bytes > limits.max_shared_per_block:
-        raise ValueError(
-            f"smem_bytes={smem_bytes} is above the device limit of {limits.max_shared_per_block} B "
-            f"per block on {limits.name}; allowed: {used} to {limits.max_shared_per_block}"
-        )
-    shaped = copy.copy(compiled)
-    shaped.metadata = compiled.metadata._replace(shared=smem_bytes)
-    shaped.packed_metadata = make_backend(shaped.metadata.target).pack_metadata(shaped.metadata)
-    # the copy loads its own module on first launch (with the raised opt-in limit)
-    shaped.module = None
-    shaped.function = None
-    shaped._run = None
-    shaped._module_pid = None
-    if wrapped:
-        return dataclasses.replace(kernel, shared_bytes=smem_bytes, compiled=shaped)
-    return shaped
-
-
-# (kernel hash, device index, smem_bytes) -> the shaped copy, loaded once per device
-_SHAPED: dict[tuple[str, int, int], Any] = {}
-
-
-def launch_shaped(kernel: Any, grid: tuple[int, ...], args: dict[str, Any], opts: dict[str, Any],
-                  smem_bytes: int, limits: ArchLimits | None, device_index: int) -> None:
-    """Launch the ``@triton.jit`` ``kernel`` on ``grid`` reserving ``smem_bytes`` of shared
-    memory per block (GPU only).
-
-    ``args`` holds every kernel argument by name, constexprs included; ``opts`` the launch
-    options (num_warps, ...). The kernel is compiled by ``kernel.warmup``, shaped once per
-    (kernel, device, smem_bytes) by :func:`with_shared_memory`, and launched as a compiled
-    kernel, which takes every argument positionally and a 3-D grid (padded here with 1s).
-    """
-    compiled = kernel.warmup(**args, **opts, grid=grid)
-    key = (compiled.hash, device_index, smem_bytes)
-    shaped = _SHAPED.get(key)
-    if shaped is None:
-        shaped = _SHAPED[key] = with_shared_memory(compiled, smem_bytes, limits)
-    grid3 = tuple(grid) + (1,) * (3 - len(grid))
-    shaped[grid3](*(args[name] for name in kernel.arg_names))
-
-
 def kernel_occupancy(kernel: Any, limits: ArchLimits | None = None) -> Occupancy:
     """Occupancy of a compiled kernel.
 
@@ -263,7 +193,7 @@ def driver_occupancy(kernel: Any) -> int:
     """
     if not torch.cuda.is_available():
         raise RuntimeError("driver_occupancy needs a GPU")
-    compiled = _triton_compiled(kernel)
+    compiled = triton_compiled(kernel)
     compiled._init_handles()
     meta = compiled.metadata
     threads = int(meta.num_warps) * int(meta.warp_size)
@@ -280,37 +210,6 @@ def driver_occupancy(kernel: Any) -> int:
     if err != 0:
         raise RuntimeError(f"driver occupancy query failed with error {err}")
     return n.value
-
-
-def gemm_occupancy(
-    config: Any,
-    target: str | None = None,
-    dtype: torch.dtype | str = "bf16",
-    *,
-    precision: str = "ieee",
-) -> tuple[Occupancy, Any, int]:
-    """Compile the GEMM for ``config`` and compute its occupancy, ``smem_bytes`` applied.
-
-    ``target`` names a chip ('sm_80', 'sm_90', 'gfx90a', 'gfx942'; compile-only, needs a
-    process without ``TRITON_INTERPRET``); ``None`` means the live GPU. Returns the occupancy,
-    the compiled kernel (a :class:`~cokit.triton_kernels.compile_only.CompiledKernel` for a named
-    target, a Triton ``CompiledKernel`` on the live GPU; launch footprint ``smem_bytes``) and
-    the shared memory the kernel itself uses.
-    """
-    from .gemm import compile_gemm, warmup_gemm
-
-    if target is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("no GPU here: name a target (sm_80, sm_90, gfx90a, gfx942)")
-        limits = device_limits()
-        built = warmup_gemm(config.replace(smem_bytes=None), dtype, precision=precision)
-    else:
-        limits = arch_limits(target)
-        built = compile_gemm(config.replace(smem_bytes=None), dtype, target, precision=precision)
-    used = int(_triton_compiled(built).metadata.shared)
-    if config.smem_bytes is not None:
-        built = with_shared_memory(built, config.smem_bytes, limits)
-    return kernel_occupancy(built, limits), built, used
 
 
 def describe(occ: Occupancy, limits: ArchLimits, used_shared: int | None = None, spills: int | None = None) -> str:

@@ -13,14 +13,17 @@ benchmark tool, not a training op.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import check_int
 from .backend import cached_device_limits, device_index, kernel_path
+from .shaped_launch import launch_shaped
 
-__all__ = ["COPY_DTYPES", "sm_copy", "sm_copy_reference"]
+__all__ = ["COPY_DTYPES", "compile_specs", "sm_copy", "sm_copy_reference"]
 
 #: dtypes the copy accepts (Triton pointer types of 1 to 8 bytes).
 COPY_DTYPES = (
@@ -31,8 +34,19 @@ COPY_DTYPES = (
 
 @triton.jit
 def _sm_copy_kernel(src, dst, n, passes, BLOCK: tl.constexpr):
-    """Persistent copy: the grid's programs stride over ``BLOCK``-element blocks, ``passes``
-    times over the whole buffer."""
+    """Persistent copy of ``n`` elements from ``src`` to ``dst``, ``passes`` times.
+
+    Grid: ``(n_programs,)``, at most one program per SM/CU in use; program ``p`` copies the
+    ``BLOCK``-element blocks ``p, p + n_programs, p + 2 * n_programs, ...`` (64-bit offsets),
+    then does it again, ``passes`` times in all.
+
+    Args:
+        src: flat contiguous buffer of ``n`` elements, any dtype of ``COPY_DTYPES``.
+        dst: flat contiguous buffer of ``n`` elements, ``src``'s dtype (not overlapping it).
+        n: int64, elements to copy (may exceed 2**31).
+        passes: int32 >= 1, times the whole buffer is copied (a longer emulated transfer).
+        BLOCK (constexpr): power of 2 >= 16, elements per program per step.
+    """
     start = tl.program_id(0).to(tl.int64) * BLOCK  # 64-bit offsets: buffers over 2**31 elements
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     lanes = tl.arange(0, BLOCK)
@@ -41,6 +55,14 @@ def _sm_copy_kernel(src, dst, n, passes, BLOCK: tl.constexpr):
             offs = base + lanes
             mask = offs < n
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """Compile-only build (collected by :mod:`cokit.triton_kernels.compile_only`): the fp32
+    copy with 4096-element steps, as :func:`sm_copy` launches it on a GPU."""
+    return [("sm_copy", _sm_copy_kernel,
+             {"src": "*fp32", "dst": "*fp32", "n": "i64", "passes": "i32", "BLOCK": "constexpr"},
+             {"BLOCK": 4096})]
 
 
 def sm_copy_reference(src: torch.Tensor, passes: int = 1) -> torch.Tensor:
@@ -113,8 +135,6 @@ def sm_copy(
     if smem_bytes is None:
         _sm_copy_kernel[grid](src, dst, n, passes, BLOCK=block, **opts)
         return dst
-    from .occupancy import launch_shaped
-
     args = {"src": src, "dst": dst, "n": n, "passes": passes, "BLOCK": block}
     launch_shaped(_sm_copy_kernel, grid, args, opts, smem_bytes, limits, device_index(src.device))
     return dst

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -35,7 +35,9 @@ __all__ = [
     "TilePlan",
     "basis_matrix",
     "chunk_side",
+    "compile_blocks",
     "empty_output",
+    "geometry_signature",
     "next_pow2",
     "payload_shape",
     "pointer_table",
@@ -257,3 +259,16 @@ def pointer_table(columns: Sequence[Sequence[torch.Tensor]], device: torch.devic
 def empty_output(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Where every kernel output is allocated: tests replace it to poison outputs."""
     return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- compile-only specs
+def compile_blocks() -> tuple[tuple[str, bool, int, int], ...]:
+    """(mode label, TWO_D, BLOCK_ROWS, BLOCK_W) of the typical launch classes that the tiled
+    kernels' compile-only builds use: 64x64 tiles (TWO_D) and blocks of 64-wide 1-D tiles."""
+    return (("2d", True, 64, 64), ("1d", False, ONE_D_ELEMENTS // 64, 64))
+
+
+def geometry_signature(**refs: str) -> dict[str, str]:
+    """Triton signature of a tiled kernel's leading arguments (geometry table, pointer table,
+    basis bank) followed by ``refs`` (name -> Triton type, e.g. ``src_ref='*bf16'``)."""
+    return {"geometry": "*i64", "pointers": "*i64", "bank": "*fp32", **refs}

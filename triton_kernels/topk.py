@@ -22,6 +22,8 @@ costs seconds per tile there).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,8 @@ from . import tiling
 from ._checks import check_float_tensor, check_positive_int
 from .backend import kernel_path
 
-__all__ = ["chunk_topk", "chunk_topk_reference", "index_dtype_for"]
+__all__ = ["chunk_topk", "chunk_topk_reference", "compile_specs", "index_dtype_for"]
+
 
 def index_dtype_for(tile_numel: int) -> torch.dtype:
     """int16 when every position of a tile fits (<= 32768 positions), else int32."""
@@ -42,7 +45,12 @@ def index_dtype_for(tile_numel: int) -> torch.dtype:
 
 @triton.jit
 def tile_sum(x, TWO_D: tl.constexpr):
-    """Per-tile sum of a block, broadcastable against it: (1, 1) in TWO_D, (rows, 1) else."""
+    """Per-tile sum of a block, broadcastable against it: (1, 1) in TWO_D, (rows, 1) else.
+
+    Args:
+        x: int32 or fp32 ``(BLOCK_ROWS, BLOCK_W)`` block (masked entries already zeroed).
+        TWO_D (constexpr): True: the block is one tile; False: every row is a tile.
+    """
     s = tl.sum(x, axis=1, keep_dims=True)
     if TWO_D:
         s = tl.sum(s, axis=0, keep_dims=True)
@@ -51,11 +59,19 @@ def tile_sum(x, TWO_D: tl.constexpr):
 
 @triton.jit
 def tile_cumsum(x, TWO_D: tl.constexpr):
-    """Inclusive prefix sum in position order inside each tile (row-major in TWO_D)."""
+    """Inclusive prefix sum in position order inside each tile (row-major in TWO_D).
+
+    Args:
+        x: int32 ``(BLOCK_ROWS, BLOCK_W)`` block (masked entries already zeroed).
+        TWO_D (constexpr): True: the block is one tile, positions run row-major over it;
+            False: every row is a tile and the sum runs along the row.
+    """
     c = tl.cumsum(x, axis=1)
     if TWO_D:
-        row_total = tl.sum(x, axis=1, keep_dims=True)
-        c += tl.cumsum(row_total, axis=0) - row_total
+        # Rows before this one, as a 1-D scan of the row totals: a scan along axis 0 of a
+        # (rows, 1) block trips an assertion in triton 3.6's scan lowering (ScanOpToLLVM).
+        row_total = tl.sum(x, axis=1)
+        c += (tl.cumsum(row_total, axis=0) - row_total)[:, None]
     return c
 
 
@@ -63,13 +79,18 @@ def tile_cumsum(x, TWO_D: tl.constexpr):
 def topk_select(y, valid, k, TWO_D: tl.constexpr):
     """Top-k by magnitude of an fp32 block.
 
-    TWO_D: the whole block is one tile; else every row is its own tile. ``k`` (runtime,
-    <= valid entries per tile) is the number kept. Returns ``(selected, slot)``: a mask of
-    the kept entries and, for each, its rank by position inside its tile (0..k-1).
+    Returns ``(selected, slot)``: a mask of the kept entries and, for each, its rank by
+    position inside its tile (0..k-1); both ``(BLOCK_ROWS, BLOCK_W)``.
 
     The k-th largest magnitude is found bit by bit on the int32 pattern of ``|y|`` (it
-    orders like the float); entries above it are kept, and of those equal to it the
-    lowest positions fill the remaining slots.
+    orders like the float; NaN above every number); entries above it are kept, and of
+    those equal to it the lowest positions fill the remaining slots.
+
+    Args:
+        y: fp32 ``(BLOCK_ROWS, BLOCK_W)`` block of values.
+        valid: int1 block of the same shape, the entries that belong to a tile.
+        k: int32/int64 scalar, entries kept per tile, ``1 <= k <=`` valid entries of a tile.
+        TWO_D (constexpr): True: the whole block is one tile; False: every row is a tile.
     """
     mag = tl.where(valid, tl.abs(y).to(tl.int32, bitcast=True), -1)
     kth = tile_sum(mag * 0, TWO_D)  # int32 zeros, one per tile
@@ -88,6 +109,23 @@ def topk_select(y, valid, k, TWO_D: tl.constexpr):
 @triton.jit
 def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k,
                  BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Per-row top-k by magnitude: positions (increasing) and values of the ``k`` largest
+    ``|x|`` of each row, ties to the lower position.
+
+    Grid: ``(cdiv(n_rows, BLOCK_ROWS),)``; program ``i`` handles rows (tiles)
+    ``i * BLOCK_ROWS`` to ``i * BLOCK_ROWS + BLOCK_ROWS - 1`` (rows past ``n_rows`` masked).
+
+    Args:
+        x: ``(n_rows, n_cols)`` contiguous row-major, fp32/fp16/bf16: one tile per row.
+        idx_out: ``(n_rows, k)`` contiguous, int16 (``n_cols <= 32768``) or int32: the kept
+            positions of each row, increasing.
+        val_out: ``(n_rows, k)`` contiguous, ``x``'s dtype: ``x`` at those positions.
+        n_rows: int32, rows of ``x``.
+        n_cols: int32, tile size (row length), ``1 <= n_cols <= BLOCK_W``.
+        k: int32, entries kept per row, ``1 <= k <= n_cols``.
+        BLOCK_ROWS (constexpr): power of 2, rows per program.
+        BLOCK_W (constexpr): power of 2 >= ``n_cols``; columns past ``n_cols`` are masked.
+    """
     r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     c = tl.arange(0, BLOCK_W)[None, :]
     valid = (r < n_rows) & (c < n_cols)
@@ -96,6 +134,14 @@ def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k,
     out = r * k + slot
     tl.store(idx_out + out, c.to(idx_out.dtype.element_ty) + r * 0, mask=selected)
     tl.store(val_out + out, v, mask=selected)
+
+
+def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """Compile-only build (collected by :mod:`cokit.triton_kernels.compile_only`): one
+    4096-wide fp32 tile per program, int16 indices."""
+    sig = {"x": "*fp32", "idx_out": "*i16", "val_out": "*fp32", "n_rows": "i32", "n_cols": "i32", "k": "i32",
+           "BLOCK_ROWS": "constexpr", "BLOCK_W": "constexpr"}
+    return [("chunk_topk", _topk_kernel, sig, {"BLOCK_ROWS": 1, "BLOCK_W": 4096})]
 
 
 # ----------------------------------------------------------------------------- launcher

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cokit.triton_kernels.backend import arch_limits, device_limits, interpreter_enabled
     from cokit.triton_kernels.gemm import PRECISIONS
-    from cokit.triton_kernels.gemm_configs import parse_config_spec, parse_dtype
+    from cokit.triton_kernels.gemm_config import parse_config_spec, parse_dtype
 
     try:
         config = parse_config_spec(args.config)
@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
             "(run `env -u TRITON_INTERPRET cokit occupancy ...`)"
         )
 
-    from cokit.triton_kernels.occupancy import describe, gemm_occupancy, shaping_table
+    from cokit.triton_kernels.gemm import gemm_occupancy
+    from cokit.triton_kernels.occupancy import describe, shaping_table
 
     try:
         occ, built, used = gemm_occupancy(config, args.target, dtype, precision=args.precision)

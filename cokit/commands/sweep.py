@@ -82,7 +82,7 @@ def _items(name: str, text: str) -> list[str]:
 
 
 def _smems(text: str) -> list[int | None]:
-    from cokit.triton_kernels.gemm_configs import parse_smem_bytes
+    from cokit.triton_kernels.gemm_config import parse_smem_bytes
 
     out: list[int | None] = []
     for item in _items("smem-bytes", text):
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from cokit.overlap.sweep import SWEEP_COLLECTIVES, check_point, sweep_points
     from cokit.sweeps import default_plots, sweep_main, write_csv, write_json
     from cokit.triton_kernels.backend import device_limits
-    from cokit.triton_kernels.gemm_configs import parse_config_spec, parse_dtype
+    from cokit.triton_kernels.gemm_config import parse_config_spec, parse_dtype
 
     on_gpu = torch.cuda.is_available()
     n_gpus = torch.cuda.device_count() if on_gpu else 0

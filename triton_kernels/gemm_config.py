@@ -1,46 +1,48 @@
-"""GEMM launch configurations: the knobs, their validation, per-backend search spaces,
-a shared-memory estimate used to prune what cannot fit, and a JSON cache of tuned winners.
+"""The GEMM launch configuration: the knobs, their validation, parsing, a shared-memory
+estimate used to prune what cannot fit, and the per-backend config spaces.
 
 A :class:`GemmConfig` carries every resource knob of :mod:`cokit.triton_kernels.gemm`:
 tile sizes, grouped ordering, warps, pipeline stages, the persistent form's program count
 (``num_sms``: SMs/CUs left to the GEMM, the rest carved out for communication), the
-per-block shared-memory footprint (``smem_bytes``: occupancy shaping, DESIGN.md 1.2) and
+per-block shared-memory footprint (``smem_bytes``: occupancy shaping, docs/design.md 1.2) and
 vendor knobs (``maxnreg`` on CUDA; ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on
 HIP).
+
+Layout after Triton's own ``triton_kernels`` (``opt_flags`` + one details module per
+vendor): this module holds the config type and :func:`config_space`, which dispatches to the
+vendor modules :mod:`~cokit.triton_kernels.gemm_configs_nvidia` and
+:mod:`~cokit.triton_kernels.gemm_configs_amd` (each vendor's space, warps and knobs). Tuned
+winners are cached by :mod:`~cokit.triton_kernels.tuning_cache`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import tempfile
-import warnings
-from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from .backend import ArchLimits
+from . import gemm_configs_amd as _amd
+from . import gemm_configs_nvidia as _nvidia
+from .backend import ArchLimits, arch_limits
 
 __all__ = [
+    "ALLOWED_NUM_WARPS",
     "CUDA_KNOBS",
     "DTYPES",
-    "GemmConfig",
     "HIP_KNOBS",
-    "TuningCache",
-    "autotune",
+    "GemmConfig",
     "config_space",
-    "default_cache_dir",
+    "default_config",
     "dtype_name",
     "estimate_shared_bytes",
     "interpreter_config",
+    "next_pow2",
     "parse_config_spec",
-    "parse_smem_bytes",
     "parse_dtype",
+    "parse_smem_bytes",
     "prune_configs",
-    "shape_bucket",
 ]
 
 
@@ -50,16 +52,16 @@ _DTYPE_ALIASES = {
     "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
 }
 
-CUDA_KNOBS = ("maxnreg",)
-HIP_KNOBS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+CUDA_KNOBS = _nvidia.KNOBS
+HIP_KNOBS = _amd.KNOBS
 
-# num_warps a block may have: up to 1024 threads (32 warps of 32 on NVIDIA, 16 wavefronts of 64
-# on AMD); Triton requires a power of 2.
+#: num_warps a block may have, per backend (the interpreter accepts NVIDIA's set).
 ALLOWED_NUM_WARPS: dict[str, tuple[int, ...]] = {
-    "cuda": (1, 2, 4, 8, 16, 32),
-    "hip": (1, 2, 4, 8, 16),
-    "interpreter": (1, 2, 4, 8, 16, 32),
+    "cuda": _nvidia.NUM_WARPS,
+    "hip": _amd.NUM_WARPS,
+    "interpreter": _nvidia.NUM_WARPS,
 }
+_VENDORS = {_nvidia.BACKEND: _nvidia, _amd.BACKEND: _amd}
 _MIN_BLOCK = 16  # tl.dot needs M, N, K >= 16 on NVIDIA (and MFMA tiles on AMD)
 _MAX_BLOCK = 256
 
@@ -121,7 +123,7 @@ class GemmConfig:
         *,
         dtype: torch.dtype | None = None,
         needed_shared: int | None = None,
-    ) -> "GemmConfig":
+    ) -> GemmConfig:
         """Raise ``ValueError`` naming the bad field; return ``self`` when valid.
 
         ``backend`` is 'cuda', 'hip' or 'interpreter' (vendor knobs of either vendor allowed,
@@ -155,7 +157,7 @@ class GemmConfig:
                 )
             hi = limits.num_sms if limits is not None else None
             if not isinstance(self.num_sms, int) or self.num_sms < 1 or (hi is not None and self.num_sms > hi):
-                allowed = f"1 to {hi} (the SMs/CUs of {limits.name})" if hi else "an integer >= 1"
+                allowed = f"1 to {hi} (the SMs/CUs of {limits.name})" if limits is not None else "an integer >= 1"
                 raise ValueError(f"num_sms={self.num_sms!r} is invalid; allowed: {allowed}")
         # vendor knobs
         if backend == "cuda":
@@ -213,7 +215,7 @@ class GemmConfig:
                     opts[knob] = getattr(self, knob)
         return opts
 
-    def replace(self, **changes: Any) -> "GemmConfig":
+    def replace(self, **changes: Any) -> GemmConfig:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
@@ -222,7 +224,7 @@ class GemmConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GemmConfig":
+    def from_dict(cls, d: dict[str, Any]) -> GemmConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(d) - names)
@@ -311,13 +313,13 @@ def estimate_shared_bytes(
     * AMD: ``num_stages - 1`` tiles (stream pipeliner); with ``num_stages=1`` only the larger
       operand, ``BLOCK_K * max(BLOCK_M, BLOCK_N) * element size``.
     """
+    backend: str
+    arch: int | str
     if isinstance(target, ArchLimits):
         backend, arch = target.backend, target.arch
     elif target in ("cuda", "hip"):
         backend, arch = target, (90 if target == "cuda" else "gfx942")
     else:
-        from .backend import arch_limits
-
         lim = arch_limits(str(target))
         backend, arch = lim.backend, lim.arch
     elem = torch.empty((), dtype=dtype).element_size()
@@ -345,9 +347,10 @@ def prune_configs(
 ) -> list[GemmConfig]:
     """Drop configs that cannot fit the device or are much larger than the problem.
 
-    A config is dropped when its estimated shared memory exceeds the per-block limit, when it
-    has more threads than a block may, or (given a shape) when a block dimension is more
-    than twice the padded problem size and a smaller config with otherwise equal knobs covers it.
+    A config is dropped when its estimated shared memory exceeds the per-block limit or when
+    it has more threads than a block may. Given a shape (``M``, ``N``, ``K``), only configs
+    whose blocks are no larger than the problem rounded up to a power of 2 (at least 16) are
+    kept; when none is, the first config that fits the device is.
     """
     out: list[GemmConfig] = []
     for cfg in configs:
@@ -357,67 +360,30 @@ def prune_configs(
             continue
         out.append(cfg)
     if M is not None and N is not None and K is not None:
-        fitted = [
-            c for c in out
-            if c.BLOCK_M <= max(_MIN_BLOCK, _next_pow2(M))
-            and c.BLOCK_N <= max(_MIN_BLOCK, _next_pow2(N))
-            and c.BLOCK_K <= max(_MIN_BLOCK, _next_pow2(K))
-        ]
+        cap_m, cap_n, cap_k = (max(_MIN_BLOCK, next_pow2(d)) for d in (M, N, K))
+        fitted = [c for c in out if cap_m >= c.BLOCK_M and cap_n >= c.BLOCK_N and cap_k >= c.BLOCK_K]
         out = fitted or out[:1]
     return out
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of 2 >= ``x`` (1 for ``x <= 1``)."""
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------- search spaces
-def _cfg(bm, bn, bk, g, w, s, **kw) -> GemmConfig:
-    return GemmConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s, **kw)
-
-
-# NVIDIA (sm_80/sm_90): Triton's matmul tutorial space plus larger-K and 8-warp tiles.
-_CUDA_SPACE: tuple[GemmConfig, ...] = (
-    _cfg(128, 256, 64, 8, 8, 3),
-    _cfg(256, 128, 64, 8, 8, 3),
-    _cfg(128, 128, 64, 8, 8, 4),
-    _cfg(128, 128, 64, 8, 4, 4),
-    _cfg(128, 128, 32, 8, 4, 4),
-    _cfg(64, 256, 32, 8, 4, 4),
-    _cfg(128, 64, 32, 8, 4, 4),
-    _cfg(64, 128, 32, 8, 4, 4),
-    _cfg(128, 32, 32, 8, 4, 4),
-    _cfg(64, 64, 64, 8, 4, 3),
-    _cfg(64, 32, 32, 8, 2, 5),
-    _cfg(32, 64, 32, 8, 2, 5),
-    _cfg(128, 128, 128, 8, 8, 3),
-)
-
-# AMD (gfx90a/gfx942): Triton's AMD matmul space (stream pipeliner: num_stages=2) with
-# waves_per_eu, MFMA 16x16 / 32x32 and kpack choices.
-_HIP_SPACE: tuple[GemmConfig, ...] = (
-    _cfg(256, 256, 64, 4, 8, 2, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=2),
-    _cfg(256, 256, 32, 4, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
-    _cfg(128, 256, 64, 4, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=2),
-    _cfg(256, 128, 64, 4, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=2),
-    _cfg(128, 128, 64, 4, 4, 2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=2),
-    _cfg(128, 128, 32, 1, 8, 2, waves_per_eu=2, matrix_instr_nonkdim=32, kpack=1),
-    _cfg(128, 64, 64, 8, 4, 2, waves_per_eu=3, matrix_instr_nonkdim=16, kpack=1),
-    _cfg(64, 128, 32, 8, 4, 2, waves_per_eu=3, matrix_instr_nonkdim=16, kpack=1),
-    _cfg(64, 64, 64, 1, 4, 2, waves_per_eu=4, matrix_instr_nonkdim=16, kpack=1),
-    _cfg(64, 64, 32, 1, 4, 2, waves_per_eu=8, matrix_instr_nonkdim=16, kpack=1),
-)
-
-
 def config_space(backend: str, persistent: bool = False) -> list[GemmConfig]:
-    """The configs autotuning tries on ``backend`` ('cuda' or 'hip'), unpruned."""
-    if backend == "cuda":
-        space = _CUDA_SPACE
-    elif backend == "hip":
-        space = _HIP_SPACE
-    else:
+    """The configs autotuning tries on ``backend`` ('cuda' or 'hip'), unpruned, in the
+    vendor module's order (the first is the vendor's default)."""
+    vendor = _VENDORS.get(backend)
+    if vendor is None:
         raise ValueError(f"backend {backend!r} has no config space; allowed: cuda, hip")
-    return [dataclasses.replace(c, persistent=persistent) for c in space]
+    return [GemmConfig(**fields, persistent=persistent) for fields in vendor.SPACE]
+
+
+def default_config(backend: str, persistent: bool = False) -> GemmConfig:
+    """The vendor's default config (the first of its space)."""
+    return config_space(backend, persistent)[0]
 
 
 def interpreter_config(M: int, N: int, K: int, persistent: bool = False) -> GemmConfig:
@@ -427,136 +393,9 @@ def interpreter_config(M: int, N: int, K: int, persistent: bool = False) -> Gemm
     cover up to 128 x 128 x 128 of the problem; the persistent form runs 2 programs.
     """
     def side(x: int) -> int:
-        return min(128, max(_MIN_BLOCK, _next_pow2(x)))
+        return min(128, max(_MIN_BLOCK, next_pow2(x)))
 
     return GemmConfig(
         BLOCK_M=side(M), BLOCK_N=side(N), BLOCK_K=side(K), GROUP_M=4, num_warps=4, num_stages=1,
         persistent=persistent, num_sms=2 if persistent else None,
     )
-
-
-# ---------------------------------------------------------------------- tuning cache
-def default_cache_dir() -> Path:
-    """``$COKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/cokit``, else ``~/.cache/cokit``."""
-    env = os.environ.get("COKIT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "cokit"
-
-
-def shape_bucket(M: int, N: int, K: int) -> str:
-    """Shapes that share a tuned config: each dimension rounded up to a power of 2."""
-    return "x".join(str(_next_pow2(max(1, d))) for d in (M, N, K))
-
-
-class TuningCache:
-    """Tuned GEMM configs in ``<cache_dir>/gemm_tuning.json``.
-
-    Keys are ``device|dtype|form|precision|bucket``. A missing file is an empty cache; an
-    unreadable or corrupt one is ignored with a warning (and replaced on the next store).
-    """
-
-    FILENAME = "gemm_tuning.json"
-    VERSION = 1
-
-    def __init__(self, cache_dir: str | os.PathLike | None = None) -> None:
-        self.dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        self.path = self.dir / self.FILENAME
-
-    @staticmethod
-    def key(device_name: str, dtype: torch.dtype, M: int, N: int, K: int,
-            persistent: bool = False, precision: str = "ieee") -> str:
-        """The cache key of one tuning problem."""
-        form = "persistent" if persistent else "tiled"
-        return f"{device_name}|{dtype_name(dtype)}|{form}|{precision}|{shape_bucket(M, N, K)}"
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            warnings.warn(f"cokit: ignoring unreadable GEMM tuning cache {self.path}: {exc}", stacklevel=3)
-            return {}
-        try:
-            data = json.loads(text)
-            if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-                raise ValueError("expected an object with an 'entries' object")
-        except ValueError as exc:
-            warnings.warn(f"cokit: ignoring corrupt GEMM tuning cache {self.path}: {exc}", stacklevel=3)
-            return {}
-        return data["entries"]
-
-    def load(self, key: str) -> GemmConfig | None:
-        """The tuned config stored under ``key``, or None (bad entries are ignored with a warning)."""
-        entry = self._read().get(key)
-        if entry is None:
-            return None
-        try:
-            return GemmConfig.from_dict(entry["config"])
-        except (KeyError, TypeError, ValueError) as exc:
-            warnings.warn(f"cokit: ignoring bad tuning cache entry {key!r} in {self.path}: {exc}", stacklevel=2)
-            return None
-
-    def store(self, key: str, config: GemmConfig, **info: Any) -> None:
-        """Save ``config`` under ``key`` (atomic replace; other entries are kept)."""
-        entries = self._read()
-        entries[key] = {"config": config.to_dict(), **info}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".gemm_tuning.", suffix=".json", dir=self.dir)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": self.VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-
-    def entries(self) -> dict[str, Any]:
-        """All stored entries (empty when the file is missing or corrupt)."""
-        return self._read()
-
-
-def autotune(
-    configs: Sequence[GemmConfig],
-    run: Callable[[GemmConfig], Any],
-    bench: Callable[[Callable[[], Any]], float],
-    *,
-    cache: TuningCache | None = None,
-    key: str | None = None,
-) -> tuple[GemmConfig, dict[str, float]]:
-    """The fastest of ``configs``: ``bench(lambda: run(cfg))`` returns a time (lower wins).
-
-    With ``cache`` and ``key``, a stored winner is returned without timing anything, and a new
-    winner is stored. Configs whose run raises (e.g. out of resources) are skipped. Returns
-    the winner and the timings (empty on a cache hit).
-    """
-    if not configs:
-        raise ValueError("autotune needs at least one config")
-    if cache is not None and key is not None:
-        hit = cache.load(key)
-        if hit is not None:
-            return hit, {}
-    timings: dict[str, float] = {}
-    errors: list[str] = []
-    best: tuple[float, GemmConfig] | None = None
-    for cfg in configs:
-        try:
-            t = float(bench(lambda cfg=cfg: run(cfg)))
-        except Exception as exc:  # a config that does not compile/launch on this device
-            errors.append(f"{cfg.spec()}: {type(exc).__name__}: {exc}")
-            continue
-        if not math.isfinite(t):
-            continue
-        timings[cfg.spec()] = t
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    if best is None:
-        raise RuntimeError("autotune: no config ran; errors:\n" + "\n".join(errors))
-    if cache is not None and key is not None:
-        cache.store(key, best[1], time_ms=best[0], candidates=len(configs))
-    return best[1], timings
