@@ -40,8 +40,13 @@ def _worker(rank: int, world: int, cases: list[dict], steps: int) -> list[dict]:
     for case in cases:
         torch.manual_seed(0)
         model = build_model()
-        opt = DeMo(model.parameters(), lr=1e-3, compression_topk=case["topk"],
-                   compression_chunk=case["chunk"], payload=case["payload"])
+        opt = DeMo(
+            model.parameters(),
+            lr=1e-3,
+            compression_topk=case["topk"],
+            compression_chunk=case["chunk"],
+            payload=case["payload"],
+        )
         gen = torch.Generator().manual_seed(rank)
         step_times = []
         for _ in range(steps):
@@ -54,11 +59,17 @@ def _worker(rank: int, world: int, cases: list[dict], steps: int) -> list[dict]:
             opt.step()
             step_times.append(time.perf_counter() - start)
         s = opt.comm_stats
-        rows.append({**case, "params": sum(p.numel() for p in model.parameters()),
-                     "sent_bytes_per_step": s.step_sent_bytes, "received_bytes_per_step": s.step_received_bytes,
-                     "dense_bytes_per_step": s.step_dense_bytes,
-                     "ratio": s.step_dense_bytes / max(s.step_sent_bytes, 1),
-                     "step_ms_median": 1e3 * sorted(step_times)[len(step_times) // 2]})
+        rows.append(
+            {
+                **case,
+                "params": sum(p.numel() for p in model.parameters()),
+                "sent_bytes_per_step": s.step_sent_bytes,
+                "received_bytes_per_step": s.step_received_bytes,
+                "dense_bytes_per_step": s.step_dense_bytes,
+                "ratio": s.step_dense_bytes / max(s.step_sent_bytes, 1),
+                "step_ms_median": 1e3 * sorted(step_times)[len(step_times) // 2],
+            }
+        )
     return rows
 
 
@@ -79,15 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.world < 2 or args.steps < 1:
         ap.error("--world must be >= 2 and --steps >= 1")
     rows = run(args.world, args.topk, args.chunk, args.steps)
-    print(f"DeMo bytes per step, {rows[0]['params']:,} parameters, world {args.world} (gloo, {platform.machine()} CPU)")
+    print(
+        f"DeMo bytes per step, {rows[0]['params']:,} parameters, world {args.world} (gloo, {platform.machine()} CPU)"
+    )
     print(f"{'payload':>10} {'k':>4} {'sent/step':>12} {'dense/step':>12} {'ratio':>8} {'step ms':>8}")
     for r in rows:
-        print(f"{r['payload']:>10} {r['topk']:>4} {r['sent_bytes_per_step']:>12,} {r['dense_bytes_per_step']:>12,} "
-              f"{r['ratio']:>8.1f} {r['step_ms_median']:>8.1f}")
+        print(
+            f"{r['payload']:>10} {r['topk']:>4} {r['sent_bytes_per_step']:>12,} {r['dense_bytes_per_step']:>12,} "
+            f"{r['ratio']:>8.1f} {r['step_ms_median']:>8.1f}"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"world": args.world, "chunk": args.chunk, "machine": platform.platform(),
-              "torch": torch.__version__, "rows": rows}
+    report = {
+        "world": args.world,
+        "chunk": args.chunk,
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     (out / "compress_bytes.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out / 'compress_bytes.json'}")
     return 0

@@ -76,8 +76,9 @@ OUT_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0*
 PERF_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 1024, 8192)]  # M, N, K
 
 
-def _bound_ratio(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                 precision: str) -> float:
+def _bound_ratio(
+    c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str
+) -> float:
     """max |c - ref| / bound, bound = 2 (eps_out |ref| + (K 2^-24 + eps_tf32) |A||B|);
     <= 1 passes (same rule as tests/test_gemm.py)."""
     a64, b64 = a.double(), b.double()
@@ -112,8 +113,9 @@ def _fmt(v: Any) -> str:
 
 
 # ---------------------------------------------------------------------- sections
-def correctness(rows: list[dict], device: torch.device, backend: str, quick: bool,
-                budget: Budget | None = None) -> None:
+def correctness(
+    rows: list[dict], device: torch.device, backend: str, quick: bool, budget: Budget | None = None
+) -> None:
     """Kernel vs float64 on odd shapes, transposed operands, every dtype, both forms.
 
     Each distinct shape/stride specialization is a new compile (seconds each), so the cases
@@ -141,17 +143,24 @@ def correctness(rows: list[dict], device: torch.device, backend: str, quick: boo
     stages = 2 if backend == "hip" else 3
     configs = {
         "tiled": GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=stages),
-        "persistent": GemmConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=stages,
-                                 persistent=True, num_sms=7),
+        "persistent": GemmConfig(
+            BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=stages, persistent=True, num_sms=7
+        ),
     }
     limits = device_limits(device)
     for i, ((M, N, K), dtype, precision, form, layout, with_bias) in enumerate(cases):
         if _out_of_time(rows, "correctness", budget, len(cases) - i + 3):
             return
-        a = torch.randn(M, K, device=device).to(dtype) if layout == "nn" else \
-            torch.randn(K, M, device=device).to(dtype).t()
-        b = torch.randn(K, N, device=device).to(dtype) if layout == "nn" else \
-            torch.randn(N, K, device=device).to(dtype).t()
+        a = (
+            torch.randn(M, K, device=device).to(dtype)
+            if layout == "nn"
+            else torch.randn(K, M, device=device).to(dtype).t()
+        )
+        b = (
+            torch.randn(K, N, device=device).to(dtype)
+            if layout == "nn"
+            else torch.randn(N, K, device=device).to(dtype).t()
+        )
         bias = torch.randn(N, device=device).to(dtype) if with_bias else None
         out = torch.full((M, N), float("nan"), device=device, dtype=dtype)
         err = None
@@ -160,9 +169,20 @@ def correctness(rows: list[dict], device: torch.device, backend: str, quick: boo
             ratio = _bound_ratio(out, a, b, bias, precision)
         except Exception as exc:  # report, keep going
             ratio, err = math.inf, f"{type(exc).__name__}: {exc}"[:300]
-        rows.append(dict(kind="correctness", shape=f"{M}x{N}x{K}", dtype=dtype_name(dtype), precision=precision,
-                         form=form, layout=layout, bias=with_bias, err_over_bound=ratio, ok=ratio <= 1.0,
-                         error=err))
+        rows.append(
+            dict(
+                kind="correctness",
+                shape=f"{M}x{N}x{K}",
+                dtype=dtype_name(dtype),
+                precision=precision,
+                form=form,
+                layout=layout,
+                bias=with_bias,
+                err_over_bound=ratio,
+                ok=ratio <= 1.0,
+                error=err,
+            )
+        )
     # the default (untuned) choice, an occupancy-shaped launch and an SM carve-out
     M, N, K = 512, 384, 320
     a = torch.randn(M, K, device=device, dtype=torch.bfloat16)
@@ -170,7 +190,10 @@ def correctness(rows: list[dict], device: torch.device, backend: str, quick: boo
     extra = (
         ("default-untuned", {"tune": False}),
         ("shaped-1-block", {"config": configs["tiled"].replace(smem_bytes=smem_for_blocks(limits, 1))}),
-        ("persistent-carveout", {"config": configs["persistent"].replace(num_sms=max(1, limits.num_sms - 16))}),
+        (
+            "persistent-carveout",
+            {"config": configs["persistent"].replace(num_sms=max(1, limits.num_sms - 16))},
+        ),
     )
     for i, (name, kw) in enumerate(extra):
         if _out_of_time(rows, "correctness", budget, len(extra) - i):
@@ -181,12 +204,25 @@ def correctness(rows: list[dict], device: torch.device, backend: str, quick: boo
             ratio = _bound_ratio(c, a, b, None, "ieee")
         except Exception as exc:
             ratio, err = math.inf, f"{type(exc).__name__}: {exc}"[:300]
-        rows.append(dict(kind="correctness", shape=f"{M}x{N}x{K}", dtype="bf16", precision="ieee",
-                         form=name, layout="nn", bias=False, err_over_bound=ratio, ok=ratio <= 1.0, error=err))
+        rows.append(
+            dict(
+                kind="correctness",
+                shape=f"{M}x{N}x{K}",
+                dtype="bf16",
+                precision="ieee",
+                form=name,
+                layout="nn",
+                bias=False,
+                err_over_bound=ratio,
+                ok=ratio <= 1.0,
+                error=err,
+            )
+        )
 
 
-def occupancy_check(rows: list[dict], device: torch.device, backend: str, quick: bool = False,
-                    budget: Budget | None = None) -> None:
+def occupancy_check(
+    rows: list[dict], device: torch.device, backend: str, quick: bool = False, budget: Budget | None = None
+) -> None:
     """The smem_bytes knob on hardware: calculator vs the driver, before and after shaping."""
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm import warmup_gemm
@@ -214,23 +250,39 @@ def occupancy_check(rows: list[dict], device: torch.device, backend: str, quick:
                     drv = driver_occupancy(kern)
                 except Exception as exc:  # driver API missing: say so
                     drv = f"unavailable: {exc}"[:200]
-                rows.append(dict(kind="occupancy_check", num_warps=warps, variant=name,
-                                 shared=int(kern.metadata.shared), registers=occ.registers,
-                                 n_spills=_regs(kern)["n_spills"],
-                                 blocks_calc=occ.blocks_per_sm, blocks_driver=drv,
-                                 match=(drv == occ.blocks_per_sm) if isinstance(drv, int) else None,
-                                 limiting=occ.limiting))
+                rows.append(
+                    dict(
+                        kind="occupancy_check",
+                        num_warps=warps,
+                        variant=name,
+                        shared=int(kern.metadata.shared),
+                        registers=occ.registers,
+                        n_spills=_regs(kern)["n_spills"],
+                        blocks_calc=occ.blocks_per_sm,
+                        blocks_driver=drv,
+                        match=(drv == occ.blocks_per_sm) if isinstance(drv, int) else None,
+                        limiting=occ.limiting,
+                    )
+                )
         except Exception as exc:
-            rows.append(dict(kind="occupancy_check", num_warps=warps, error=f"{type(exc).__name__}: {exc}"[:300]))
+            rows.append(
+                dict(kind="occupancy_check", num_warps=warps, error=f"{type(exc).__name__}: {exc}"[:300])
+            )
 
 
-def perf(rows: list[dict], device: torch.device, quick: bool, cache_dir: str | None = None,
-         budget: Budget | None = None) -> None:
+def perf(
+    rows: list[dict],
+    device: torch.device,
+    quick: bool,
+    cache_dir: str | None = None,
+    budget: Budget | None = None,
+) -> None:
     """Tuned config vs torch.matmul (tuning time and cache hits recorded)."""
     from cokit.triton_kernels.gemm import select_config, warmup_gemm
 
     gemm = _gemm()
     from cokit.triton_kernels.tuning_cache import TuningCache
+
     shapes = PERF_SHAPES[:1] if quick else PERF_SHAPES
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
     points = [(shape, dtype) for shape in shapes for dtype in dtypes]
@@ -254,18 +306,28 @@ def perf(rows: list[dict], device: torch.device, quick: bool, cache_dir: str | N
                 row.update(_regs(warmup_gemm(cfg, dtype, M, N, K, device=device)))
             ref = torch.matmul(a, b)
             rel = float((out.float() - ref.float()).norm() / ref.float().norm())
-            t_ours = median_ms(lambda a=a, b=b, cfg=cfg, out=out: gemm(a, b, config=cfg, out=out), True, quick)
+            t_ours = median_ms(
+                lambda a=a, b=b, cfg=cfg, out=out: gemm(a, b, config=cfg, out=out), True, quick
+            )
             t_torch = median_ms(lambda a=a, b=b: torch.matmul(a, b), True, quick)
-            row.update(config=cfg.spec(), ms=t_ours, tflops=flops / t_ours / 1e9,
-                       torch_ms=t_torch, torch_tflops=flops / t_torch / 1e9,
-                       vs_torch=t_torch / t_ours, rel_err_vs_torch=rel, ok=rel < 1e-2)
+            row.update(
+                config=cfg.spec(),
+                ms=t_ours,
+                tflops=flops / t_ours / 1e9,
+                torch_ms=t_torch,
+                torch_tflops=flops / t_torch / 1e9,
+                vs_torch=t_torch / t_ours,
+                rel_err_vs_torch=rel,
+                ok=rel < 1e-2,
+            )
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
 
 
-def sweep(rows: list[dict], device: torch.device, backend: str, quick: bool,
-          budget: Budget | None = None) -> None:
+def sweep(
+    rows: list[dict], device: torch.device, backend: str, quick: bool, budget: Budget | None = None
+) -> None:
     """num_warps x smem_bytes x num_sms on one shape: time and TFLOP/s vs occupancy.
 
     The base tile (128x128x32) leaves room for more than one block per SM, so that raising
@@ -279,8 +341,9 @@ def sweep(rows: list[dict], device: torch.device, backend: str, quick: bool,
     limits = device_limits(device)
     M, N, K = (4096, 4096, 4096) if quick else (8192, 8192, 8192)
     dtype = torch.bfloat16
-    base = GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8,
-                      num_stages=2 if backend == "hip" else 4)
+    base = GemmConfig(
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=2 if backend == "hip" else 4
+    )
     a = torch.randn(M, K, device=device, dtype=dtype)
     b = torch.randn(K, N, device=device, dtype=dtype)
     out = torch.empty(M, N, device=device, dtype=dtype)
@@ -300,14 +363,21 @@ def sweep(rows: list[dict], device: torch.device, backend: str, quick: bool,
         for blocks in range(natural.blocks_per_sm - 1, 0, -1):
             smem_levels.append(smem_for_blocks(limits, blocks))
         if len(smem_levels) > (2 if quick else 3):  # natural, (middle,) one block per SM
-            smem_levels = [smem_levels[0]] + ([] if quick else [smem_levels[len(smem_levels) // 2]]) + [smem_levels[-1]]
+            smem_levels = (
+                [smem_levels[0]] + ([] if quick else [smem_levels[len(smem_levels) // 2]]) + [smem_levels[-1]]
+            )
         for num_sms in num_sms_levels:
             for smem in smem_levels:
                 if _out_of_time(rows, "sweep", budget):
                     return
                 cfg = cfg0.replace(smem_bytes=smem, persistent=num_sms is not None, num_sms=num_sms)
-                row: dict[str, Any] = dict(kind="sweep", shape=f"{M}x{N}x{K}", dtype="bf16", num_warps=warps,
-                                           num_sms=num_sms or "all (tiled)")
+                row: dict[str, Any] = dict(
+                    kind="sweep",
+                    shape=f"{M}x{N}x{K}",
+                    dtype="bf16",
+                    num_warps=warps,
+                    num_sms=num_sms or "all (tiled)",
+                )
                 try:
                     kern = warmup_gemm(cfg.replace(smem_bytes=None), dtype, M, N, K, device=device)
                     if smem is not None:
@@ -315,8 +385,13 @@ def sweep(rows: list[dict], device: torch.device, backend: str, quick: bool,
                             continue  # this form needs more than the level: skip the point
                         kern = _with_shared_memory(kern, smem, limits)
                     occ = kernel_occupancy(kern, limits)
-                    row.update(smem_bytes=int(kern.metadata.shared), blocks_per_sm=occ.blocks_per_sm,
-                               occupancy=occ.occupancy, limiting=occ.limiting, **_regs(kern))
+                    row.update(
+                        smem_bytes=int(kern.metadata.shared),
+                        blocks_per_sm=occ.blocks_per_sm,
+                        occupancy=occ.occupancy,
+                        limiting=occ.limiting,
+                        **_regs(kern),
+                    )
                     gemm(a, b, config=cfg, out=out)
                     ms = median_ms(lambda cfg=cfg: gemm(a, b, config=cfg, out=out), True, quick)
                     row.update(ms=ms, tflops=flops / ms / 1e9)
@@ -332,22 +407,38 @@ def cpu_correctness(rows: list[dict], quick: bool = False) -> None:
     gemm = _gemm()
     path = kernel_path("cpu")
     shapes = [(17, 33, 65)] if quick else [(1, 1, 1), (17, 33, 65), (128, 96, 200)]
-    for (M, N, K) in shapes:
+    for M, N, K in shapes:
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             a = torch.randn(M, K).to(dtype)
             b = torch.randn(K, N).to(dtype)
             bias = torch.randn(N).to(dtype)
             c = gemm(a, b, bias)
             ratio = _bound_ratio(c, a, b, bias, "ieee")
-            rows.append(dict(kind="correctness", path=path, shape=f"{M}x{N}x{K}", dtype=dtype_name(dtype),
-                             precision="ieee", form="default", layout="nn", err_over_bound=ratio, ok=ratio <= 1.0))
+            rows.append(
+                dict(
+                    kind="correctness",
+                    path=path,
+                    shape=f"{M}x{N}x{K}",
+                    dtype=dtype_name(dtype),
+                    precision="ieee",
+                    form="default",
+                    layout="nn",
+                    err_over_bound=ratio,
+                    ok=ratio <= 1.0,
+                )
+            )
 
 
 SECTIONS = ("correctness", "occupancy_check", "perf", "sweep")
 
 
-def run_section(name: str, rows: list[dict], quick: bool = False, cache_dir: str | None = None,
-                budget: Budget | None = None) -> None:
+def run_section(
+    name: str,
+    rows: list[dict],
+    quick: bool = False,
+    cache_dir: str | None = None,
+    budget: Budget | None = None,
+) -> None:
     """One section on the current GPU (``correctness`` falls back to the CPU check without one);
     exceptions propagate (gpu_check reports the phase as FAILED)."""
     from cokit.triton_kernels.backend import kernel_path
@@ -376,8 +467,10 @@ def run_section(name: str, rows: list[dict], quick: bool = False, cache_dir: str
 def summarize(rows: list[dict], kinds: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
     """Counts and headline numbers of some rows (one section or all)."""
     sel = [r for r in rows if r.get("kind") in kinds]
-    out: dict[str, Any] = {"errors": sum(1 for r in sel if r.get("error")),
-                           "skipped": sum(1 for r in sel if r.get("skipped"))}
+    out: dict[str, Any] = {
+        "errors": sum(1 for r in sel if r.get("error")),
+        "skipped": sum(1 for r in sel if r.get("skipped")),
+    }
     checks = [r for r in sel if r.get("kind") == "correctness" and "ok" in r]
     if checks:
         out["correctness_ok"] = all(r.get("ok") for r in checks)
@@ -394,7 +487,10 @@ def summarize(rows: list[dict], kinds: tuple[str, ...] = SECTIONS) -> dict[str, 
     sw = [r for r in sel if r.get("kind") == "sweep" and r.get("tflops")]
     if sw:
         out["sweep_points"] = len(sw)
-        out["sweep_tflops_range"] = [round(min(r["tflops"] for r in sw), 1), round(max(r["tflops"] for r in sw), 1)]
+        out["sweep_tflops_range"] = [
+            round(min(r["tflops"] for r in sw), 1),
+            round(max(r["tflops"] for r in sw), 1),
+        ]
     return out
 
 
@@ -407,21 +503,67 @@ def print_rows(rows: list[dict], kinds: tuple[str, ...] = SECTIONS) -> None:
         for r in bad[:10]:
             print(f"  FAIL {r}")
     if "occupancy_check" in kinds:
-        _print_table(rows, "occupancy_check", ["num_warps", "variant", "shared", "registers", "n_spills",
-                                               "blocks_calc", "blocks_driver", "match", "limiting", "error"])
+        _print_table(
+            rows,
+            "occupancy_check",
+            [
+                "num_warps",
+                "variant",
+                "shared",
+                "registers",
+                "n_spills",
+                "blocks_calc",
+                "blocks_driver",
+                "match",
+                "limiting",
+                "error",
+            ],
+        )
     if "perf" in kinds:
-        _print_table(rows, "perf", ["shape", "dtype", "config", "ms", "tflops", "torch_tflops", "vs_torch",
-                                    "n_regs", "n_spills", "cache_hit", "tune_s", "error"])
+        _print_table(
+            rows,
+            "perf",
+            [
+                "shape",
+                "dtype",
+                "config",
+                "ms",
+                "tflops",
+                "torch_tflops",
+                "vs_torch",
+                "n_regs",
+                "n_spills",
+                "cache_hit",
+                "tune_s",
+                "error",
+            ],
+        )
     if "sweep" in kinds:
-        _print_table(rows, "sweep", ["num_warps", "num_sms", "smem_bytes", "blocks_per_sm", "occupancy",
-                                     "n_regs", "n_spills", "ms", "tflops", "error"])
+        _print_table(
+            rows,
+            "sweep",
+            [
+                "num_warps",
+                "num_sms",
+                "smem_bytes",
+                "blocks_per_sm",
+                "occupancy",
+                "n_regs",
+                "n_spills",
+                "ms",
+                "tflops",
+                "error",
+            ],
+        )
     for r in rows:
         if r.get("kind") in kinds and r.get("skipped"):
             print(f"[gemm] {r['kind']}: {r['skipped']}")
 
 
 # ---------------------------------------------------------------------- entry points
-def run(report: dict, quick: bool = False, cache_dir: str | None = None, budget: Budget | None = None) -> list[dict]:
+def run(
+    report: dict, quick: bool = False, cache_dir: str | None = None, budget: Budget | None = None
+) -> list[dict]:
     """Run every section; add a summary to ``report['gemm']`` and return the rows."""
     t_start = time.time()
     rows: list[dict] = []
@@ -432,7 +574,7 @@ def run(report: dict, quick: bool = False, cache_dir: str | None = None, budget:
         print(f"[gemm] {summary['note']}")
     else:
         summary["device"] = torch.cuda.get_device_name()
-    for name in (SECTIONS if on_gpu else ("correctness",)):
+    for name in SECTIONS if on_gpu else ("correctness",):
         t0 = time.time()
         try:
             run_section(name, rows, quick, cache_dir, budget)

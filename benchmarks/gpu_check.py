@@ -123,8 +123,13 @@ def _run_cmd(cmd: list[str], timeout: float = 10.0) -> str | None:
 def driver_version() -> dict[str, Any]:
     """Best effort: the kernel driver's version (nvidia-smi / rocm-smi, else libcuda's API)."""
     info: dict[str, Any] = {}
-    smi = _run_cmd(["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.sm,power.limit",
-                    "--format=csv,noheader"])
+    smi = _run_cmd(
+        [
+            "nvidia-smi",
+            "--query-gpu=driver_version,name,memory.total,clocks.max.sm,power.limit",
+            "--format=csv,noheader",
+        ]
+    )
     if smi:
         info["nvidia_smi"] = smi.splitlines()[0]
         info["driver"] = smi.splitlines()[0].split(",")[0].strip()
@@ -147,9 +152,13 @@ def phase_env(ctx: Context) -> dict:
     """Versions and the device."""
     import torch
 
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
-                           "platform": platform.platform()}
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "platform": platform.platform(),
+    }
     try:
         import triton
 
@@ -160,17 +169,31 @@ def phase_env(ctx: Context) -> dict:
     if ctx.on_gpu:
         props = torch.cuda.get_device_properties(ctx.device)
         free, _ = torch.cuda.mem_get_info(ctx.device)
-        dev = {"name": props.name, "sm_count": props.multi_processor_count,
-               "memory_GiB": round(props.total_memory / 2**30, 1), "free_GiB": round(free / 2**30, 1),
-               "capability": f"{props.major}.{props.minor}", "device_count": torch.cuda.device_count()}
+        dev = {
+            "name": props.name,
+            "sm_count": props.multi_processor_count,
+            "memory_GiB": round(props.total_memory / 2**30, 1),
+            "free_GiB": round(free / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+            "device_count": torch.cuda.device_count(),
+        }
         with contextlib.suppress(Exception):
             from triton.runtime import driver
 
             target = driver.active.get_current_target()
             dev["triton_target"] = f"{target.backend}:{target.arch}"
             tp = driver.active.utils.get_device_properties(torch.cuda.current_device())
-            dev["triton_props"] = {k: tp[k] for k in ("max_shared_mem", "multiprocessor_count", "sm_clock_rate",
-                                                      "mem_clock_rate", "mem_bus_width") if k in tp}
+            dev["triton_props"] = {
+                k: tp[k]
+                for k in (
+                    "max_shared_mem",
+                    "multiprocessor_count",
+                    "sm_clock_rate",
+                    "mem_clock_rate",
+                    "mem_bus_width",
+                )
+                if k in tp
+            }
             if tp.get("mem_clock_rate") and tp.get("mem_bus_width"):  # kHz, bits; DDR
                 dev["hbm_peak_GBps"] = round(2 * tp["mem_clock_rate"] * 1e3 * tp["mem_bus_width"] / 8 / 1e9)
         with contextlib.suppress(Exception):
@@ -183,16 +206,23 @@ def phase_env(ctx: Context) -> dict:
     else:
         from cokit.triton_kernels.backend import kernel_path
 
-        dev = {"name": f"cpu ({platform.processor() or platform.machine()})", "threads": torch.get_num_threads(),
-               "kernel_path": kernel_path("cpu")}
+        dev = {
+            "name": f"cpu ({platform.processor() or platform.machine()})",
+            "threads": torch.get_num_threads(),
+            "kernel_path": kernel_path("cpu"),
+        }
     out["device"] = dev
-    print(f"  python {out['python']}  torch {out['torch']}  triton {out['triton']}  "
-          f"cuda {out['cuda'] or '-'}  hip {out['hip'] or '-'}  driver {out.get('driver', '-')}"
-          f"  (CUDA driver API {out.get('cuda_driver_api', '-')})")
+    print(
+        f"  python {out['python']}  torch {out['torch']}  triton {out['triton']}  "
+        f"cuda {out['cuda'] or '-'}  hip {out['hip'] or '-'}  driver {out.get('driver', '-')}"
+        f"  (CUDA driver API {out.get('cuda_driver_api', '-')})"
+    )
     desc = ", ".join(f"{k} {v}" for k, v in dev.items() if k not in ("name", "triton_props"))
     print(f"  device: {dev['name']}: {desc}")
-    out["key"] = (f"{dev['name']}, {dev.get('sm_count', '-')} SMs, {dev.get('memory_GiB', '-')} GiB; "
-                  f"torch {out['torch']}, triton {out['triton']}, driver {out.get('driver', '-')}")
+    out["key"] = (
+        f"{dev['name']}, {dev.get('sm_count', '-')} SMs, {dev.get('memory_GiB', '-')} GiB; "
+        f"torch {out['torch']}, triton {out['triton']}, driver {out.get('driver', '-')}"
+    )
     return out
 
 
@@ -234,8 +264,13 @@ def _bucket(ctx: Context) -> dict:
         dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
         gen = torch.Generator(device=ctx.device).manual_seed(0)
         xs = [torch.randn(s, device=ctx.device, generator=gen).to(dtype) for s in shapes]
-        ctx.shared["bucket"] = {"shapes": shapes, "dtype": dtype, "xs": xs, "numel": sum(x.numel() for x in xs),
-                                "esz": xs[0].element_size()}
+        ctx.shared["bucket"] = {
+            "shapes": shapes,
+            "dtype": dtype,
+            "xs": xs,
+            "numel": sum(x.numel() for x in xs),
+            "esz": xs[0].element_size(),
+        }
     return ctx.shared["bucket"]
 
 
@@ -245,15 +280,28 @@ def _kernel_modules() -> list[Any]:
     return [dct, topk, error_feedback]
 
 
-def _time_row(ctx: Context, name: str, kernel: Callable, reference: Callable, nbytes: int,
-              errs: dict, resources: list[dict]) -> dict:
+def _time_row(
+    ctx: Context,
+    name: str,
+    kernel: Callable,
+    reference: Callable,
+    nbytes: int,
+    errs: dict,
+    resources: list[dict],
+) -> dict:
     """Time ``kernel`` (GPU) and ``reference``; one printed row with GB/s and registers."""
     from cokit.bench.timing import median_ms, resources_text
 
     b = _bucket(ctx)
-    row: dict[str, Any] = {"kernel": name, "elements": b["numel"], "bytes": nbytes, **errs,
-                           "n_regs": resources_text(resources, "n_regs"),
-                           "n_spills": resources_text(resources, "n_spills"), "compiled": resources}
+    row: dict[str, Any] = {
+        "kernel": name,
+        "elements": b["numel"],
+        "bytes": nbytes,
+        **errs,
+        "n_regs": resources_text(resources, "n_regs"),
+        "n_spills": resources_text(resources, "n_spills"),
+        "compiled": resources,
+    }
     bw = (ctx.shared or {}).get("copy_GBps")
     if ctx.on_gpu:
         if not ctx.budget.stop():
@@ -290,9 +338,14 @@ def _judge(row: dict, limits: dict[str, float]) -> list[str]:
 
 def _kernel_result(rows: list[dict], problems: list[str]) -> dict:
     key = "; ".join(
-        f"{r['kernel']} " + (f"{r['GBps']:.0f} GB/s x{r.get('speedup', float('nan')):.2f} regs {r['n_regs']}"
-                             if "GBps" in r else f"torch {r['torch_ms']:.2f} ms")
-        for r in rows)
+        f"{r['kernel']} "
+        + (
+            f"{r['GBps']:.0f} GB/s x{r.get('speedup', float('nan')):.2f} regs {r['n_regs']}"
+            if "GBps" in r
+            else f"torch {r['torch_ms']:.2f} ms"
+        )
+        for r in rows
+    )
     return {"rows": rows, "problems": problems, "key": key}
 
 
@@ -311,17 +364,35 @@ def phase_dct(ctx: Context) -> dict:
     with KernelWatch(_kernel_modules()) as dec:
         back = dct.dct_decode_multi(coeffs, shapes, CHUNK, dtype=torch.float32)
         _sync(ctx)
-    errs = {"rel_err": max(rel_err(c, r) for c, r in zip(coeffs, ref)),
-            "roundtrip_err": max(rel_err(x2, x) for x2, x in zip(back, xs))}
+    errs = {
+        "rel_err": max(rel_err(c, r) for c, r in zip(coeffs, ref)),
+        "roundtrip_err": max(rel_err(x2, x) for x2, x in zip(back, xs)),
+    }
     del back, ref
-    rows = [_time_row(ctx, "dct_encode", lambda: dct.dct_encode_multi(xs, CHUNK),
-                      lambda: [dct.dct_encode_reference(x, CHUNK) for x in xs], numel * (esz + 4), errs,
-                      enc.resources)]
+    rows = [
+        _time_row(
+            ctx,
+            "dct_encode",
+            lambda: dct.dct_encode_multi(xs, CHUNK),
+            lambda: [dct.dct_encode_reference(x, CHUNK) for x in xs],
+            numel * (esz + 4),
+            errs,
+            enc.resources,
+        )
+    ]
     problems = _judge(rows[0], {"rel_err": 1e-2, "roundtrip_err": 1e-2})
     if not ctx.budget.stop():
-        rows.append(_time_row(ctx, "dct_decode", lambda: dct.dct_decode_multi(coeffs, shapes, CHUNK, dtype),
-                              lambda: [dct.dct_decode_reference(c, s, CHUNK).to(dtype) for c, s in zip(coeffs, shapes)],
-                              numel * (4 + esz), {}, dec.resources))
+        rows.append(
+            _time_row(
+                ctx,
+                "dct_decode",
+                lambda: dct.dct_decode_multi(coeffs, shapes, CHUNK, dtype),
+                lambda: [dct.dct_decode_reference(c, s, CHUNK).to(dtype) for c, s in zip(coeffs, shapes)],
+                numel * (4 + esz),
+                {},
+                dec.resources,
+            )
+        )
     assert ctx.shared is not None
     ctx.shared["coeffs"] = coeffs
     return _kernel_result(rows, problems)
@@ -347,8 +418,15 @@ def phase_topk(ctx: Context) -> dict:
         _sync(ctx)
     ridx, rvals = topk.chunk_topk_reference(big, TOPK)
     errs = {"index_agreement": float((idx == ridx).float().mean()), "rel_err": rel_err(vals, rvals)}
-    row = _time_row(ctx, "chunk_topk", lambda: topk.chunk_topk(big, TOPK), lambda: topk.chunk_topk_reference(big, TOPK),
-                    big.numel() * 4 + idx.numel() * (idx.element_size() + 4), errs, w.resources)
+    row = _time_row(
+        ctx,
+        "chunk_topk",
+        lambda: topk.chunk_topk(big, TOPK),
+        lambda: topk.chunk_topk_reference(big, TOPK),
+        big.numel() * 4 + idx.numel() * (idx.element_size() + 4),
+        errs,
+        w.resources,
+    )
     return _kernel_result([row], _judge(row, {"index_agreement": 0.99, "rel_err": 1e-2}))
 
 
@@ -362,8 +440,9 @@ def _payload(ctx: Context) -> tuple[Any, Any]:
     if "payload" not in ctx.shared:
         b = _bucket(ctx)
         deltas = [torch.randn(s, device=ctx.device) * 0.01 for s in b["shapes"]]
-        ctx.shared["payload"] = error_feedback.ef_encode_reference(deltas, b["xs"], 0.999, 0.01, CHUNK, TOPK,
-                                                                   value_dtype=torch.float16)
+        ctx.shared["payload"] = error_feedback.ef_encode_reference(
+            deltas, b["xs"], 0.999, 0.01, CHUNK, TOPK, value_dtype=torch.float16
+        )
     return ctx.shared["payload"]
 
 
@@ -382,21 +461,31 @@ def phase_ef_encode(ctx: Context) -> dict:
     d_ker, d_ref = [d.clone() for d in deltas], [d.clone() for d in deltas]
     del deltas
     with KernelWatch(_kernel_modules()) as w:
-        pi, pv = error_feedback.ef_encode(d_ker, xs, beta=0.999, lr=0.01, chunk=CHUNK, k=TOPK,
-                                          value_dtype=torch.float16)
+        pi, pv = error_feedback.ef_encode(
+            d_ker, xs, beta=0.999, lr=0.01, chunk=CHUNK, k=TOPK, value_dtype=torch.float16
+        )
         _sync(ctx)
     ri, _ = error_feedback.ef_encode_reference(d_ref, xs, 0.999, 0.01, CHUNK, TOPK, value_dtype=torch.float16)
-    errs = {"index_agreement": float((pi == ri).float().mean()),
-            "delta_rel_err": max(rel_err(a, r) for a, r in zip(d_ker, d_ref))}
+    errs = {
+        "index_agreement": float((pi == ri).float().mean()),
+        "delta_rel_err": max(rel_err(a, r) for a, r in zip(d_ker, d_ref)),
+    }
     assert ctx.shared is not None
     ctx.shared["payload"] = (pi, pv)
     # timed runs keep updating their own buffers (as training does), outside the checked ones
-    row = _time_row(ctx, "ef_encode",
-                    lambda: error_feedback.ef_encode(d_ker, xs, beta=0.999, lr=0.01, chunk=CHUNK, k=TOPK,
-                                                     value_dtype=torch.float16),
-                    lambda: error_feedback.ef_encode_reference(d_ref, xs, 0.999, 0.01, CHUNK, TOPK,
-                                                               value_dtype=torch.float16),
-                    numel * (4 + esz + 4) + payload * (2 + 2), errs, w.resources)
+    row = _time_row(
+        ctx,
+        "ef_encode",
+        lambda: error_feedback.ef_encode(
+            d_ker, xs, beta=0.999, lr=0.01, chunk=CHUNK, k=TOPK, value_dtype=torch.float16
+        ),
+        lambda: error_feedback.ef_encode_reference(
+            d_ref, xs, 0.999, 0.01, CHUNK, TOPK, value_dtype=torch.float16
+        ),
+        numel * (4 + esz + 4) + payload * (2 + 2),
+        errs,
+        w.resources,
+    )
     return _kernel_result([row], _judge(row, {"index_agreement": 0.99, "delta_rel_err": 1e-2}))
 
 
@@ -419,11 +508,17 @@ def phase_ef_decode(ctx: Context) -> dict:
         _sync(ctx)
     error_feedback.ef_decode_reference(p_ref, gidx, gval, CHUNK, TOPK, 0.01, use_sign=False)
     errs = {"rel_err": max(rel_err(a, r) for a, r in zip(p_ker, p_ref))}
-    row = _time_row(ctx, "ef_decode",
-                    lambda: error_feedback.ef_decode(p_ker, gidx, gval, lr=0.01, chunk=CHUNK, k=TOPK,
-                                                     use_sign=False, validate=False),
-                    lambda: error_feedback.ef_decode_reference(p_ref, gidx, gval, CHUNK, TOPK, 0.01, use_sign=False),
-                    numel * 2 * esz + RANKS * payload * (2 + 2), errs, w.resources)
+    row = _time_row(
+        ctx,
+        "ef_decode",
+        lambda: error_feedback.ef_decode(
+            p_ker, gidx, gval, lr=0.01, chunk=CHUNK, k=TOPK, use_sign=False, validate=False
+        ),
+        lambda: error_feedback.ef_decode_reference(p_ref, gidx, gval, CHUNK, TOPK, 0.01, use_sign=False),
+        numel * 2 * esz + RANKS * payload * (2 + 2),
+        errs,
+        w.resources,
+    )
     return _kernel_result([row], _judge(row, {"rel_err": 5e-2}))
 
 
@@ -444,22 +539,31 @@ def _gemm_phase(section: str) -> Callable[[Context], dict]:
         gemm_bench.run_section(section, rows, quick=ctx.quick, cache_dir=cache_dir, budget=ctx.budget)
         gemm_bench.print_rows(rows, (section,))
         summary = gemm_bench.summarize(rows, (section,))
-        problems = [f"{r.get('shape', '')} {r.get('dtype', '')} {r.get('form', r.get('variant', ''))}: "
-                    f"{r.get('error') or 'outside the error bound'}"
-                    for r in rows if r.get("error") or r.get("ok") is False]
+        problems = [
+            f"{r.get('shape', '')} {r.get('dtype', '')} {r.get('form', r.get('variant', ''))}: "
+            f"{r.get('error') or 'outside the error bound'}"
+            for r in rows
+            if r.get("error") or r.get("ok") is False
+        ]
         if summary.get("occupancy_matches_driver") is False:
             problems.append("occupancy calculator disagrees with the driver")
         parts = [summary.get("correctness")]
         if "best_tflops" in summary:
-            parts.append(f"best {summary['best_tflops']} TFLOP/s ({summary['best_shape']}, "
-                         f"x{summary['best_vs_torch']} vs torch)")
+            parts.append(
+                f"best {summary['best_tflops']} TFLOP/s ({summary['best_shape']}, "
+                f"x{summary['best_vs_torch']} vs torch)"
+            )
         if "occupancy_matches_driver" in summary:
             parts.append(f"driver agrees: {summary['occupancy_matches_driver']}")
         if "sweep_tflops_range" in summary:
             lo, hi = summary["sweep_tflops_range"]
             parts.append(f"{summary['sweep_points']} points, {lo}-{hi} TFLOP/s")
-        return {"rows": rows, "summary": summary, "problems": problems[:20],
-                "key": "; ".join(p for p in parts if p)}
+        return {
+            "rows": rows,
+            "summary": summary,
+            "problems": problems[:20],
+            "key": "; ".join(p for p in parts if p),
+        }
 
     phase.__name__ = f"phase_gemm_{section}"
     return phase
@@ -469,7 +573,9 @@ def phase_overlap(ctx: Context) -> dict:
     from cokit.bench import overlap_bench
 
     report: dict = {}
-    rows = overlap_bench.run(report, quick=ctx.quick, budget=ctx.budget, tiny=not ctx.on_gpu, raise_errors=True)
+    rows = overlap_bench.run(
+        report, quick=ctx.quick, budget=ctx.budget, tiny=not ctx.on_gpu, raise_errors=True
+    )
     summary = report.get("overlap", {})
     best = summary.get("best") or {}
     key = f"{summary.get('points', 0)} points"
@@ -490,8 +596,14 @@ def default_phases() -> list[Phase]:
         Phase("kernels.ef_decode", phase_ef_decode, 12, 25, what="fused decode of 8 payloads"),
         Phase("optimizer", phase_optimizer, 18, 40, what="DeMo step vs fused AdamW"),
         Phase("gemm.correctness", _gemm_phase("correctness"), 22, 45, what="GEMM vs float64"),
-        Phase("gemm.occupancy", _gemm_phase("occupancy_check"), 8, 15, needs_gpu=True,
-              what="blocks/SM: calculator vs driver"),
+        Phase(
+            "gemm.occupancy",
+            _gemm_phase("occupancy_check"),
+            8,
+            15,
+            needs_gpu=True,
+            what="blocks/SM: calculator vs driver",
+        ),
         Phase("gemm.perf", _gemm_phase("perf"), 18, 75, needs_gpu=True, what="tuned GEMM TFLOP/s vs torch"),
         Phase("gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep"),
         Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
@@ -544,9 +656,16 @@ def write_outputs(folder: str, report: dict, log: list[str]) -> None:
 def summary_table(phases: list[dict]) -> None:
     print("\n" + "=" * 100)
     print(f"{TAG} summary")
-    rows = [{"phase": p["name"], "status": p["status"], "seconds": f"{p['seconds']:.1f}",
-             "budget": f"{p['budget_s']:.0f}" if p.get("budget_s") is not None else "-",
-             "key numbers": (p.get("key") or p.get("error") or p.get("note") or "")[:110]} for p in phases]
+    rows = [
+        {
+            "phase": p["name"],
+            "status": p["status"],
+            "seconds": f"{p['seconds']:.1f}",
+            "budget": f"{p['budget_s']:.0f}" if p.get("budget_s") is not None else "-",
+            "key numbers": (p.get("key") or p.get("error") or p.get("note") or "")[:110],
+        }
+        for p in phases
+    ]
     print_rows(rows, ["phase", "status", "seconds", "budget", "key numbers"])
 
 
@@ -554,28 +673,49 @@ def summary_table(phases: list[dict]) -> None:
 def environment_problem(allow_cpu: bool) -> str | None:
     """Why this process cannot run the check (one line), or None."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return ("TRITON_INTERPRET is set: Triton kernels would run in the CPU interpreter, which times "
-                "nothing real; unset it (env -u TRITON_INTERPRET ...)")
+        return (
+            "TRITON_INTERPRET is set: Triton kernels would run in the CPU interpreter, which times "
+            "nothing real; unset it (env -u TRITON_INTERPRET ...)"
+        )
     import torch
 
     if not torch.cuda.is_available() and not allow_cpu:
-        return ("no GPU visible (torch.cuda.is_available() is False): this check needs a CUDA or ROCm GPU; "
-                "--allow-cpu runs the torch reference path on the CPU instead")
+        return (
+            "no GPU visible (torch.cuda.is_available() is False): this check needs a CUDA or ROCm GPU; "
+            "--allow-cpu runs the torch reference path on the CPU instead"
+        )
     return None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cokit.bench.gpu_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer points (< 3 min on one H200)")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help=f"folder for {JSON_NAME} and {LOG_NAME} (default {DEFAULT_OUT})")
-    p.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU")
-    p.add_argument("--only", nargs="+", default=None, metavar="PHASE",
-                   help="run only these phases (names or prefixes, e.g. kernels gemm.perf)")
-    p.add_argument("--time-limit", type=float, default=None,
-                   help="total seconds; phases that would start later are SKIPPED "
-                        "(default 170 with --quick, 470 without)")
+    p = argparse.ArgumentParser(
+        prog="python -m cokit.bench.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smaller sizes and fewer points (< 3 min on one H200)"
+    )
+    p.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"folder for {JSON_NAME} and {LOG_NAME} (default {DEFAULT_OUT})"
+    )
+    p.add_argument(
+        "--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU"
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="PHASE",
+        help="run only these phases (names or prefixes, e.g. kernels gemm.perf)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="total seconds; phases that would start later are SKIPPED "
+        "(default 170 with --quick, 470 without)",
+    )
     p.add_argument("--list", action="store_true", help="list the phases and their budgets, then exit")
     return p
 
@@ -601,8 +741,12 @@ def main(argv: list[str] | None = None, phases: list[Phase] | None = None) -> in
         return 2
     chosen = _selected(phases, args.only)
     if not chosen:
-        print(f"gpu_check: error: --only {' '.join(args.only)} matches no phase; "
-              f"allowed: {', '.join(p.name for p in phases)}", file=sys.stderr, flush=True)
+        print(
+            f"gpu_check: error: --only {' '.join(args.only)} matches no phase; "
+            f"allowed: {', '.join(p.name for p in phases)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     log: list[str] = []
     real_out, real_err = sys.stdout, sys.stderr
@@ -625,19 +769,36 @@ def _run(args: argparse.Namespace, phases: list[Phase], log: list[str]) -> int:
     ctx = Context(device=device, on_gpu=on_gpu, quick=args.quick, shared={}, out=args.out)
     _ensure_triton_cache()
     mode = "gpu" if on_gpu else "cpu (torch reference path, tiny sizes: no GPU numbers)"
-    report: dict[str, Any] = {"tool": "cokit.bench.gpu_check", "argv": sys.argv[1:], "quick": args.quick,
-                              "mode": mode, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                              "time_limit_s": limit, "complete": False, "phases": []}
+    report: dict[str, Any] = {
+        "tool": "cokit.bench.gpu_check",
+        "argv": sys.argv[1:],
+        "quick": args.quick,
+        "mode": mode,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "time_limit_s": limit,
+        "complete": False,
+        "phases": [],
+    }
     fail_hook = os.environ.get("COKIT_GPU_CHECK_FAIL", "")  # tests: make these phases raise
-    print(f"{TAG} {'--quick' if args.quick else 'full run'} on {mode}; {len(phases)} phases, "
-          f"time limit {limit:.0f} s; writing {os.path.abspath(args.out)}", flush=True)
+    print(
+        f"{TAG} {'--quick' if args.quick else 'full run'} on {mode}; {len(phases)} phases, "
+        f"time limit {limit:.0f} s; writing {os.path.abspath(args.out)}",
+        flush=True,
+    )
     if not on_gpu:
-        print(f"{TAG} no GPU: the torch reference path only, at tiny sizes; Triton kernel timings need a GPU",
-              flush=True)
+        print(
+            f"{TAG} no GPU: the torch reference path only, at tiny sizes; Triton kernel timings need a GPU",
+            flush=True,
+        )
     for i, ph in enumerate(phases, 1):
         budget_s = ph.budget_quick if args.quick else ph.budget_full
-        entry: dict[str, Any] = {"name": ph.name, "what": ph.what, "budget_s": budget_s, "status": "SKIPPED",
-                                 "seconds": 0.0}
+        entry: dict[str, Any] = {
+            "name": ph.name,
+            "what": ph.what,
+            "budget_s": budget_s,
+            "status": "SKIPPED",
+            "seconds": 0.0,
+        }
         report["phases"].append(entry)
         head = f"{TAG} [{i}/{len(phases)}] {ph.name}"
         if ph.needs_gpu and not on_gpu:
@@ -678,19 +839,27 @@ def _run(args: argparse.Namespace, phases: list[Phase], log: list[str]) -> int:
                     torch.cuda.empty_cache()
         extra = entry.get("key") or entry.get("error") or entry.get("note") or ""
         over = " (over budget)" if entry.get("over_budget") else ""
-        print(f"{head}: {entry['status']} in {entry['seconds']:.1f} s{over}{': ' + extra[:160] if extra else ''}",
-              flush=True)
+        print(
+            f"{head}: {entry['status']} in {entry['seconds']:.1f} s{over}{': ' + extra[:160] if extra else ''}",
+            flush=True,
+        )
         report["elapsed_s"] = round(total.elapsed(), 1)
         _save(args.out, report, log)
     report["complete"] = True
     report["elapsed_s"] = round(total.elapsed(), 1)
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    counts = {s: sum(1 for p in report["phases"] if p["status"].startswith(s))
-              for s in ("OK", "WARN", "BUDGET", "FAILED", "SKIPPED")}
+    counts = {
+        s: sum(1 for p in report["phases"] if p["status"].startswith(s))
+        for s in ("OK", "WARN", "BUDGET", "FAILED", "SKIPPED")
+    }
     report["counts"] = counts
     summary_table(report["phases"])
-    print(f"{TAG} done in {report['elapsed_s']:.0f} s: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v))
-    print(f"{TAG} wrote {os.path.join(args.out, JSON_NAME)} and {os.path.join(args.out, LOG_NAME)}", flush=True)
+    print(
+        f"{TAG} done in {report['elapsed_s']:.0f} s: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+    )
+    print(
+        f"{TAG} wrote {os.path.join(args.out, JSON_NAME)} and {os.path.join(args.out, LOG_NAME)}", flush=True
+    )
     _save(args.out, report, log)
     return 1 if counts["FAILED"] else 0
 

@@ -18,9 +18,20 @@ from cokit.bench.timing import Budget, median_ms
 
 def layer_shapes(d_model: int, layers: int) -> list[tuple[int, ...]]:
     """Parameter shapes of ``layers`` pre-norm transformer blocks."""
-    block = [(3 * d_model, d_model), (3 * d_model,), (d_model, d_model), (d_model,),
-             (4 * d_model, d_model), (4 * d_model,), (d_model, 4 * d_model), (d_model,),
-             (d_model,), (d_model,), (d_model,), (d_model,)]
+    block = [
+        (3 * d_model, d_model),
+        (3 * d_model,),
+        (d_model, d_model),
+        (d_model,),
+        (4 * d_model, d_model),
+        (4 * d_model,),
+        (d_model, 4 * d_model),
+        (d_model,),
+        (d_model,),
+        (d_model,),
+        (d_model,),
+        (d_model,),
+    ]
     return block * layers
 
 
@@ -55,12 +66,21 @@ def run(report: dict | None = None, quick: bool = False, budget: Budget | None =
             break
         opt = make()
         ms = median_ms(opt.step, on_gpu, quick)
-        rows.append({"optimizer": name, "params": n, "dtype": str(dtype).replace("torch.", ""),
-                     "device": device_name, "step_ms": ms})
+        rows.append(
+            {
+                "optimizer": name,
+                "params": n,
+                "dtype": str(dtype).replace("torch.", ""),
+                "device": device_name,
+                "step_ms": ms,
+            }
+        )
         if name != "AdamW" and rows[0]["optimizer"] == "AdamW":
             rows[-1]["vs_adamw"] = ms / rows[0]["step_ms"]
-    print(f"optimizer step, {n:,} parameters ({layers} blocks of d={d_model}, {str(dtype).replace('torch.', '')}) on "
-          f"{device_name}; DeMo at world size 1 (encode + decode, no network)")
+    print(
+        f"optimizer step, {n:,} parameters ({layers} blocks of d={d_model}, {str(dtype).replace('torch.', '')}) on "
+        f"{device_name}; DeMo at world size 1 (encode + decode, no network)"
+    )
     for r in rows:
         rel = f"  ({r['vs_adamw']:.2f}x AdamW)" if "vs_adamw" in r else ""
         print(f"  {r['optimizer']:<20} {r['step_ms']:9.2f} ms{rel}")

@@ -62,8 +62,9 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budg
     a = torch.randn(S, S, device=device, dtype=dtype)
     b = torch.randn(S, S, device=device, dtype=dtype)
     out = torch.empty(S, S, device=device, dtype=dtype)
-    base = GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8,
-                      num_stages=2 if backend == "hip" else 4)
+    base = GemmConfig(
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=2 if backend == "hip" else 4
+    )
     comm_sms = max(1, limits.num_sms // 8)
     guard = StarvationGuard(max_reserved_fraction=0.25)
 
@@ -75,10 +76,12 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budg
     comms = [probe]
     if not quick:
         comms.append(EmulatedComm(256 << 20, device, kind="d2h"))
-    print(f"[overlap] GEMM {S}^3 bf16 {t_gemm:.3f} ms; EMULATED comm: copy kernel on {comm_sms} SMs, "
-          f"{passes} pass(es) of 256 MiB ({t_copy:.3f} ms per pass)")
+    print(
+        f"[overlap] GEMM {S}^3 bf16 {t_gemm:.3f} ms; EMULATED comm: copy kernel on {comm_sms} SMs, "
+        f"{passes} pass(es) of 256 MiB ({t_copy:.3f} ms per pass)"
+    )
     settings = []
-    for warps in ((4, 8) if not quick else (8,)):
+    for warps in (4, 8) if not quick else (8,):
         cfg0 = base.replace(num_warps=warps)
         natural = int(warmup_gemm(cfg0, dtype, S, S, S, device=device).metadata.shared)
         shaped = smem_for_blocks(limits, 1)
@@ -92,23 +95,49 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budg
     points = [(comm, setting) for comm in comms for setting in settings]
     for i, (comm, (cfg, prio, natural)) in enumerate(points):
         if budget.stop(len(points) - i):
-            rows.append(dict(kind="overlap_emulated", skipped=f"time budget spent ({len(points) - i} point(s) left)"))
+            rows.append(
+                dict(kind="overlap_emulated", skipped=f"time budget spent ({len(points) - i} point(s) left)")
+            )
             return
-        row: dict[str, Any] = dict(kind="overlap_emulated", emulated=True, comm=comm.label, num_warps=cfg.num_warps,
-                                   smem_bytes=cfg.smem_bytes or f"natural ({natural})",
-                                   num_sms=cfg.num_sms or "all (tiled)", priority=prio)
+        row: dict[str, Any] = dict(
+            kind="overlap_emulated",
+            emulated=True,
+            comm=comm.label,
+            num_warps=cfg.num_warps,
+            smem_bytes=cfg.smem_bytes or f"natural ({natural})",
+            num_sms=cfg.num_sms or "all (tiled)",
+            priority=prio,
+        )
         try:
-            bad = guard.violations(cfg, limits=limits, natural_smem=natural, priority=prio,
-                                   comm_sms=comm.n_sms if comm.kind == "copy-kernel" else None)
+            bad = guard.violations(
+                cfg,
+                limits=limits,
+                natural_smem=natural,
+                priority=prio,
+                comm_sms=comm.n_sms if comm.kind == "copy-kernel" else None,
+            )
             row["guard"] = "; ".join(bad) or "ok"
-            ov = Overlap(lambda cfg=cfg: gemm(a, b, config=cfg, out=out), comm, device=device, priority=prio,
-                         config=cfg, label="gemm+emulated")
+            ov = Overlap(
+                lambda cfg=cfg: gemm(a, b, config=cfg, out=out),
+                comm,
+                device=device,
+                priority=prio,
+                config=cfg,
+                label="gemm+emulated",
+            )
             res = ov.measure(repeats=repeats, warmup=warmup)
             m = res.metrics
-            row.update(T_comp=m.t_comp, T_comm=m.t_comm, T_seq=m.t_seq, T_ovl=m.t_ovl, speedup=m.speedup,
-                       pct_of_ideal=100 * m.fraction_of_ideal_gain, comm_hidden=m.comm_hidden,
-                       compute_slowdown=m.compute_slowdown,
-                       speedup_iqr=res.metric_spread["speedup"].iqr)
+            row.update(
+                T_comp=m.t_comp,
+                T_comm=m.t_comm,
+                T_seq=m.t_seq,
+                T_ovl=m.t_ovl,
+                speedup=m.speedup,
+                pct_of_ideal=100 * m.fraction_of_ideal_gain,
+                comm_hidden=m.comm_hidden,
+                compute_slowdown=m.compute_slowdown,
+                speedup_iqr=res.metric_spread["speedup"].iqr,
+            )
         except Exception as exc:  # one failing point must not hide the others
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
@@ -116,25 +145,48 @@ def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budg
 
 def _cpu(rows: list[dict], quick: bool, tiny: bool = False) -> None:
     from cokit.cpu_demo import cpu_gloo_measurement
+
     if tiny:  # gpu_check --allow-cpu: only shows that the path runs
         sizes: dict[str, int] = dict(size=128, numel=65_536, repeats=2, warmup=1, chunks=2)
     else:
-        sizes = dict(size=512 if quick else 768, numel=1_000_000 if quick else 2_000_000,
-                     repeats=5 if quick else 10, warmup=2)
+        sizes = dict(
+            size=512 if quick else 768,
+            numel=1_000_000 if quick else 2_000_000,
+            repeats=5 if quick else 10,
+            warmup=2,
+        )
     per_rank = cpu_gloo_measurement(**sizes)
     for rank, results in enumerate(per_rank):
         for res in results:
             m = res["metrics"]
-            rows.append(dict(kind="overlap_cpu_gloo", rank=rank, label=res["label"], emulated=False,
-                             T_comp=m["t_comp"], T_comm=m["t_comm"], T_seq=m["t_seq"], T_ovl=m["t_ovl"],
-                             speedup=m["speedup"], pct_of_ideal=100 * m["fraction_of_ideal_gain"],
-                             comm_hidden=m["comm_hidden"], compute_slowdown=m["compute_slowdown"]))
+            rows.append(
+                dict(
+                    kind="overlap_cpu_gloo",
+                    rank=rank,
+                    label=res["label"],
+                    emulated=False,
+                    T_comp=m["t_comp"],
+                    T_comm=m["t_comm"],
+                    T_seq=m["t_seq"],
+                    T_ovl=m["t_ovl"],
+                    speedup=m["speedup"],
+                    pct_of_ideal=100 * m["fraction_of_ideal_gain"],
+                    comm_hidden=m["comm_hidden"],
+                    compute_slowdown=m["compute_slowdown"],
+                )
+            )
             if rank == 0:
                 print(res["text"])
 
 
-def run(report: dict, quick: bool = False, budget_s: float = 240.0, budget: Budget | None = None,
-        tiny: bool = False, raise_errors: bool = False) -> list[dict]:
+def run(
+    report: dict,
+    quick: bool = False,
+    budget_s: float = 240.0,
+    budget: Budget | None = None,
+    tiny: bool = False,
+    raise_errors: bool = False,
+) -> list[dict]:
     """Run the study; add a summary to ``report['overlap']`` and return the rows.
 
     ``budget`` (default: ``budget_s`` from now) stops adding points once spent; ``tiny``
@@ -145,8 +197,10 @@ def run(report: dict, quick: bool = False, budget_s: float = 240.0, budget: Budg
     rows: list[dict] = []
     summary: dict[str, Any] = {"quick": quick, "budget_s": budget.seconds}
     if not torch.cuda.is_available():
-        summary["note"] = ("no GPU: ran the real CPU measurement (torch matmul + gloo all-reduce, 2 processes) "
-                           "instead of the one-GPU emulated study")
+        summary["note"] = (
+            "no GPU: ran the real CPU measurement (torch matmul + gloo all-reduce, 2 processes) "
+            "instead of the one-GPU emulated study"
+        )
         print(f"[overlap] {summary['note']}")
         try:
             _cpu(rows, quick, tiny)
@@ -156,8 +210,10 @@ def run(report: dict, quick: bool = False, budget_s: float = 240.0, budget: Budg
             rows.append(dict(kind="overlap_cpu_gloo", error=f"{type(exc).__name__}: {exc}"[:500]))
     else:
         device = torch.device("cuda", torch.cuda.current_device())
-        summary.update(device=torch.cuda.get_device_name(device),
-                       note="communication is EMULATED (copy kernel on a few SMs / device-to-host copy)")
+        summary.update(
+            device=torch.cuda.get_device_name(device),
+            note="communication is EMULATED (copy kernel on a few SMs / device-to-host copy)",
+        )
         try:
             _gpu_study(rows, device, quick, budget)
         except Exception as exc:
@@ -169,15 +225,44 @@ def run(report: dict, quick: bool = False, budget_s: float = 240.0, budget: Budg
     good = [r for r in rows if r.get("speedup") is not None]
     if good:
         best = max(good, key=lambda r: r["speedup"])
-        summary["best"] = {k: best.get(k) for k in ("num_warps", "smem_bytes", "num_sms", "priority", "comm", "label",
-                                                    "speedup", "pct_of_ideal")}
+        summary["best"] = {
+            k: best.get(k)
+            for k in (
+                "num_warps",
+                "smem_bytes",
+                "num_sms",
+                "priority",
+                "comm",
+                "label",
+                "speedup",
+                "pct_of_ideal",
+            )
+        }
     summary["errors"] = sum(1 for r in rows if r.get("error"))
     summary["points"] = len(good)
     summary["cut"] = budget.cut
     summary["seconds"] = round(time.time() - t0, 1)
     report["overlap"] = summary
-    _print(rows, ["kind", "rank", "num_warps", "smem_bytes", "num_sms", "priority", "T_comp", "T_comm", "T_ovl",
-                  "speedup", "pct_of_ideal", "comm_hidden", "compute_slowdown", "guard", "error"])
+    _print(
+        rows,
+        [
+            "kind",
+            "rank",
+            "num_warps",
+            "smem_bytes",
+            "num_sms",
+            "priority",
+            "T_comp",
+            "T_comm",
+            "T_ovl",
+            "speedup",
+            "pct_of_ideal",
+            "comm_hidden",
+            "compute_slowdown",
+            "guard",
+            "error",
+        ],
+    )
     print(f"[overlap] done in {summary['seconds']} s")
     return rows
 
@@ -187,9 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer settings, smaller GEMM (about 1 minute on a GPU)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer settings, smaller GEMM (about 1 minute on a GPU)"
+    )
     p.add_argument("--budget-s", type=float, default=240.0, help="stop adding points after this many seconds")
-    p.add_argument("--out", default=os.path.join("benchmarks", "out", "overlap.json"), help="JSON output file")
+    p.add_argument(
+        "--out", default=os.path.join("benchmarks", "out", "overlap.json"), help="JSON output file"
+    )
     args = p.parse_args(argv)
     report: dict = {}
     rows = run(report, quick=args.quick, budget_s=args.budget_s)

@@ -22,7 +22,9 @@ from cokit.triton_kernels._checks import check_int
 __all__ = ["cpu_gloo_measurement"]
 
 
-def _worker(rank: int, world: int, size: int, numel: int, repeats: int, warmup: int, chunks: int) -> list[dict]:
+def _worker(
+    rank: int, world: int, size: int, numel: int, repeats: int, warmup: int, chunks: int
+) -> list[dict]:
     import torch.distributed as dist
 
     from cokit.overlap.schedules import GemmCollective, Overlap
@@ -30,18 +32,30 @@ def _worker(rank: int, world: int, size: int, numel: int, repeats: int, warmup: 
     g = torch.Generator().manual_seed(rank)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     buf = torch.randn(numel, generator=g)
-    ov = Overlap(lambda: torch.matmul(a, b), lambda: dist.all_reduce(buf, async_op=True), device="cpu",
-                 label=f"torch.matmul {size}^3 fp32 + gloo all_reduce of {numel * 4 / 2**20:.1f} MiB",
-                 comm_label=f"gloo all_reduce, {world} processes")
+    ov = Overlap(
+        lambda: torch.matmul(a, b),
+        lambda: dist.all_reduce(buf, async_op=True),
+        device="cpu",
+        label=f"torch.matmul {size}^3 fp32 + gloo all_reduce of {numel * 4 / 2**20:.1f} MiB",
+        comm_label=f"gloo all_reduce, {world} processes",
+    )
     res = [ov.measure(repeats=repeats, warmup=warmup)]
     sched = GemmCollective(a, b, collective="all_reduce", chunks=chunks)
-    res.append(sched.measure(repeats=repeats, warmup=warmup,
-                             label=f"GemmCollective all_reduce {size}^3 fp32, {chunks} chunks"))
+    res.append(
+        sched.measure(
+            repeats=repeats, warmup=warmup, label=f"GemmCollective all_reduce {size}^3 fp32, {chunks} chunks"
+        )
+    )
     return [{"text": r.format(), **r.to_dict()} for r in res]
 
 
 def cpu_gloo_measurement(
-    size: int = 768, numel: int = 2_000_000, repeats: int = 10, warmup: int = 2, chunks: int = 4, world_size: int = 2
+    size: int = 768,
+    numel: int = 2_000_000,
+    repeats: int = 10,
+    warmup: int = 2,
+    chunks: int = 4,
+    world_size: int = 2,
 ) -> list[list[dict[str, Any]]]:
     """Spawn ``world_size`` gloo ranks and measure; returns each rank's results (dicts with
     a printable ``text``)."""
@@ -56,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: print rank 0's tables (and rank 1's headline metrics)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=768, help="square matmul size (default 768)")
-    p.add_argument("--numel", type=int, default=2_000_000, help="fp32 elements all-reduced (default 2e6 = 7.6 MiB)")
+    p.add_argument(
+        "--numel", type=int, default=2_000_000, help="fp32 elements all-reduced (default 2e6 = 7.6 MiB)"
+    )
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunks", type=int, default=4)
@@ -69,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     for rank, results in enumerate(per_rank[1:], start=1):
         for res in results:
             m = res["metrics"]
-            print(f"rank {rank}, {res['label']}: speedup {m['speedup']:.3f}, comm hidden {m['comm_hidden']:.3f}, "
-                  f"compute slowdown {m['compute_slowdown']:.3f}")
+            print(
+                f"rank {rank}, {res['label']}: speedup {m['speedup']:.3f}, comm hidden {m['comm_hidden']:.3f}, "
+                f"compute slowdown {m['compute_slowdown']:.3f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([[{k: v for k, v in r.items() if k != "text"} for r in rr] for rr in per_rank], f, indent=1)
+            json.dump(
+                [[{k: v for k, v in r.items() if k != "text"} for r in rr] for rr in per_rank], f, indent=1
+            )
     return 0
 
 

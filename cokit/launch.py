@@ -49,14 +49,21 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable, args: tuple,
-           queue) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable, args: tuple, queue
+) -> None:
     import torch.distributed as dist
 
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
@@ -91,8 +98,14 @@ def _child_env(env: Mapping[str, str | None]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout: float = 900.0,
-          env: Mapping[str, str | None] | None = None) -> list[Any]:
+def spawn(
+    world_size: int,
+    fn: Callable,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 900.0,
+    env: Mapping[str, str | None] | None = None,
+) -> list[Any]:
     """Spawn ``world_size`` ranks on ``backend``, run ``fn(rank, world_size, *args)`` on each
     (a module-level function), return the results in rank order.
 
@@ -111,8 +124,10 @@ def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", time
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, threads, fn, args, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, backend, threads, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
     with _child_env(env or {}):
         for p in procs:
             p.start()
@@ -125,7 +140,9 @@ def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", time
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                    raise RuntimeError(
+                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks did not finish within {timeout:.0f} s") from None
                 continue
@@ -141,8 +158,14 @@ def spawn(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", time
     return [results[r] for r in range(world_size)]
 
 
-def run(world_size: int, fn: Callable, *args: Any, device: str = "cpu", timeout: float = 900.0,
-        env: Mapping[str, str | None] | None = None) -> list[Any] | None:
+def run(
+    world_size: int,
+    fn: Callable,
+    *args: Any,
+    device: str = "cpu",
+    timeout: float = 900.0,
+    env: Mapping[str, str | None] | None = None,
+) -> list[Any] | None:
     """Run ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
 
     Under ``torchrun`` this process is one rank of the group the environment describes

@@ -38,9 +38,13 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     return atomic_write_text(path, buf.getvalue())
 
 
-def write_json(rows: Sequence[dict[str, Any]], path: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:
+def write_json(
+    rows: Sequence[dict[str, Any]], path: str | os.PathLike, meta: dict[str, Any] | None = None
+) -> Path:
     """``{"meta": ..., "rows": [...]}`` as JSON."""
-    return atomic_write_text(path, json.dumps({"meta": meta or {}, "rows": list(rows)}, indent=1, default=str))
+    return atomic_write_text(
+        path, json.dumps({"meta": meta or {}, "rows": list(rows)}, indent=1, default=str)
+    )
 
 
 # ---------------------------------------------------------------------- plots
@@ -84,7 +88,9 @@ def plot_heatmap(
         kx = str(r.get(x)) if r.get(x) is None else r.get(x)
         ky = str(r.get(y)) if r.get(y) is None else r.get(y)
         cells.setdefault((kx, ky), []).append(float(r[value]))
-    grid = [[statistics.median(cells[(vx, vy)]) if (vx, vy) in cells else float("nan") for vx in xs] for vy in ys]
+    grid = [
+        [statistics.median(cells[(vx, vy)]) if (vx, vy) in cells else float("nan") for vx in xs] for vy in ys
+    ]
     fig = _figure((max(5.0, 1.6 + 1.1 * len(xs)), max(3.0, 1.4 + 0.7 * len(ys))))
     ax = fig.subplots()
     im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
@@ -102,7 +108,9 @@ def plot_heatmap(
         label += " [EMULATED comm]"
     if any(str(r.get("device", "")).startswith("cpu") for r in ok):
         label += " [CPU]"
-    ax.set_title(label + ("\n(median over other axes)" if any(len(v) > 1 for v in cells.values()) else ""), fontsize=9)
+    ax.set_title(
+        label + ("\n(median over other axes)" if any(len(v) > 1 for v in cells.values()) else ""), fontsize=9
+    )
     fig.colorbar(im, ax=ax, label=value)
     return _save(fig, path)
 
@@ -112,24 +120,42 @@ def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | 
     (T_seq), overlapped (measured, with compute under overlap), and the ideal."""
     need = ("compute_ms", "communicate_ms", "overlapped_ms")
     if any(row.get(k) is None for k in need):
-        raise ValueError(f"row lacks {', '.join(k for k in need if row.get(k) is None)}; it needs {', '.join(need)}")
+        raise ValueError(
+            f"row lacks {', '.join(k for k in need if row.get(k) is None)}; it needs {', '.join(need)}"
+        )
     tc, tm, to = row["compute_ms"], row["communicate_ms"], row["overlapped_ms"]
     tu = row.get("compute_under_overlap_ms") or tc
     comm_name = "EMULATED comm" if row.get("emulated") else "communication"
     fig = _figure((9, 3.2))
     ax = fig.subplots()
     lanes: list[tuple[str, list[tuple[float, float, str, str | None]]]] = [
-        ("sequential (T_comp+T_comm)", [(0, tc, "tab:blue", "compute (alone)"),
-                                        (tc, tm, "tab:orange", f"{comm_name} (alone)")]),
-        ("overlapped (measured)", [(0, tu, "tab:blue", "compute under overlap"), (0, tm, "tab:orange", None),
-                                   (0, to, "none", None)]),
+        (
+            "sequential (T_comp+T_comm)",
+            [(0, tc, "tab:blue", "compute (alone)"), (tc, tm, "tab:orange", f"{comm_name} (alone)")],
+        ),
+        (
+            "overlapped (measured)",
+            [
+                (0, tu, "tab:blue", "compute under overlap"),
+                (0, tm, "tab:orange", None),
+                (0, to, "none", None),
+            ],
+        ),
         ("ideal max(T_comp, T_comm)", [(0, max(tc, tm), "tab:gray", "ideal")]),
     ]
     for lane, (name, bars) in enumerate(lanes):
         for start, width, color, lab in bars:
             if color == "none":
-                ax.barh(lane, width, left=start, height=0.7, fill=False, edgecolor="black", linewidth=1.5,
-                        label="T_ovl (measured)")
+                ax.barh(
+                    lane,
+                    width,
+                    left=start,
+                    height=0.7,
+                    fill=False,
+                    edgecolor="black",
+                    linewidth=1.5,
+                    label="T_ovl (measured)",
+                )
                 continue
             h = 0.3 if name.startswith("overlapped") else 0.6
             off = (0.17 if color == "tab:blue" else -0.17) if name.startswith("overlapped") else 0
@@ -139,10 +165,15 @@ def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | 
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    knobs = ", ".join(f"{k}={row.get(k)}" for k in ("num_warps", "smem_bytes", "num_sms", "priority")
-                      if row.get(k) not in (None, ""))
-    desc = title or (f"{row.get('collective', '')}, size {row.get('size', '')}, chunks {row.get('chunks', '')}, "
-                     f"{knobs}\nspeedup {row.get('speedup', float('nan')):.3f} (T_comp+T_comm)/T_ovl")
+    knobs = ", ".join(
+        f"{k}={row.get(k)}"
+        for k in ("num_warps", "smem_bytes", "num_sms", "priority")
+        if row.get(k) not in (None, "")
+    )
+    desc = title or (
+        f"{row.get('collective', '')}, size {row.get('size', '')}, chunks {row.get('chunks', '')}, "
+        f"{knobs}\nspeedup {row.get('speedup', float('nan')):.3f} (T_comp+T_comm)/T_ovl"
+    )
     if str(row.get("device", "")).startswith("cpu"):
         desc += " [CPU]"
     ax.set_title(desc, fontsize=8)
@@ -169,8 +200,15 @@ def default_plots(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) ->
         paths.append(plot_heatmap(rows, "message_bytes", axis, out_dir / f"heatmap_{axis}_message.png"))
     for col in sorted({r["collective"] for r in rows}):
         sel = [r for r in rows if r["collective"] == col]
-        paths.append(plot_heatmap(sel, "message_bytes", "chunks", out_dir / f"heatmap_chunks_message_{col}.png",
-                                  title=f"speedup, {col}: chunks x message bytes"))
+        paths.append(
+            plot_heatmap(
+                sel,
+                "message_bytes",
+                "chunks",
+                out_dir / f"heatmap_chunks_message_{col}.png",
+                title=f"speedup, {col}: chunks x message bytes",
+            )
+        )
     best = max(rows, key=lambda r: r.get("speedup") or 0.0)
     paths.append(plot_timeline(best, out_dir / "timeline_best.png"))
     return paths
@@ -182,9 +220,20 @@ def _sweep_worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str,
     from cokit.launch import local_device
 
     device = local_device(spec["device"])
-    points = [SweepPoint(p["collective"], p["size"], p["chunks"], GemmConfig.from_dict(p["config"]), p["priority"],
-                         p["comm_sms"]) for p in spec["points"]]
-    return run_sweep(points, device=device, dtype=spec["dtype"], repeats=spec["repeats"], warmup=spec["warmup"])
+    points = [
+        SweepPoint(
+            p["collective"],
+            p["size"],
+            p["chunks"],
+            GemmConfig.from_dict(p["config"]),
+            p["priority"],
+            p["comm_sms"],
+        )
+        for p in spec["points"]
+    ]
+    return run_sweep(
+        points, device=device, dtype=spec["dtype"], repeats=spec["repeats"], warmup=spec["warmup"]
+    )
 
 
 def sweep_main(
@@ -205,8 +254,22 @@ def sweep_main(
 
     if world_size == 1 and not in_torchrun():
         return run_sweep(points, device=device, dtype=dtype, repeats=repeats, warmup=warmup)
-    spec: dict[str, Any] = {"device": "cuda" if backend == "nccl" else "cpu", "dtype": dtype, "repeats": repeats, "warmup": warmup,
-            "points": [{"collective": p.collective, "size": p.size, "chunks": p.chunks, "config": p.config.to_dict(),
-                        "priority": p.priority, "comm_sms": p.comm_sms} for p in points]}
+    spec: dict[str, Any] = {
+        "device": "cuda" if backend == "nccl" else "cpu",
+        "dtype": dtype,
+        "repeats": repeats,
+        "warmup": warmup,
+        "points": [
+            {
+                "collective": p.collective,
+                "size": p.size,
+                "chunks": p.chunks,
+                "config": p.config.to_dict(),
+                "priority": p.priority,
+                "comm_sms": p.comm_sms,
+            }
+            for p in points
+        ],
+    }
     per_rank = run(world_size, _sweep_worker, spec, device=spec["device"])
     return None if per_rank is None else [row for rows in per_rank for row in rows]

@@ -139,8 +139,12 @@ class DenseAllReduce(Method):
     """Average gradients with one flat all-reduce (a buffer reused across steps), then step a
     local torch optimizer."""
 
-    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.optimizer = optimizer
         self.comm = Communicator(group, owner=f"{type(optimizer).__name__} (dense all-reduce)")
@@ -151,7 +155,9 @@ class DenseAllReduce(Method):
         if self.comm.distributed:
             if self._flat is None:
                 p0 = self.params[0]
-                self._flat = torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+                self._flat = torch.empty(
+                    sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device
+                )
             views = self._flat.split([p.numel() for p in self.params])
             for p, v in zip(self.params, views):
                 if p.grad is None:
@@ -188,8 +194,13 @@ class DeMoMethod(Method):
     def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
         from cokit.compress import DeMo  # lazy: the runner works without the optimizer module
 
-        self.optimizer = DeMo(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
-                              process_group=group, **spec.options)
+        self.optimizer = DeMo(
+            model.parameters(),
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+            process_group=group,
+            **spec.options,
+        )
 
     def step(self) -> tuple[int, int]:
         self.optimizer.step()
@@ -248,7 +259,9 @@ class RunResult:
         return {
             "method": self.spec.display,
             "steps": n,
-            "final_train_loss": sum(self.train_loss[-tail:]) / len(self.train_loss[-tail:]) if n else math.nan,
+            "final_train_loss": sum(self.train_loss[-tail:]) / len(self.train_loss[-tail:])
+            if n
+            else math.nan,
             "final_heldout_loss": self.evals[-1][1] if self.evals else math.nan,
             "bytes_per_step": sent / n if n else 0.0,
             "dense_bytes_per_step": dense / n if n else 0.0,
@@ -296,8 +309,9 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def _heldout_sum(workload: Workload, model: nn.Module, batches: list[Any], rank: int,
-                 world_size: int) -> torch.Tensor:
+def _heldout_sum(
+    workload: Workload, model: nn.Module, batches: list[Any], rank: int, world_size: int
+) -> torch.Tensor:
     """Sum of this rank's share (batches ``rank::world_size``) of the held-out batch losses:
     a float64 tensor of shape ``(1,)`` on the model's device (no host sync)."""
     model.eval()
@@ -332,9 +346,16 @@ def run_environment(device: torch.device, group: dist.ProcessGroup | None = None
     }
 
 
-def run_method(spec: MethodSpec, workload: Workload, steps: int, seed: int, *,
-               eval_every: int = 25, group: dist.ProcessGroup | None = None,
-               log: Log | None = None) -> RunResult:
+def run_method(
+    spec: MethodSpec,
+    workload: Workload,
+    steps: int,
+    seed: int,
+    *,
+    eval_every: int = 25,
+    group: dist.ProcessGroup | None = None,
+    log: Log | None = None,
+) -> RunResult:
     """Train a fresh model (init from ``seed``) for ``steps`` steps with ``spec`` on every rank.
 
     Call on every rank of an initialised process group. Each rank draws its batches from
@@ -352,16 +373,24 @@ def run_method(spec: MethodSpec, workload: Workload, steps: int, seed: int, *,
     device = _device_of(model)
     method = build_method(spec, model, group)
     heldout = workload.heldout_batches()
-    result = RunResult(spec=spec, world_size=world, seed=seed,
-                       num_params=sum(p.numel() for p in model.parameters()),
-                       environment=run_environment(device, group))
+    result = RunResult(
+        spec=spec,
+        world_size=world,
+        seed=seed,
+        num_params=sum(p.numel() for p in model.parameters()),
+        environment=run_environment(device, group),
+    )
     pending: list[float] = []  # local train losses not yet averaged over ranks
     say = log if (log is not None and rank == 0) else None
 
     def checkpoint(step: int) -> None:
         """Average pending train losses over ranks and evaluate held-out loss (one collective)."""
-        buf = torch.cat([torch.tensor(pending, dtype=torch.float64, device=device),
-                         _heldout_sum(workload, model, heldout, rank, world)])
+        buf = torch.cat(
+            [
+                torch.tensor(pending, dtype=torch.float64, device=device),
+                _heldout_sum(workload, model, heldout, rank, world),
+            ]
+        )
         dist.all_reduce(buf, group=group)
         buf = buf.cpu() / world
         result.train_loss.extend(buf[:-1].tolist())
@@ -372,8 +401,10 @@ def run_method(spec: MethodSpec, workload: Workload, steps: int, seed: int, *,
             recent = result.train_loss[-eval_every:]
             train = f"{sum(recent) / len(recent):.3f}" if recent else "  -  "
             elapsed = time.perf_counter() - start
-            say(f"[{spec.display}] step {step:>{len(str(steps))}}/{steps}  train {train}  "
-                f"held-out {heldout_loss:.3f}  {elapsed:6.1f} s")
+            say(
+                f"[{spec.display}] step {step:>{len(str(steps))}}/{steps}  train {train}  "
+                f"held-out {heldout_loss:.3f}  {elapsed:6.1f} s"
+            )
 
     start = time.perf_counter()
     checkpoint(0)
@@ -402,8 +433,17 @@ def run_method(spec: MethodSpec, workload: Workload, steps: int, seed: int, *,
     return result
 
 
-def run_methods(rank: int, world_size: int, specs: list[MethodSpec], factory: WorkloadFactory,
-                steps: int, seed: int, eval_every: int, device: str, log: bool = True) -> list[RunResult]:
+def run_methods(
+    rank: int,
+    world_size: int,
+    specs: list[MethodSpec],
+    factory: WorkloadFactory,
+    steps: int,
+    seed: int,
+    eval_every: int,
+    device: str,
+    log: bool = True,
+) -> list[RunResult]:
     """Worker body: build the workload on this rank's device and run each spec in turn."""
     workload = factory.build(local_device(device))
     printer: Log | None = (lambda line: print(line, flush=True)) if log else None
@@ -414,8 +454,14 @@ def run_methods(rank: int, world_size: int, specs: list[MethodSpec], factory: Wo
 # launching
 
 
-def run_distributed(fn: Callable, *args: Any, world_size: int, device: str = "cpu",
-                    interpret: bool = False, timeout: float = 3600.0) -> Any:
+def run_distributed(
+    fn: Callable,
+    *args: Any,
+    world_size: int,
+    device: str = "cpu",
+    interpret: bool = False,
+    timeout: float = 3600.0,
+) -> Any:
     """Run ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
 
     Under ``torchrun`` this process is one rank of the group the environment describes
@@ -428,8 +474,10 @@ def run_distributed(fn: Callable, *args: Any, world_size: int, device: str = "cp
     ranks are already started, ``interpret=True`` raises ``ValueError``).
     """
     if interpret and in_torchrun():
-        raise ValueError("interpret=True cannot apply under torchrun (the ranks are already started); "
-                         "set TRITON_INTERPRET=1 in the torchrun environment instead")
+        raise ValueError(
+            "interpret=True cannot apply under torchrun (the ranks are already started); "
+            "set TRITON_INTERPRET=1 in the torchrun environment instead"
+        )
     interpreter = {"TRITON_INTERPRET": "1" if interpret else None}
     results = run(world_size, fn, *args, device=device, timeout=timeout, env=interpreter)
     return results[0] if results is not None else None

@@ -14,32 +14,61 @@ from typing import Any
 from cokit.display import human_bytes, pyplot
 from cokit.train import RunResult
 
-CSV_FIELDS = ("method", "step", "train_loss", "heldout_loss", "bytes_sent", "cum_bytes_sent",
-              "dense_bytes", "step_s", "opt_s", "wall_s")
+CSV_FIELDS = (
+    "method",
+    "step",
+    "train_loss",
+    "heldout_loss",
+    "bytes_sent",
+    "cum_bytes_sent",
+    "dense_bytes",
+    "step_s",
+    "opt_s",
+    "wall_s",
+)
 
 
 def summary_table(results: Sequence[RunResult], uniform_loss: float | None = None) -> str:
     """One row per method: final losses, bytes per step, compression ratio, time per step."""
-    header = ("method", "train loss", "held-out loss", "bytes/step/rank", "compression", "time/step", "opt/step")
+    header = (
+        "method",
+        "train loss",
+        "held-out loss",
+        "bytes/step/rank",
+        "compression",
+        "time/step",
+        "opt/step",
+    )
     rows = []
     for r in results:
         s = r.summary()
         ratio = s["compression_ratio"]
-        rows.append((
-            s["method"], f"{s['final_train_loss']:.3f}", f"{s['final_heldout_loss']:.3f}",
-            human_bytes(s["bytes_per_step"]), "inf" if math.isinf(ratio) else f"{ratio:.1f}x",
-            f"{s['time_per_step_s'] * 1e3:.0f} ms", f"{s['opt_time_per_step_s'] * 1e3:.0f} ms",
-        ))
+        rows.append(
+            (
+                s["method"],
+                f"{s['final_train_loss']:.3f}",
+                f"{s['final_heldout_loss']:.3f}",
+                human_bytes(s["bytes_per_step"]),
+                "inf" if math.isinf(ratio) else f"{ratio:.1f}x",
+                f"{s['time_per_step_s'] * 1e3:.0f} ms",
+                f"{s['opt_time_per_step_s'] * 1e3:.0f} ms",
+            )
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def fmt(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     lines = [fmt(header), fmt(tuple("-" * w for w in widths)), *(fmt(row) for row in rows)]
     by_name = {r.spec.name: r.summary() for r in results}
     if "demo" in by_name and "adamw" in by_name and by_name["demo"]["bytes_per_step"] > 0:
         times = by_name["adamw"]["bytes_per_step"] / by_name["demo"]["bytes_per_step"]
         lines.append(f"demo sends {times:.0f}x fewer bytes per step than adamw's dense all-reduce")
     if uniform_loss is not None:
-        lines.append(f"(uniform guess: {uniform_loss:.3f} nats/char; train loss = mean of the last 10% of steps; "
-                     "times are medians; compression = dense all-reduce bytes / bytes sent)")
+        lines.append(
+            f"(uniform guess: {uniform_loss:.3f} nats/char; train loss = mean of the last 10% of steps; "
+            "times are medians; compression = dense all-reduce bytes / bytes sent)"
+        )
     return "\n".join(lines)
 
 
@@ -48,15 +77,30 @@ def csv_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for r in results:
         evals = dict(r.evals)
-        rows.append({**dict.fromkeys(CSV_FIELDS, ""), "method": r.spec.display, "step": 0,
-                     "heldout_loss": evals.get(0, ""), "cum_bytes_sent": 0})
+        rows.append(
+            {
+                **dict.fromkeys(CSV_FIELDS, ""),
+                "method": r.spec.display,
+                "step": 0,
+                "heldout_loss": evals.get(0, ""),
+                "cum_bytes_sent": 0,
+            }
+        )
         for i, cum in enumerate(accumulate(r.bytes_sent)):
-            rows.append({
-                "method": r.spec.display, "step": i + 1, "train_loss": r.train_loss[i],
-                "heldout_loss": evals.get(i + 1, ""), "bytes_sent": r.bytes_sent[i],
-                "cum_bytes_sent": cum, "dense_bytes": r.dense_bytes[i], "step_s": r.step_s[i],
-                "opt_s": r.opt_s[i], "wall_s": r.wall_s[i],
-            })
+            rows.append(
+                {
+                    "method": r.spec.display,
+                    "step": i + 1,
+                    "train_loss": r.train_loss[i],
+                    "heldout_loss": evals.get(i + 1, ""),
+                    "bytes_sent": r.bytes_sent[i],
+                    "cum_bytes_sent": cum,
+                    "dense_bytes": r.dense_bytes[i],
+                    "step_s": r.step_s[i],
+                    "opt_s": r.opt_s[i],
+                    "wall_s": r.wall_s[i],
+                }
+            )
     return rows
 
 
@@ -70,8 +114,9 @@ def _smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_runs(path: str, results: Sequence[RunResult], uniform_loss: float | None = None,
-              title: str = "") -> None:
+def plot_runs(
+    path: str, results: Sequence[RunResult], uniform_loss: float | None = None, title: str = ""
+) -> None:
     """Two panels: loss vs step (train smoothed, held-out markers) and loss vs cumulative
     bytes sent per rank (log x)."""
     plt = pyplot()
@@ -90,8 +135,14 @@ def plot_runs(path: str, results: Sequence[RunResult], uniform_loss: float | Non
         ax_step.plot(ev_steps, ev_loss, "o-", color=c, ms=3, lw=1.5, label=f"{name} held-out")
         pos = [(cum[s - 1], v) for s, v in r.evals if s > 0 and cum[s - 1] > 0]
         if any(cum):
-            ax_bytes.plot([x for x in cum if x > 0], [t for x, t in zip(cum, train) if x > 0],
-                          color=c, alpha=0.45, lw=1, label=f"{name} train")
+            ax_bytes.plot(
+                [x for x in cum if x > 0],
+                [t for x, t in zip(cum, train) if x > 0],
+                color=c,
+                alpha=0.45,
+                lw=1,
+                label=f"{name} train",
+            )
         if pos:
             ax_bytes.plot(*zip(*pos), "o-", color=c, ms=3, lw=1.5, label=f"{name} held-out")
     for ax in (ax_step, ax_bytes):
@@ -122,8 +173,9 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def write_outputs(out_dir: str, info: dict[str, Any], results: Sequence[RunResult], stem: str = "demo",
-                  title: str = "") -> list[str]:
+def write_outputs(
+    out_dir: str, info: dict[str, Any], results: Sequence[RunResult], stem: str = "demo", title: str = ""
+) -> list[str]:
     """Write ``<stem>.json`` (info, summaries, every series), ``<stem>.csv`` and ``<stem>.png``
     into ``out_dir``; return their paths."""
     from cokit import __version__

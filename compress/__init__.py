@@ -5,6 +5,12 @@ from cokit.compress.payload import PayloadCodec, codec_names, get_codec, registe
 from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
 
 __all__ = [
-    "CommStats", "DeMo", "PayloadCodec", "codec_names", "get_codec", "register_codec",
-    "ring_allgather_bytes", "ring_allreduce_bytes",
+    "CommStats",
+    "DeMo",
+    "PayloadCodec",
+    "codec_names",
+    "get_codec",
+    "register_codec",
+    "ring_allgather_bytes",
+    "ring_allreduce_bytes",
 ]

@@ -31,14 +31,21 @@ class Bucket:
     codec: PayloadCodec | None = None  # None for dense buckets
 
 
-def compressed_nbytes(shape: tuple[int, ...], chunk: int, k: int, codec: type[PayloadCodec],
-                      value_dtype: torch.dtype) -> int:
+def compressed_nbytes(
+    shape: tuple[int, ...], chunk: int, k: int, codec: type[PayloadCodec], value_dtype: torch.dtype
+) -> int:
     """Payload bytes per rank for one tensor sent alone."""
     return codec(payload_layout([shape], chunk, k), value_dtype).nbytes
 
 
-def sends_dense(shape: tuple[int, ...], chunk: int, k: int, codec: type[PayloadCodec], value_dtype: torch.dtype,
-                world_size: int) -> bool:
+def sends_dense(
+    shape: tuple[int, ...],
+    chunk: int,
+    k: int,
+    codec: type[PayloadCodec],
+    value_dtype: torch.dtype,
+    world_size: int,
+) -> bool:
     """True when a dense all-reduce of the fp32 buffer costs no more than the all-gather of
     its compressed payload (ring volumes; world size taken as at least 2)."""
     if len(shape) == 0:
@@ -93,7 +100,14 @@ def make_buckets(
     return buckets
 
 
-def _compressed_bucket(g: int, members: list[int], shapes: list[tuple[int, ...]], chunk: int, k: int,
-                       codec: type[PayloadCodec], value_dtype: torch.dtype) -> Bucket:
+def _compressed_bucket(
+    g: int,
+    members: list[int],
+    shapes: list[tuple[int, ...]],
+    chunk: int,
+    k: int,
+    codec: type[PayloadCodec],
+    value_dtype: torch.dtype,
+) -> Bucket:
     plan = payload_layout([shapes[i] for i in members], chunk, k)
     return Bucket(g, list(members), False, plan, codec(plan, value_dtype))

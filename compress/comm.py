@@ -51,7 +51,9 @@ class Pending:
 class Communicator:
     """Collectives on one process group for one owner, with running byte counts."""
 
-    def __init__(self, process_group=None, owner: str = "cokit", timeout: float | datetime.timedelta | None = None):
+    def __init__(
+        self, process_group=None, owner: str = "cokit", timeout: float | datetime.timedelta | None = None
+    ):
         self.group = process_group
         self.owner = owner
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):

@@ -63,10 +63,14 @@ class DCTTopKState:
         codec = get_codec(self.payload, owner="DCTTopKState")
         if not codec.bucketed:
             bucketed = tuple(n for n in codec_names() if get_codec(n).bucketed)
-            raise ValueError(f"DCTTopKState: payload must be a bucketed codec, one of {bucketed}, got "
-                             f"{self.payload!r} (it sends one tensor per collective)")
+            raise ValueError(
+                f"DCTTopKState: payload must be a bucketed codec, one of {bucketed}, got "
+                f"{self.payload!r} (it sends one tensor per collective)"
+            )
         if self.value_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"DCTTopKState: value_dtype must be float16, bfloat16 or float32, got {self.value_dtype}")
+            raise TypeError(
+                f"DCTTopKState: value_dtype must be float16, bfloat16 or float32, got {self.value_dtype}"
+            )
         if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay <= 1.0):
             raise ValueError(f"DCTTopKState: decay must be in [0, 1], got {self.decay!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -103,8 +107,11 @@ class _BucketLayout:
     @classmethod
     def build(cls, state: DCTTopKState, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
         codec_cls = get_codec(state.payload, owner="DCTTopKState")
-        dense_idx = [i for i, s in enumerate(shapes)
-                     if sends_dense(s, state.chunk, state.topk, codec_cls, state.value_dtype, world)]
+        dense_idx = [
+            i
+            for i, s in enumerate(shapes)
+            if sends_dense(s, state.chunk, state.topk, codec_cls, state.value_dtype, world)
+        ]
         sparse_idx = [i for i in range(len(shapes)) if i not in dense_idx]
         codec = None
         if sparse_idx:
@@ -145,8 +152,15 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
         futures.append(_dense_mean(state, flat))
 
     if codec is not None:
-        idx, vals = ef_encode(layout.deltas, [grads[i] for i in sparse_idx], beta=state.decay, lr=1.0,
-                              chunk=state.chunk, k=state.topk, value_dtype=codec.encode_dtype)
+        idx, vals = ef_encode(
+            layout.deltas,
+            [grads[i] for i in sparse_idx],
+            beta=state.decay,
+            lr=1.0,
+            chunk=state.chunk,
+            k=state.topk,
+            value_dtype=codec.encode_dtype,
+        )
         for wire in codec.to_wire(idx, vals):
             futures.append(_all_gather(state, wire.reshape(-1), world))
             sent += ring_allgather_bytes(wire.numel() * wire.element_size(), world)
@@ -173,8 +187,9 @@ def _all_gather(state: DCTTopKState, tensor: torch.Tensor, world: int) -> torch.
     return work.get_future().then(lambda _: gathered.view(world, -1))
 
 
-def _average_decoded(codec: PayloadCodec, gathered: list[torch.Tensor], shapes: list[tuple[int, ...]],
-                     chunk: int) -> list[torch.Tensor]:
+def _average_decoded(
+    codec: PayloadCodec, gathered: list[torch.Tensor], shapes: list[tuple[int, ...]], chunk: int
+) -> list[torch.Tensor]:
     """Sum every rank's coefficients in rank order, divide by the world size, inverse DCT."""
     indices, values = codec.from_wire(gathered)
     world = indices.shape[0]
@@ -185,7 +200,8 @@ def _average_decoded(codec: PayloadCodec, gathered: list[torch.Tensor], shapes: 
         span = slice(off, off + t.n_tiles * ke)
         dense = torch.zeros(t.n_tiles, t.tile_numel, dtype=torch.float32, device=values.device)
         for r in range(world):  # positions are unique within one rank's tile: deterministic
-            dense.scatter_add_(1, indices[r, span].long().view(t.n_tiles, ke),
-                               values[r, span].float().view(t.n_tiles, ke))
+            dense.scatter_add_(
+                1, indices[r, span].long().view(t.n_tiles, ke), values[r, span].float().view(t.n_tiles, ke)
+            )
         coeffs.append(dense.div_(world))
     return dct_decode_multi(coeffs, shapes, chunk, torch.float32)

@@ -110,16 +110,26 @@ class DeMo(torch.optim.Optimizer):
     ):
         codec = get_codec(payload, owner="DeMo")
         if value_dtype not in VALUE_DTYPES:
-            raise TypeError(f"DeMo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}")
-        if not (isinstance(bucket_cap_mb, (int, float)) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+            raise TypeError(
+                f"DeMo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}"
+            )
+        if not (
+            isinstance(bucket_cap_mb, (int, float)) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0
+        ):
             raise ValueError(f"DeMo: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         if full_sync_every is not None and not _positive_int(full_sync_every):
-            raise ValueError(f"DeMo: full_sync_every must be a positive integer or None, got {full_sync_every!r}")
+            raise ValueError(
+                f"DeMo: full_sync_every must be a positive integer or None, got {full_sync_every!r}"
+            )
         if nonfinite not in _NONFINITE:
             raise ValueError(f"DeMo: nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         defaults = dict(
-            lr=lr, compression_decay=compression_decay, compression_topk=compression_topk,
-            compression_chunk=compression_chunk, weight_decay=weight_decay, alpha=alpha,
+            lr=lr,
+            compression_decay=compression_decay,
+            compression_topk=compression_topk,
+            compression_chunk=compression_chunk,
+            weight_decay=weight_decay,
+            alpha=alpha,
         )
         self.payload = payload
         self.codec = codec
@@ -142,8 +152,11 @@ class DeMo(torch.optim.Optimizer):
         self._hook_plan: tuple[list[Bucket], list[list[torch.Tensor]], dict[int, int]] | None = None
         super().__init__(params, defaults)
         if self.overlap_backward:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                           for g in self.param_groups for p in g["params"]]
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                for g in self.param_groups
+                for p in g["params"]
+            ]
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -163,15 +176,20 @@ class DeMo(torch.optim.Optimizer):
         self._hook_plan = None
         for p in group["params"]:
             if p.dtype not in VALUE_DTYPES:
-                raise TypeError(f"{where}: DeMo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}")
+                raise TypeError(
+                    f"{where}: DeMo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}"
+                )
         self._bucket_cache.clear()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The torch.optim state (with each parameter's fp32 ``delta``) plus step counters."""
         sd = super().state_dict()
-        sd["demo"] = {"steps": self._steps, "skipped_steps": self.skipped_steps,
-                      "comm_stats": self.comm_stats.as_dict()}
+        sd["demo"] = {
+            "steps": self._steps,
+            "skipped_steps": self.skipped_steps,
+            "comm_stats": self.comm_stats.as_dict(),
+        }
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -183,8 +201,10 @@ class DeMo(torch.optim.Optimizer):
         for key, delta in deltas.items():
             p = params[key]
             if delta.shape != p.shape:
-                raise ValueError(f"DeMo.load_state_dict: delta of parameter {key} has shape "
-                                 f"{tuple(delta.shape)}, the parameter has {tuple(p.shape)}")
+                raise ValueError(
+                    f"DeMo.load_state_dict: delta of parameter {key} has shape "
+                    f"{tuple(delta.shape)}, the parameter has {tuple(p.shape)}"
+                )
             self.state[p]["delta"] = delta.to(device=p.device, dtype=torch.float32)
         self._steps = int(extra.get("steps", 0))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -265,7 +285,9 @@ class DeMo(torch.optim.Optimizer):
         """Encode into copies of the buffers and send the bucket with its finite flags."""
         for p in params:
             if p.grad is None or p.grad.is_sparse:
-                raise RuntimeError("DeMo(overlap_backward=True): every parameter needs a dense gradient each step")
+                raise RuntimeError(
+                    "DeMo(overlap_backward=True): every parameter needs a dense gradient each step"
+                )
         flags = torch.stack([~torch.isfinite(_grad(p)).all() for p in params]).to(torch.uint8)
         work = [self._delta(p).clone() for p in params]
         finish = self._launch(bucket, params, work)
@@ -321,10 +343,14 @@ class DeMo(torch.optim.Optimizer):
                             f"but {theirs[1:]} on rank {r}: every rank must build the same model"
                         )
                 if len(other) != len(desc):
-                    raise ValueError(f"DeMo: rank {r} has {len(other)} parameters, rank {self.comm.rank} has "
-                                     f"{len(desc)}: every rank must build the same model")
-            raise ValueError("DeMo: ranks were built with different settings (payload, value_dtype, "
-                             "dense_fallback, compression_chunk or compression_topk)")
+                    raise ValueError(
+                        f"DeMo: rank {r} has {len(other)} parameters, rank {self.comm.rank} has "
+                        f"{len(desc)}: every rank must build the same model"
+                    )
+            raise ValueError(
+                "DeMo: ranks were built with different settings (payload, value_dtype, "
+                "dense_fallback, compression_chunk or compression_topk)"
+            )
         self._checked_layout = tuple(seen)
 
     def _exchange_status(self, entries) -> list[bool] | None:
@@ -334,8 +360,10 @@ class DeMo(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise TypeError(f"DeMo: parameter {self._name(gi, i, p)} has a sparse gradient; "
-                                "DeMo needs dense gradients")
+                raise TypeError(
+                    f"DeMo: parameter {self._name(gi, i, p)} has a sparse gradient; "
+                    "DeMo needs dense gradients"
+                )
             if p.grad.shape != p.shape:
                 raise ValueError(f"DeMo: gradient of {self._name(gi, i, p)} has shape {tuple(p.grad.shape)}")
             with_grad.append(n)
@@ -379,8 +407,13 @@ class DeMo(torch.optim.Optimizer):
         buckets = self._bucket_cache.get(key)
         if buckets is None:
             buckets = make_buckets(
-                [gi for gi, _, _ in active], [tuple(p.shape) for _, _, p in active], self.param_groups,
-                self.codec, self.value_dtype, self.bucket_cap_bytes, self.dense_fallback,
+                [gi for gi, _, _ in active],
+                [tuple(p.shape) for _, _, p in active],
+                self.param_groups,
+                self.codec,
+                self.value_dtype,
+                self.bucket_cap_bytes,
+                self.dense_fallback,
                 self.comm.world_size,
             )
             self._bucket_cache[key] = buckets
@@ -392,8 +425,9 @@ class DeMo(torch.optim.Optimizer):
             state["delta"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return state["delta"]
 
-    def _launch(self, bucket: Bucket, params: list[torch.Tensor],
-                deltas: list[torch.Tensor] | None = None) -> Callable[[], None]:
+    def _launch(
+        self, bucket: Bucket, params: list[torch.Tensor], deltas: list[torch.Tensor] | None = None
+    ) -> Callable[[], None]:
         """Encode a bucket (updating ``deltas``) and start its collective; returns its decode."""
         group = self.param_groups[bucket.group]
         lr, wd = group["lr"], group["weight_decay"]
@@ -410,15 +444,27 @@ class DeMo(torch.optim.Optimizer):
         codec = bucket.codec
         if codec is None:
             raise RuntimeError("DeMo: internal error: a compressed bucket has no payload codec")
-        idx, vals = ef_encode(deltas, grads, beta=beta, lr=lr, chunk=chunk, k=k, alpha=alpha,
-                              value_dtype=codec.encode_dtype)
-        gathers = [self.comm.all_gather(tensor, f"{wire.name} all-gather")
-                   for wire, tensor in zip(codec.wire, codec.to_wire(idx, vals))]
+        idx, vals = ef_encode(
+            deltas, grads, beta=beta, lr=lr, chunk=chunk, k=k, alpha=alpha, value_dtype=codec.encode_dtype
+        )
+        gathers = [
+            self.comm.all_gather(tensor, f"{wire.name} all-gather")
+            for wire, tensor in zip(codec.wire, codec.to_wire(idx, vals))
+        ]
 
         def finish() -> None:
             indices, values = codec.from_wire([g.wait() for g in gathers])
-            ef_decode(params, indices, values, lr=lr, chunk=chunk, k=k, weight_decay=wd,
-                      use_sign=True, validate=self.validate_payload)
+            ef_decode(
+                params,
+                indices,
+                values,
+                lr=lr,
+                chunk=chunk,
+                k=k,
+                weight_decay=wd,
+                use_sign=True,
+                validate=self.validate_payload,
+            )
 
         return finish
 
@@ -446,7 +492,9 @@ class _Inflight:
     params: list[torch.Tensor]
 
 
-def _dense_encode(delta: torch.Tensor, grad: torch.Tensor, beta: float, lr: float, alpha: float) -> torch.Tensor:
+def _dense_encode(
+    delta: torch.Tensor, grad: torch.Tensor, beta: float, lr: float, alpha: float
+) -> torch.Tensor:
     """Dense version of the encode: everything is transmitted."""
     delta.mul_(beta).add_(grad.float(), alpha=lr)
     send = delta.reshape(-1).clone()

@@ -73,8 +73,17 @@ import torch
 from cokit.triton_kernels.tiling import TilePlan
 
 __all__ = [
-    "BufferCodec", "CompactCodec", "PayloadCodec", "ReferenceCodec", "Section", "SignCodec", "Wire",
-    "codec_names", "get_codec", "register_codec", "unregister_codec",
+    "BufferCodec",
+    "CompactCodec",
+    "PayloadCodec",
+    "ReferenceCodec",
+    "Section",
+    "SignCodec",
+    "Wire",
+    "codec_names",
+    "get_codec",
+    "register_codec",
+    "unregister_codec",
 ]
 
 VALUE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,8 +121,10 @@ class PayloadCodec(abc.ABC):
 
     def __init__(self, plan: TilePlan, value_dtype: torch.dtype = torch.bfloat16):
         if value_dtype not in VALUE_DTYPES:
-            raise TypeError(f"payload codec {self.name!r}: value_dtype must be torch.float16, bfloat16 or "
-                            f"float32, got {value_dtype}")
+            raise TypeError(
+                f"payload codec {self.name!r}: value_dtype must be torch.float16, bfloat16 or "
+                f"float32, got {value_dtype}"
+            )
         self.plan = plan
         self.value_dtype = type(self).resolve_value_dtype(value_dtype)
         self.wire: tuple[Wire, ...] = tuple(self.wire_layout())
@@ -151,8 +162,10 @@ class PayloadCodec(abc.ABC):
             t.dtype != w.dtype or t.numel() != w.numel for w, t in zip(self.wire, tensors)
         ):
             got = [(t.dtype, t.numel()) for t in tensors]
-            raise ValueError(f"payload codec {self.name!r}: encode() gave {got}, its wire_layout() says "
-                             f"{[(w.dtype, w.numel) for w in self.wire]}")
+            raise ValueError(
+                f"payload codec {self.name!r}: encode() gave {got}, its wire_layout() says "
+                f"{[(w.dtype, w.numel) for w in self.wire]}"
+            )
         return tensors
 
     def from_wire(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,15 +174,18 @@ class PayloadCodec(abc.ABC):
         indices, values = self.decode(gathered)
         world, slots = gathered[0].shape[0], self.plan.payload_numel
         if indices.shape != (world, slots) or values.shape != (world, slots):
-            raise ValueError(f"payload codec {self.name!r}: decode() gave indices {tuple(indices.shape)} and "
-                             f"values {tuple(values.shape)}, expected ({world}, {slots}) each")
+            raise ValueError(
+                f"payload codec {self.name!r}: decode() gave indices {tuple(indices.shape)} and "
+                f"values {tuple(values.shape)}, expected ({world}, {slots}) each"
+            )
         return indices, values
 
     def check_gathered(self, gathered: Sequence[torch.Tensor]) -> None:
         """Raise unless ``gathered`` matches ``wire`` (one ``(world_size, numel)`` tensor each)."""
         if len(gathered) != len(self.wire):
-            raise ValueError(f"payload codec {self.name!r} expects {len(self.wire)} gathered tensors, got "
-                             f"{len(gathered)}")
+            raise ValueError(
+                f"payload codec {self.name!r} expects {len(self.wire)} gathered tensors, got {len(gathered)}"
+            )
         for w, g in zip(self.wire, gathered):
             if g.dim() != 2 or g.shape[1] != w.numel or g.dtype != w.dtype:
                 raise ValueError(
@@ -178,8 +194,10 @@ class PayloadCodec(abc.ABC):
                 )
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, slots={self.plan.payload_numel}, "
-                f"value_dtype={self.value_dtype}, nbytes={self.nbytes})")
+        return (
+            f"{type(self).__name__}(name={self.name!r}, slots={self.plan.payload_numel}, "
+            f"value_dtype={self.value_dtype}, nbytes={self.nbytes})"
+        )
 
 
 # ----------------------------------------------------------------------------- registry
@@ -199,8 +217,10 @@ def register_codec(cls: C) -> C:
     if not isinstance(name, str) or not name:
         raise ValueError(f"payload codec {cls.__name__} needs a non-empty string `name`")
     if cls.__abstractmethods__:
-        raise TypeError(f"payload codec {name!r} ({cls.__name__}) does not implement "
-                        f"{', '.join(sorted(cls.__abstractmethods__))}")
+        raise TypeError(
+            f"payload codec {name!r} ({cls.__name__}) does not implement "
+            f"{', '.join(sorted(cls.__abstractmethods__))}"
+        )
     known = _CODECS.get(name)
     if known is not None and known is not cls:
         raise ValueError(f"payload codec name {name!r} is taken by {known.__module__}.{known.__qualname__}")
@@ -224,8 +244,10 @@ def get_codec(name: object, owner: str = "") -> type[PayloadCodec]:
     cls = _CODECS.get(name) if isinstance(name, str) else None
     if cls is None:
         where = f"{owner}: " if owner else ""
-        raise ValueError(f"{where}payload must be one of {codec_names()}, got {name!r} "
-                         "(cokit.compress.payload.register_codec adds a codec)")
+        raise ValueError(
+            f"{where}payload must be one of {codec_names()}, got {name!r} "
+            "(cokit.compress.payload.register_codec adds a codec)"
+        )
     return cls
 
 
@@ -297,12 +319,12 @@ class BufferCodec(PayloadCodec):
     def put(self, out: torch.Tensor, name: str, data: torch.Tensor) -> None:
         """Write ``data`` (cast to the section's dtype) into section ``name`` of ``out``."""
         s = self.sections[name]
-        out[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(data)
+        out[s.offset : s.offset + s.nbytes].view(s.dtype).copy_(data)
 
     def get(self, gathered: torch.Tensor, name: str) -> torch.Tensor:
         """Section ``name`` of every rank: ``(world_size, numel)`` in the section's dtype."""
         s = self.sections[name]
-        return gathered[:, s.offset:s.offset + s.nbytes].contiguous().view(s.dtype)
+        return gathered[:, s.offset : s.offset + s.nbytes].contiguous().view(s.dtype)
 
     # pack/unpack: the single-buffer view of encode/decode
     def pack(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -352,8 +374,11 @@ class SignCodec(BufferCodec):
 
     def section_layout(self) -> list[tuple[str, torch.dtype, int]]:
         n = self.plan.payload_numel
-        return [("indices", self.plan.index_dtype, n), ("signs", torch.uint8, -(-n // 8)),
-                ("scales", self.value_dtype, self.n_tiles)]
+        return [
+            ("indices", self.plan.index_dtype, n),
+            ("signs", torch.uint8, -(-n // 8)),
+            ("scales", self.value_dtype, self.n_tiles),
+        ]
 
     def encode(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
         out = self.new_buffer(indices.device)
@@ -366,7 +391,7 @@ class SignCodec(BufferCodec):
         mags = values.float().abs()
         scales, pos = [], 0
         for n_tiles, ke in self.tile_slots:
-            scales.append(mags[pos:pos + n_tiles * ke].view(n_tiles, ke).mean(dim=1))
+            scales.append(mags[pos : pos + n_tiles * ke].view(n_tiles, ke).mean(dim=1))
             pos += n_tiles * ke
         return torch.cat(scales)
 

@@ -62,7 +62,9 @@ class EmulatedComm:
         allowed = EMULATION_KINDS[self.device.type]
         self.kind = kind or allowed[0]
         if self.kind not in allowed:
-            raise ValueError(f"kind={self.kind!r} is not available on {self.device.type}; allowed: {', '.join(allowed)}")
+            raise ValueError(
+                f"kind={self.kind!r} is not available on {self.device.type}; allowed: {', '.join(allowed)}"
+            )
         check_int("nbytes", nbytes, 4)
         check_int("passes", passes)
         if n_sms is not None and self.kind != "copy-kernel":
@@ -91,7 +93,9 @@ class EmulatedComm:
         elif self.kind == "d2h":
             self.dst = torch.empty(n, dtype=self.src.dtype, pin_memory=True)
         else:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cokit-emulated-comm")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cokit-emulated-comm"
+            )
 
     @property
     def label(self) -> str:

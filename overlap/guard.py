@@ -107,7 +107,9 @@ class StarvationGuard:
                     f"max_reserved_sms={self.max_reserved_sms})"
                 )
         elif self.max_reserved_sms is not None and comm_sms is not None and comm_sms > self.max_reserved_sms:
-            out.append(f"communication occupies {comm_sms} SMs/CUs, above max_reserved_sms={self.max_reserved_sms}")
+            out.append(
+                f"communication occupies {comm_sms} SMs/CUs, above max_reserved_sms={self.max_reserved_sms}"
+            )
         if config is not None and config.smem_bytes is not None:
             need = natural_smem
             if need is None and dtype is not None:

@@ -127,9 +127,15 @@ class OverlapResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready nested dict."""
         return {
-            "label": self.label, "device": self.device, "timer": self.timer, "repeats": self.repeats,
-            "warmup": self.warmup, "rank": self.rank, "world_size": self.world_size,
-            "emulated": self.emulated, "comm": self.comm,
+            "label": self.label,
+            "device": self.device,
+            "timer": self.timer,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "emulated": self.emulated,
+            "comm": self.comm,
             "times_ms": {k: v.to_dict() for k, v in self.times.items()},
             "metrics": self.metrics.to_dict(),
             "metric_spread": {k: v.to_dict() for k, v in self.metric_spread.items()},
@@ -138,8 +144,14 @@ class OverlapResult:
 
     def flat(self) -> dict[str, Any]:
         """One flat row (CSV-ready): medians and IQRs of times, metrics and their IQRs."""
-        row: dict[str, Any] = {"label": self.label, "device": self.device, "rank": self.rank,
-                               "world_size": self.world_size, "emulated": self.emulated, "comm": self.comm}
+        row: dict[str, Any] = {
+            "label": self.label,
+            "device": self.device,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "emulated": self.emulated,
+            "comm": self.comm,
+        }
         row.update(self.info)
         for k, s in self.times.items():
             row[f"{k}_ms"] = s.median
@@ -155,10 +167,12 @@ class OverlapResult:
     def format(self) -> str:
         """A human-readable table."""
         tag = " [EMULATED communication]" if self.emulated else ""
-        lines = [f"{self.label}{tag}: {self.comm}",
-                 f"  device {self.device}, rank {self.rank}/{self.world_size}, timer {self.timer}, "
-                 f"{self.repeats} repeats after {self.warmup} warm-up",
-                 f"  {'time (ms)':<24}{'median':>10}{'q1':>10}{'q3':>10}{'min':>10}{'max':>10}"]
+        lines = [
+            f"{self.label}{tag}: {self.comm}",
+            f"  device {self.device}, rank {self.rank}/{self.world_size}, timer {self.timer}, "
+            f"{self.repeats} repeats after {self.warmup} warm-up",
+            f"  {'time (ms)':<24}{'median':>10}{'q1':>10}{'q3':>10}{'min':>10}{'max':>10}",
+        ]
         for k, s in self.times.items():
             lines.append(f"  {k:<24}{s.median:>10.3f}{s.q1:>10.3f}{s.q3:>10.3f}{s.min:>10.3f}{s.max:>10.3f}")
         m = self.metrics
@@ -226,12 +240,17 @@ def measure(
         for k, v in zip(TIME_NAMES, (t_comp, t_comm, t_seq, t_ovl, t_under)):
             if v is not None:
                 samples[k].append(v)
-        rounds.append(compute_metrics(_positive(t_comp), _positive(t_comm), _positive(t_ovl), t_under, _positive(t_seq)))
+        rounds.append(
+            compute_metrics(_positive(t_comp), _positive(t_comm), _positive(t_ovl), t_under, _positive(t_seq))
+        )
     times = {k: summarize(v) for k, v in samples.items() if v}
     med = {k: s.median for k, s in times.items()}
     metrics = compute_metrics(
-        _positive(med["compute"]), _positive(med["communicate"]), _positive(med["overlapped"]),
-        med.get("compute_under_overlap"), _positive(med["sequential"]),
+        _positive(med["compute"]),
+        _positive(med["communicate"]),
+        _positive(med["overlapped"]),
+        med.get("compute_under_overlap"),
+        _positive(med["sequential"]),
     )
     spread = {}
     for k in METRIC_NAMES:
@@ -240,10 +259,17 @@ def measure(
             spread[k] = summarize(vals)
     return OverlapResult(
         label=str(label or getattr(workload, "label", type(workload).__name__)),
-        device=str(workload.device), timer=clock.name, repeats=repeats, warmup=warmup, rank=rank,
-        world_size=world, emulated=bool(getattr(workload, "emulated", False)),
+        device=str(workload.device),
+        timer=clock.name,
+        repeats=repeats,
+        warmup=warmup,
+        rank=rank,
+        world_size=world,
+        emulated=bool(getattr(workload, "emulated", False)),
         comm=str(getattr(workload, "comm_label", "communication")),
-        times=times, metrics=metrics, metric_spread=spread,
+        times=times,
+        metrics=metrics,
+        metric_spread=spread,
         info={**getattr(workload, "info", {}), **(info or {})},
     )
 

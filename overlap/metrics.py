@@ -25,7 +25,11 @@ __all__ = ["METRIC_NAMES", "OverlapMetrics", "Spread", "compute_metrics", "summa
 
 #: the derived metrics, in report order.
 METRIC_NAMES = (
-    "speedup", "reduction", "fraction_of_ideal_gain", "comm_hidden", "compute_slowdown",
+    "speedup",
+    "reduction",
+    "fraction_of_ideal_gain",
+    "comm_hidden",
+    "compute_slowdown",
     "speedup_vs_measured_seq",
 )
 
@@ -85,11 +89,19 @@ def compute_metrics(
     if t_seq_measured is not None:
         vs_measured = _check_time("t_seq_measured", t_seq_measured) / t_ovl
     return OverlapMetrics(
-        t_comp=t_comp, t_comm=t_comm, t_ovl=t_ovl, t_seq=t_seq, ideal=max(t_comp, t_comm),
-        speedup=t_seq / t_ovl, reduction=1.0 - t_ovl / t_seq,
-        fraction_of_ideal_gain=gain / min(t_comp, t_comm), comm_hidden=gain / t_comm,
-        compute_slowdown=slowdown, t_comp_under_overlap=t_comp_under_overlap,
-        t_seq_measured=t_seq_measured, speedup_vs_measured_seq=vs_measured,
+        t_comp=t_comp,
+        t_comm=t_comm,
+        t_ovl=t_ovl,
+        t_seq=t_seq,
+        ideal=max(t_comp, t_comm),
+        speedup=t_seq / t_ovl,
+        reduction=1.0 - t_ovl / t_seq,
+        fraction_of_ideal_gain=gain / min(t_comp, t_comm),
+        comm_hidden=gain / t_comm,
+        compute_slowdown=slowdown,
+        t_comp_under_overlap=t_comp_under_overlap,
+        t_seq_measured=t_seq_measured,
+        speedup_vs_measured_seq=vs_measured,
     )
 
 

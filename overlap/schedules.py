@@ -144,7 +144,9 @@ class _Schedule:
             "kernel_path": kernel_path(device),
         }
 
-    def run(self, *, overlap: bool = True, measure: bool = False, repeats: int = 5, warmup: int = 1) -> Scheduled:
+    def run(
+        self, *, overlap: bool = True, measure: bool = False, repeats: int = 5, warmup: int = 1
+    ) -> Scheduled:
         """The output (overlapped, or the plain version with ``overlap=False``), plus timings
         from :func:`cokit.overlap.measure.measure` when ``measure`` (collective: every rank calls)."""
         out = self.run_overlapped(NULL_PROBE) if overlap else self.run_sequential()
@@ -214,7 +216,9 @@ class GemmCollective(_Schedule):
     ) -> None:
         _check_pair(a, b, "a", "b")
         if a.shape[1] != b.shape[0]:
-            raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]")
+            raise ValueError(
+                f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a.shape[1] must equal b.shape[0]"
+            )
         if collective not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"collective={collective!r} is invalid; allowed: all_reduce, reduce_scatter")
         if precision not in PRECISIONS:
@@ -237,12 +241,23 @@ class GemmCollective(_Schedule):
             self.ranges = split_sizes(M, chunks)
         self.chunks = chunks
         self.M, self.N, self.K = M, N, K
-        self._inputs = self._chunk_inputs()  # A never changes: its chunked (reduce_scatter: permuted) rows, once
+        self._inputs = (
+            self._chunk_inputs()
+        )  # A never changes: its chunked (reduce_scatter: permuted) rows, once
         self.label = f"gemm+{collective}"
         self.comm_label = f"{collective} ({W} ranks, {dist.get_backend(self.group)})"
         esz = a.element_size()
-        self.info.update(schedule="gemm_collective", collective=collective, M=M, N=N, K=K, chunks=chunks,
-                         dtype=dtype_name(a.dtype), world_size=W, message_bytes=M * N * esz)
+        self.info.update(
+            schedule="gemm_collective",
+            collective=collective,
+            M=M,
+            N=N,
+            K=K,
+            chunks=chunks,
+            dtype=dtype_name(a.dtype),
+            world_size=W,
+            message_bytes=M * N * esz,
+        )
         self._scratch: list[torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -307,10 +322,14 @@ class GemmCollective(_Schedule):
         if self._scratch is None:
             z = torch.zeros
             if self.collective == "all_reduce":
-                self._scratch = [z((e - s, self.N), dtype=self.a.dtype, device=self.device) for s, e in self.ranges]
+                self._scratch = [
+                    z((e - s, self.N), dtype=self.a.dtype, device=self.device) for s, e in self.ranges
+                ]
             else:
                 W = self.world_size
-                self._scratch = [z(((e - s) * W, self.N), dtype=self.a.dtype, device=self.device) for s, e in self.ranges]
+                self._scratch = [
+                    z(((e - s) * W, self.N), dtype=self.a.dtype, device=self.device) for s, e in self.ranges
+                ]
                 self._scratch_out = z((self._out_rows(), self.N), dtype=self.a.dtype, device=self.device)
         works = [
             self._launch(buf, None if self.collective == "all_reduce" else self._scratch_out[s:e])
@@ -345,14 +364,20 @@ class AllGatherGemm(_Schedule):
         guard: StarvationGuard | None = None,
     ) -> None:
         if operand not in ("a", "b"):
-            raise ValueError(f"operand={operand!r} is invalid; allowed: 'a' (gather rows of A), 'b' (gather columns of B)")
+            raise ValueError(
+                f"operand={operand!r} is invalid; allowed: 'a' (gather rows of A), 'b' (gather columns of B)"
+            )
         _check_pair(shard, other, "shard", "other")
         if operand == "a" and shard.shape[1] != other.shape[0]:
-            raise ValueError(f"shard is {tuple(shard.shape)} and other (B) is {tuple(other.shape)}: "
-                             "shard.shape[1] must equal other.shape[0]")
+            raise ValueError(
+                f"shard is {tuple(shard.shape)} and other (B) is {tuple(other.shape)}: "
+                "shard.shape[1] must equal other.shape[0]"
+            )
         if operand == "b" and other.shape[1] != shard.shape[0]:
-            raise ValueError(f"other (A) is {tuple(other.shape)} and shard is {tuple(shard.shape)}: "
-                             "other.shape[1] must equal shard.shape[0]")
+            raise ValueError(
+                f"other (A) is {tuple(other.shape)} and shard is {tuple(shard.shape)}: "
+                "other.shape[1] must equal shard.shape[0]"
+            )
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
         self._setup(shard.device, shard.dtype, config, priority, group, guard, needs_group=True)
@@ -372,9 +397,18 @@ class AllGatherGemm(_Schedule):
         self.M, self.N, self.K = M, N, K
         self.label = f"all_gather({operand})+gemm"
         self.comm_label = f"all_gather ({W} ranks, {dist.get_backend(self.group)})"
-        self.info.update(schedule="all_gather_gemm", collective="all_gather", operand=operand, M=M, N=N, K=K,
-                         chunks=chunks, dtype=dtype_name(shard.dtype), world_size=W,
-                         message_bytes=shard.numel() * shard.element_size() * W)
+        self.info.update(
+            schedule="all_gather_gemm",
+            collective="all_gather",
+            operand=operand,
+            M=M,
+            N=N,
+            K=K,
+            chunks=chunks,
+            dtype=dtype_name(shard.dtype),
+            world_size=W,
+            message_bytes=shard.numel() * shard.element_size() * W,
+        )
         self._scratch: list[torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -385,7 +419,7 @@ class AllGatherGemm(_Schedule):
 
     def _gather_buffer(self, s: int, e: int) -> torch.Tensor:
         W = self.world_size
-        rows, cols = ((W * (e - s), self.K) if self.operand == "a" else (W * self.K, e - s))
+        rows, cols = (W * (e - s), self.K) if self.operand == "a" else (W * self.K, e - s)
         return torch.empty((rows, cols), dtype=self.shard.dtype, device=self.device)
 
     def _launch(self, buf: torch.Tensor, piece: torch.Tensor) -> Any:
@@ -496,13 +530,17 @@ class Overlap(_Schedule):
             self.rank = dist.get_rank(self.group)
         if stream is not None:
             if not isinstance(stream, CommStream):
-                raise TypeError(f"stream must be an cokit.overlap.streams.CommStream, got {type(stream).__name__}")
+                raise TypeError(
+                    f"stream must be an cokit.overlap.streams.CommStream, got {type(stream).__name__}"
+                )
             if stream.device != dev:
                 raise ValueError(f"stream is on {stream.device} but the overlap runs on {dev}")
         self.stream = stream or CommStream(dev, priority)
         self.compute, self.communicate = compute, communicate
         self.label = label
-        self.comm_label = str(comm_label or getattr(communicate, "label", getattr(communicate, "__name__", "communicate")))
+        self.comm_label = str(
+            comm_label or getattr(communicate, "label", getattr(communicate, "__name__", "communicate"))
+        )
         self.info.update(schedule="overlap", emulated=self.emulated)
 
     def _start_comm(self) -> Any:
@@ -546,7 +584,9 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torc
     return GemmCollective(a, b, collective="reduce_scatter", **kwargs).run().output
 
 
-def all_gather_gemm(shard: torch.Tensor, other: torch.Tensor, *, operand: str = "a", **kwargs: Any) -> torch.Tensor:
+def all_gather_gemm(
+    shard: torch.Tensor, other: torch.Tensor, *, operand: str = "a", **kwargs: Any
+) -> torch.Tensor:
     """``all_gather(shard) @ other`` (``operand='a'``) or ``other @ all_gather(shard)``
     (``operand='b'``), chunked and overlapped (see :class:`AllGatherGemm`)."""
     return AllGatherGemm(shard, other, operand=operand, **kwargs).run().output

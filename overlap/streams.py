@@ -44,7 +44,11 @@ CPU_PRIORITY_RANGE = (0, -3)
 
 def _device(device: torch.device | str | int | None) -> torch.device:
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     if isinstance(device, int):
         return torch.device("cuda", device)
     dev = torch.device(device)
@@ -103,7 +107,9 @@ class CommStream:
         self.priority = resolve_priority(priority, self.device)
         self.requested_priority = priority
         self.stream = (
-            torch.cuda.Stream(device=self.device, priority=self.priority) if self.device.type == "cuda" else None
+            torch.cuda.Stream(device=self.device, priority=self.priority)
+            if self.device.type == "cuda"
+            else None
         )
         self._contexts: list[Any] = []
 
@@ -179,9 +185,7 @@ class CommGroup:
     note: str
 
 
-def high_priority_group(
-    ranks: Iterable[int] | None = None, *, backend: str | None = None
-) -> CommGroup:
+def high_priority_group(ranks: Iterable[int] | None = None, *, backend: str | None = None) -> CommGroup:
     """A new process group whose NCCL/RCCL work runs on high-priority streams.
 
     Collective: every rank of the default group must call it, with the same ``ranks``.
@@ -190,7 +194,9 @@ def high_priority_group(
     other backends (gloo) have no streams, so the group is ordinary and says so.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("high_priority_group needs torch.distributed initialized (dist.init_process_group)")
+        raise RuntimeError(
+            "high_priority_group needs torch.distributed initialized (dist.init_process_group)"
+        )
     backend = str(backend or dist.get_backend()).lower()
     ranks = sorted(ranks) if ranks is not None else None
     if backend == "nccl":

@@ -32,9 +32,11 @@ __all__ = [
 ]
 
 SWEEP_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "emulated")
-CPU_NOTE = ("CPU run: GemmConfig occupancy knobs (num_warps, num_stages, smem_bytes, num_sms) and stream "
-            "priority are recorded but have no effect on the torch/gloo path; only size, chunks and the "
-            "collective change what runs")
+CPU_NOTE = (
+    "CPU run: GemmConfig occupancy knobs (num_warps, num_stages, smem_bytes, num_sms) and stream "
+    "priority are recorded but have no effect on the torch/gloo path; only size, chunks and the "
+    "collective change what runs"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +53,22 @@ class SweepPoint:
     def fields(self) -> dict[str, Any]:
         """Flat description (CSV-ready)."""
         c = self.config
-        return {"collective": self.collective, "size": self.size, "chunks": self.chunks,
-                "num_warps": c.num_warps, "num_stages": c.num_stages, "BLOCK_M": c.BLOCK_M, "BLOCK_N": c.BLOCK_N,
-                "BLOCK_K": c.BLOCK_K, "persistent": c.persistent, "num_sms": c.num_sms, "smem_bytes": c.smem_bytes,
-                "priority": self.priority, "comm_sms": self.comm_sms, "config_spec": c.spec()}
+        return {
+            "collective": self.collective,
+            "size": self.size,
+            "chunks": self.chunks,
+            "num_warps": c.num_warps,
+            "num_stages": c.num_stages,
+            "BLOCK_M": c.BLOCK_M,
+            "BLOCK_N": c.BLOCK_N,
+            "BLOCK_K": c.BLOCK_K,
+            "persistent": c.persistent,
+            "num_sms": c.num_sms,
+            "smem_bytes": c.smem_bytes,
+            "priority": self.priority,
+            "comm_sms": self.comm_sms,
+            "config_spec": c.spec(),
+        }
 
 
 def sweep_points(
@@ -66,8 +80,14 @@ def sweep_points(
     comm_sms: Sequence[int | None] = (None,),
 ) -> list[SweepPoint]:
     """The product of the axes, validated (clear errors for bad values)."""
-    for name, seq in (("configs", configs), ("sizes", sizes), ("collectives", collectives), ("chunks", chunks),
-                      ("priorities", priorities), ("comm_sms", comm_sms)):
+    for name, seq in (
+        ("configs", configs),
+        ("sizes", sizes),
+        ("collectives", collectives),
+        ("chunks", chunks),
+        ("priorities", priorities),
+        ("comm_sms", comm_sms),
+    ):
         if len(seq) == 0:
             raise ValueError(f"{name} is empty; give at least one value")
     for s in sizes:
@@ -83,7 +103,9 @@ def sweep_points(
         if not isinstance(cfg, GemmConfig):
             raise TypeError(f"configs must be GemmConfig objects, got {type(cfg).__name__}")
     out = []
-    for col, size, ch, cfg, prio, sms in itertools.product(collectives, sizes, chunks, configs, priorities, comm_sms):
+    for col, size, ch, cfg, prio, sms in itertools.product(
+        collectives, sizes, chunks, configs, priorities, comm_sms
+    ):
         emulated = col == "emulated"  # the emulated copy runs unchunked, on comm_sms SMs
         out.append(SweepPoint(col, size, 1 if emulated else ch, cfg, prio, sms if emulated else None))
     # chunks only varies collective points, comm_sms only emulated ones: drop the duplicates
@@ -99,8 +121,10 @@ def check_point(point: SweepPoint, world_size: int) -> None:
     """Raise ``ValueError`` when ``point`` cannot run on ``world_size`` ranks (before anything runs)."""
     S, C, W = point.size, point.chunks, world_size
     if point.collective != "emulated" and W < 2:
-        raise ValueError(f"collective {point.collective!r} needs a process group of >= 2 ranks (world size {W}); "
-                         "use 'emulated' on one device")
+        raise ValueError(
+            f"collective {point.collective!r} needs a process group of >= 2 ranks (world size {W}); "
+            "use 'emulated' on one device"
+        )
     if point.collective == "reduce_scatter" and S % (W * C):
         raise ValueError(f"reduce_scatter: size {S} must be divisible by world_size x chunks = {W} x {C}")
     if point.collective == "all_gather":
@@ -126,16 +150,36 @@ def _workload(point: SweepPoint, device: torch.device, dtype: torch.dtype, group
 
     cfg = point.config
     if point.collective in ("all_reduce", "reduce_scatter"):
-        return GemmCollective(rand(S, S), rand(S, S), collective=point.collective, chunks=point.chunks,
-                              config=cfg, priority=point.priority, group=group)
+        return GemmCollective(
+            rand(S, S),
+            rand(S, S),
+            collective=point.collective,
+            chunks=point.chunks,
+            config=cfg,
+            priority=point.priority,
+            group=group,
+        )
     if point.collective == "all_gather":
-        return AllGatherGemm(rand(S // world, S), rand(S, S), operand="a", chunks=point.chunks, config=cfg,
-                             priority=point.priority, group=group)
+        return AllGatherGemm(
+            rand(S // world, S),
+            rand(S, S),
+            operand="a",
+            chunks=point.chunks,
+            config=cfg,
+            priority=point.priority,
+            group=group,
+        )
     a, b = rand(S, S), rand(S, S)
     out = torch.empty(S, S, device=device, dtype=dtype)
     comm = EmulatedComm(S * S * torch.empty((), dtype=dtype).element_size(), device, n_sms=point.comm_sms)
-    ov = Overlap(lambda: gemm(a, b, config=cfg, out=out), comm, device=device, priority=point.priority,
-                 config=cfg, label="gemm+emulated")
+    ov = Overlap(
+        lambda: gemm(a, b, config=cfg, out=out),
+        comm,
+        device=device,
+        priority=point.priority,
+        config=cfg,
+        label="gemm+emulated",
+    )
     ov.info.update(M=S, N=S, K=S, chunks=1, message_bytes=comm.nbytes, comm_sms=comm.n_sms)
     return ov
 

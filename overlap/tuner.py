@@ -75,13 +75,28 @@ class OnlineTuner:
         log_path: str | os.PathLike | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or len(candidates) == 0:
+        if (
+            isinstance(candidates, (str, bytes))
+            or not isinstance(candidates, Sequence)
+            or len(candidates) == 0
+        ):
             raise ValueError("candidates must be a non-empty sequence")
         for name, v, lo in (("trials", trials, 1), ("window", window, 1), ("cooldown", cooldown, 0)):
             check_int(name, v, lo)
-        if isinstance(drift_threshold, bool) or not isinstance(drift_threshold, (int, float)) or not drift_threshold > 0:
-            raise ValueError(f"drift_threshold={drift_threshold!r} is invalid; allowed: a number > 0 (relative change)")
-        self.trials, self.drift_threshold, self.window, self.cooldown = trials, float(drift_threshold), window, cooldown
+        if (
+            isinstance(drift_threshold, bool)
+            or not isinstance(drift_threshold, (int, float))
+            or not drift_threshold > 0
+        ):
+            raise ValueError(
+                f"drift_threshold={drift_threshold!r} is invalid; allowed: a number > 0 (relative change)"
+            )
+        self.trials, self.drift_threshold, self.window, self.cooldown = (
+            trials,
+            float(drift_threshold),
+            window,
+            cooldown,
+        )
         self.guard = guard
         self.log_path = Path(log_path) if log_path is not None else None
         if self.log_path is not None:
@@ -127,8 +142,14 @@ class OnlineTuner:
         self._emit("explore", None, reason, candidates=[_describe(c) for c in self.candidates])
 
     def _emit(self, event: str, candidate: Any, reason: str, **extra: Any) -> None:
-        entry = {"event": event, "call": getattr(self, "calls", 0), "wall_time": time.time(),
-                 "candidate": _describe(candidate) if candidate is not None else None, "reason": reason, **extra}
+        entry = {
+            "event": event,
+            "call": getattr(self, "calls", 0),
+            "wall_time": time.time(),
+            "candidate": _describe(candidate) if candidate is not None else None,
+            "reason": reason,
+            **extra,
+        }
         self.log.append(entry)
         if self.log_path is not None:
             if self._log_file is None:
@@ -157,8 +178,12 @@ class OnlineTuner:
     def record(self, candidate: Any, elapsed_ms: float, *, compute_slowdown: float | None = None) -> None:
         """Feed the measured time of a call made with ``candidate`` (what :meth:`choose`
         returned). ``compute_slowdown`` (if measured) is checked against the guard."""
-        if isinstance(elapsed_ms, bool) or not isinstance(elapsed_ms, (int, float)) or not math.isfinite(elapsed_ms) \
-                or elapsed_ms < 0:
+        if (
+            isinstance(elapsed_ms, bool)
+            or not isinstance(elapsed_ms, (int, float))
+            or not math.isfinite(elapsed_ms)
+            or elapsed_ms < 0
+        ):
             raise ValueError(f"elapsed_ms={elapsed_ms!r} is invalid; allowed: a finite time >= 0")
         if candidate is not self.choose() and candidate != self.choose():
             raise ValueError("record() got a different candidate than choose() returned; call choose() first")
@@ -181,9 +206,14 @@ class OnlineTuner:
             now = statistics.median(self._recent)
             change = now / self.locked_time - 1.0 if self.locked_time else 0.0
             if abs(change) > self.drift_threshold:
-                self._emit("drift", self.locked, f"median of last {self.window} calls {now:.4g} ms is "
-                           f"{change:+.1%} from the locked {self.locked_time:.4g} ms (threshold "
-                           f"{self.drift_threshold:.0%})", recent_ms=list(self._recent))
+                self._emit(
+                    "drift",
+                    self.locked,
+                    f"median of last {self.window} calls {now:.4g} ms is "
+                    f"{change:+.1%} from the locked {self.locked_time:.4g} ms (threshold "
+                    f"{self.drift_threshold:.0%})",
+                    recent_ms=list(self._recent),
+                )
                 self._start_exploration("re-exploring after drift")
 
     def step(self, fn: Callable[[Any], Any]) -> Any:
@@ -203,9 +233,14 @@ class OnlineTuner:
         self._recent.clear()
         ranking = sorted(medians, key=lambda i: medians[i])
         runner = f"; runner-up {medians[ranking[1]]:.4g} ms" if len(ranking) > 1 else ""
-        self._emit("lock", self.locked,
-                   f"lowest median over {self.trials} trial(s): {medians[best]:.4g} ms{runner}",
-                   medians_ms=[{"candidate": _describe(self.candidates[i]), "median_ms": medians[i]} for i in ranking])
+        self._emit(
+            "lock",
+            self.locked,
+            f"lowest median over {self.trials} trial(s): {medians[best]:.4g} ms{runner}",
+            medians_ms=[
+                {"candidate": _describe(self.candidates[i]), "median_ms": medians[i]} for i in ranking
+            ],
+        )
         self.close()  # locked: events are rare from here on
 
     def _drop(self, candidate: Any, reason: str) -> None:

@@ -8,14 +8,17 @@ from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 from cokit.triton_kernels.topk import chunk_topk
 
 
-@pytest.mark.parametrize("bad,match", [
-    (torch.arange(6), "dtype float32, float16 or bfloat16"),
-    (torch.randn(4, dtype=torch.complex64), "dtype float32"),
-    (torch.randn(4, dtype=torch.float64), "dtype float32"),
-    (torch.randn(4, 4).to_sparse(), "dense"),
-    (torch.randn(0, 3), "empty"),
-    ([1.0, 2.0], "torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (torch.arange(6), "dtype float32, float16 or bfloat16"),
+        (torch.randn(4, dtype=torch.complex64), "dtype float32"),
+        (torch.randn(4, dtype=torch.float64), "dtype float32"),
+        (torch.randn(4, 4).to_sparse(), "dense"),
+        (torch.randn(0, 3), "empty"),
+        ([1.0, 2.0], "torch.Tensor"),
+    ],
+)
 def test_encode_rejects_bad_tensors(bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
         dct_encode(bad)
@@ -76,8 +79,9 @@ def test_encode_argument_checks():
 
 def _payload(device):
     params = [torch.randn(8, 8, device=device)]
-    idx, vals = ef_encode([torch.zeros(8, 8, device=device)], [torch.randn(8, 8, device=device)],
-                          beta=0.0, lr=1.0, k=4)
+    idx, vals = ef_encode(
+        [torch.zeros(8, 8, device=device)], [torch.randn(8, 8, device=device)], beta=0.0, lr=1.0, k=4
+    )
     return params, idx[None].clone(), vals[None].clone()
 
 

@@ -30,7 +30,9 @@ def test_unknown_flag_is_a_usage_error(capsys):
 
 def test_bench_gpu_check_refuses_without_gpu(tmp_path, monkeypatch, capsys):
     """`cokit bench gpu-check` runs the installed module (no checkout lookup) and says why not."""
-    assert main(["bench", "gpu-check", "--quick", "--out", str(tmp_path)]) == 2  # conftest sets TRITON_INTERPRET
+    assert (
+        main(["bench", "gpu-check", "--quick", "--out", str(tmp_path)]) == 2
+    )  # conftest sets TRITON_INTERPRET
     assert "TRITON_INTERPRET is set" in capsys.readouterr().err
     monkeypatch.delenv("TRITON_INTERPRET")
     assert main(["bench", "gpu-check", "--quick", "--out", str(tmp_path)]) == 2

@@ -83,7 +83,7 @@ def _expected(name: str, plan, value_dtype, vals: torch.Tensor) -> torch.Tensor:
     out, pos = [], 0
     for t in plan.tilings:  # sign: ±(mean |value| of the tile, in the value dtype)
         ke = t.k_eff(plan.k)
-        tile = vals[pos:pos + t.n_tiles * ke].view(t.n_tiles, ke)
+        tile = vals[pos : pos + t.n_tiles * ke].view(t.n_tiles, ke)
         scale = tile.abs().mean(1, keepdim=True).to(value_dtype).float()
         out.append(torch.where(tile < 0, -scale, scale).flatten())
         pos += t.n_tiles * ke
@@ -160,7 +160,9 @@ def test_a_gathered_payload_of_another_layout_is_rejected():
 def test_unknown_codec_names_fail_clearly_before_anything_changes():
     names = codec_names()
     assert set(BUILTIN) <= set(names)
-    with pytest.raises(ValueError, match=r"payload must be one of \('reference', 'compact', 'sign'.*got 'zip'"):
+    with pytest.raises(
+        ValueError, match=r"payload must be one of \('reference', 'compact', 'sign'.*got 'zip'"
+    ):
         get_codec("zip")
     p = torch.nn.Parameter(torch.randn(8, 8))
     p.grad = torch.randn(8, 8)
@@ -248,8 +250,15 @@ def _user_codec_run(rank: int, world: int):
     for payload in (Int32Fp32.name, "compact"):  # compact with fp32 values carries the same selection
         torch.manual_seed(0)
         model = _Net()
-        opt = DeMo(model.parameters(), lr=1e-2, compression_topk=4, compression_chunk=8, payload=payload,
-                   value_dtype=torch.float32, dense_fallback=False)
+        opt = DeMo(
+            model.parameters(),
+            lr=1e-2,
+            compression_topk=4,
+            compression_chunk=8,
+            payload=payload,
+            value_dtype=torch.float32,
+            dense_fallback=False,
+        )
         _steps(model, opt, x, y, 2)
         out[payload] = ([p.detach().clone() for p in model.parameters()], opt.comm_stats.as_dict())
 

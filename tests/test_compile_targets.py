@@ -21,7 +21,10 @@ def report():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-m", "cokit.triton_kernels.compile_only", *TARGETS],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

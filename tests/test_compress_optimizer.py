@@ -38,8 +38,15 @@ def _grads(rank: int, step: int, shapes=SHAPES) -> list[torch.Tensor]:
 def _reference_steps(rank: int, world: int, steps: int):
     _torch_path()
     params = _params()
-    opt = DeMo(params, lr=LR, compression_decay=BETA, compression_topk=K, compression_chunk=CHUNK,
-               weight_decay=WD, payload="reference")
+    opt = DeMo(
+        params,
+        lr=LR,
+        compression_decay=BETA,
+        compression_topk=K,
+        compression_chunk=CHUNK,
+        weight_decay=WD,
+        payload="reference",
+    )
     for step in range(steps):
         for p, g in zip(params, _grads(rank, step)):
             p.grad = g
@@ -59,9 +66,16 @@ def test_reference_payload_equals_float64_simulation(world):
         grads = [_grads(r, step) for r in range(world)]
         decoded = []
         for i, _ in enumerate(SHAPES):
-            p, ds, dec = sim.demo_step(params[i], [deltas[r][i] for r in range(world)],
-                                       [grads[r][i] for r in range(world)], lr=LR, beta=BETA,
-                                       chunk=CHUNK, k=K, wd=WD)
+            p, ds, dec = sim.demo_step(
+                params[i],
+                [deltas[r][i] for r in range(world)],
+                [grads[r][i] for r in range(world)],
+                lr=LR,
+                beta=BETA,
+                chunk=CHUNK,
+                k=K,
+                wd=WD,
+            )
             params[i] = p
             decoded.append(dec)
             for r in range(world):
@@ -237,7 +251,9 @@ def _hook_full_k(rank: int, world: int):
     compressed.register_comm_hook(DCTTopKState(topk=4096, chunk=64, value_dtype=torch.float32), dct_topk_hook)
     for net in (dense, compressed):
         torch.nn.functional.mse_loss(net(x), y).backward()
-    diffs = [(a.grad - b.grad).abs().max().item() for a, b in zip(dense.parameters(), compressed.parameters())]
+    diffs = [
+        (a.grad - b.grad).abs().max().item() for a, b in zip(dense.parameters(), compressed.parameters())
+    ]
 
     params = _params([(16, 16), (5,)])
     opt = DeMo(params, lr=0.01, full_sync_every=2)
@@ -311,7 +327,10 @@ def test_nonfinite_gradients_and_mismatched_ranks_fail_on_every_rank():
         assert "non-finite gradient in group 0 param 1 (130, 70) on rank 1" in out["error"]
         assert out["unchanged_after_error"] and out["no_state_after_error"]
         assert out["unchanged_after_skip"] and out["skipped"] == 1
-        assert "is ((4, 3), 'torch.float32') on rank 0" in out["shape_error"] or "on rank 1" in out["shape_error"]
+        assert (
+            "is ((4, 3), 'torch.float32') on rank 0" in out["shape_error"]
+            or "on rank 1" in out["shape_error"]
+        )
         assert "has a gradient on ranks [0] only" in out["grad_set_error"]
 
 
@@ -458,23 +477,34 @@ def _overlap_backward(rank: int, world: int):
     for overlap in (False, True):
         torch.manual_seed(0)
         model = _Net()
-        opt = DeMo(model.parameters(), lr=3e-3, compression_topk=8, bucket_cap_mb=0.01,
-                   overlap_backward=overlap, nonfinite="skip")
+        opt = DeMo(
+            model.parameters(),
+            lr=3e-3,
+            compression_topk=8,
+            bucket_cap_mb=0.01,
+            overlap_backward=overlap,
+            nonfinite="skip",
+        )
         _train(model, opt, x, y, 4)
-        runs[overlap] = ([p.detach().clone() for p in model.parameters()],
-                         [opt.state[p]["delta"].clone() for p in model.parameters()], opt)
+        runs[overlap] = (
+            [p.detach().clone() for p in model.parameters()],
+            [opt.state[p]["delta"].clone() for p in model.parameters()],
+            opt,
+        )
     params, deltas, opt = runs[True]
     model_params = list(opt.param_groups[0]["params"])
     bad_x = x.clone()
     if rank == 1:
         bad_x[0, 0] = float("nan")
     opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(torch.nn.functional.linear(bad_x, torch.zeros(1, 24)) + 0 * sum(
-        p.sum() for p in model_params), y)
+    loss = torch.nn.functional.mse_loss(
+        torch.nn.functional.linear(bad_x, torch.zeros(1, 24)) + 0 * sum(p.sum() for p in model_params), y
+    )
     loss.backward()
     opt.step()
     unchanged = all(torch.equal(a, b) for a, b in zip(params, model_params)) and all(
-        torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model_params))
+        torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model_params)
+    )
     n_buckets = len(opt._buckets(opt._entries()))
     return runs[False][0], runs[False][1], params, deltas, unchanged, opt.skipped_steps, n_buckets
 

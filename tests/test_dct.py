@@ -36,8 +36,15 @@ def test_reference_matches_direct_dct_formula():
     y = dct_encode_reference(x, chunk=64, dtype=torch.float64).reshape(6, 10)
     n0, n1 = torch.arange(6.0, dtype=torch.float64), torch.arange(10.0, dtype=torch.float64)
     k0, k1 = 2, 3
-    direct = (x * torch.cos(torch.pi * (2 * n0[:, None] + 1) * k0 / 12)
-              * torch.cos(torch.pi * (2 * n1[None, :] + 1) * k1 / 20)).sum() * (2 / 6) ** 0.5 * (2 / 10) ** 0.5
+    direct = (
+        (
+            x
+            * torch.cos(torch.pi * (2 * n0[:, None] + 1) * k0 / 12)
+            * torch.cos(torch.pi * (2 * n1[None, :] + 1) * k1 / 20)
+        ).sum()
+        * (2 / 6) ** 0.5
+        * (2 / 10) ** 0.5
+    )
     assert torch.allclose(y[k0, k1], direct)
 
 

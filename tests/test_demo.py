@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cokit.cli import main
-from cokit.train import MethodSpec, RunResult, run_distributed, run_methods
+from cokit.compress.stats import ring_allreduce_bytes
 from cokit.launch import free_port
+from cokit.train import MethodSpec, RunResult, run_distributed, run_methods
 from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
 from cokit.workloads.text import VOCAB_SIZE
-from cokit.compress.stats import ring_allreduce_bytes
 
 TOY_ARGS = ["--model", "toy", "--max-chars", "100000", "--batch-size", "4", "--eval-every", "3", "--quiet"]
 
@@ -38,8 +38,14 @@ def test_demo_writes_json_csv_png(demo_run, capsys):
     summary = {s["method"]: s for s in doc["summary"]}
     assert set(summary) == {"demo", "adamw"}
     for s in summary.values():
-        assert set(s) >= {"final_train_loss", "final_heldout_loss", "bytes_per_step",
-                          "compression_ratio", "time_per_step_s", "max_replica_diff"}
+        assert set(s) >= {
+            "final_train_loss",
+            "final_heldout_loss",
+            "bytes_per_step",
+            "compression_ratio",
+            "time_per_step_s",
+            "max_replica_diff",
+        }
         assert math.isfinite(s["final_train_loss"]) and math.isfinite(s["final_heldout_loss"])
         assert s["max_replica_diff"] == 0.0  # every rank ends with the same parameters
     demo, adamw = summary["demo"], summary["adamw"]
@@ -63,13 +69,20 @@ def test_demo_writes_json_csv_png(demo_run, capsys):
 
 
 def _toy_config() -> TextWorkloadConfig:
-    return TextWorkloadConfig(corpus=CorpusConfig(max_chars=100_000),
-                              model=ModelConfig.preset("toy", VOCAB_SIZE), batch_size=4, eval_batches=2)
+    return TextWorkloadConfig(
+        corpus=CorpusConfig(max_chars=100_000),
+        model=ModelConfig.preset("toy", VOCAB_SIZE),
+        batch_size=4,
+        eval_batches=2,
+    )
 
 
 def test_runner_is_deterministic_and_counts_dense_bytes():
-    specs = [MethodSpec("adamw", 3e-3), MethodSpec("adamw", 3e-3, label="again"),
-             MethodSpec("sgd", 0.1, options={"momentum": 0.9})]
+    specs = [
+        MethodSpec("adamw", 3e-3),
+        MethodSpec("adamw", 3e-3, label="again"),
+        MethodSpec("sgd", 0.1, options={"momentum": 0.9}),
+    ]
     results = run_distributed(run_methods, specs, _toy_config(), 4, 1, 2, "cpu", False, world_size=2)
     a, b, sgd = results
     assert isinstance(a, RunResult) and a.steps == 4 and a.world_size == 2

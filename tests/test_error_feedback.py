@@ -23,8 +23,17 @@ def test_encode_vs_float64(k, grad_dtype, device):
     ref_deltas = [d.double() for d in deltas]
     before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads)]
     idx, vals = ef_encode(deltas, grads, beta=0.9, lr=0.05, chunk=64, k=k, alpha=0.8)
-    ref_idx, ref_vals = ef_encode_reference(ref_deltas, [g.double() for g in grads], 0.9, 0.05, 64, k,
-                                            alpha=0.8, value_dtype=torch.float64, dtype=torch.float64)
+    ref_idx, ref_vals = ef_encode_reference(
+        ref_deltas,
+        [g.double() for g in grads],
+        0.9,
+        0.05,
+        64,
+        k,
+        alpha=0.8,
+        value_dtype=torch.float64,
+        dtype=torch.float64,
+    )
     layout = payload_layout(SHAPES, 64, k)
     assert idx.shape == (layout.payload_numel,) and idx.dtype == torch.int16
     assert torch.equal(idx.long(), ref_idx.long())
@@ -82,7 +91,9 @@ def test_decode_vs_float64(ranks, k, use_sign, device):
     params = [torch.randn(s, device=device) for s in SHAPES]
     ref = [p.double() for p in params]
     ef_decode(params, idx, vals, lr=0.01, k=k, weight_decay=0.1, use_sign=use_sign)
-    ef_decode_reference(ref, idx, vals.double(), 64, k, 0.01, weight_decay=0.1, use_sign=use_sign, dtype=torch.float64)
+    ef_decode_reference(
+        ref, idx, vals.double(), 64, k, 0.01, weight_decay=0.1, use_sign=use_sign, dtype=torch.float64
+    )
     for p, r in zip(params, ref):
         if use_sign:  # a sign may flip where the decoded value is ~0: count mismatches
             assert ((p.double() - r).abs() > 1e-6).float().mean() < 0.01

@@ -38,8 +38,9 @@ SHAPES = [(1, 1, 1), (17, 33, 65), (128, 96, 200)]
 OUT_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
-def _tolerance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, ref: torch.Tensor,
-               precision: str) -> torch.Tensor:
+def _tolerance(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, ref: torch.Tensor, precision: str
+) -> torch.Tensor:
     """Elementwise error bound, by precision.
 
     |c - ref| <= eps_out * |ref|                      (final rounding to the output dtype)
@@ -55,8 +56,13 @@ def _tolerance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, ref:
     return 2 * (OUT_EPS[a.dtype] * ref.abs() + (K * 2.0**-24 + eps_dot) * mag) + 1e-30
 
 
-def _check(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-           precision: str = "ieee") -> None:
+def _check(
+    c: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    precision: str = "ieee",
+) -> None:
     ref = a.double() @ b.double()
     if bias is not None:
         ref = ref + bias.double()
@@ -92,8 +98,9 @@ def test_gemm_vs_float64(dtype, precision, shape, persistent, device):
     a = torch.randn(M, K, device=device).to(dtype)
     b = torch.randn(K, N, device=device).to(dtype)
     bias = torch.randn(N, device=device).to(dtype) if M > 1 else None
-    c = gemm(a, b, bias, precision=precision, persistent=persistent, tune=False,
-             out=_poisoned(M, N, dtype, device))
+    c = gemm(
+        a, b, bias, precision=precision, persistent=persistent, tune=False, out=_poisoned(M, N, dtype, device)
+    )
     _check(c, a, b, bias, precision)
 
 
@@ -158,7 +165,10 @@ def test_torch_path_without_interpreter(monkeypatch):
         (lambda: (torch.randn(4, 5), torch.randn(6, 3)), "a.shape\\[1\\] must equal b.shape\\[0\\]"),
         (lambda: (torch.randn(4, 5), torch.randn(5, 3, dtype=torch.float16)), "same dtype"),
         (lambda: (torch.randn(4), torch.randn(4, 3)), "a must be 2-D"),
-        (lambda: (torch.randn(4, 5).double(), torch.randn(5, 3).double()), "not supported; allowed: fp16, bf16, fp32"),
+        (
+            lambda: (torch.randn(4, 5).double(), torch.randn(5, 3).double()),
+            "not supported; allowed: fp16, bf16, fp32",
+        ),
     ],
 )
 def test_gemm_rejects_bad_inputs(make, match, device):
@@ -213,15 +223,20 @@ def test_config_validation_errors(config, backend, match):
 def test_valid_vendor_configs_pass():
     GemmConfig(maxnreg=128, smem_bytes=150_000).validate("cuda", arch_limits("sm_90"), dtype=torch.bfloat16)
     GemmConfig(num_stages=2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=2, smem_bytes=65536).validate(
-        "hip", arch_limits("gfx942"), dtype=torch.bfloat16)
+        "hip", arch_limits("gfx942"), dtype=torch.bfloat16
+    )
     for backend in ("cuda", "hip"):
         for cfg in config_space(backend):
             cfg.validate(backend)
 
 
 # ---------------------------------------------------------------------- per-vendor spaces
-VENDORS = [(gemm_configs_nvidia, "sm_80"), (gemm_configs_nvidia, "sm_90"),
-           (gemm_configs_amd, "gfx90a"), (gemm_configs_amd, "gfx942")]
+VENDORS = [
+    (gemm_configs_nvidia, "sm_80"),
+    (gemm_configs_nvidia, "sm_90"),
+    (gemm_configs_amd, "gfx90a"),
+    (gemm_configs_amd, "gfx942"),
+]
 
 
 @pytest.mark.parametrize("vendor,target", VENDORS, ids=[t for _, t in VENDORS])
@@ -294,10 +309,21 @@ def test_smem_below_need_is_rejected(device):
 
 
 def test_parse_config_spec_round_trip_and_errors():
-    cfg = parse_config_spec("BLOCK_M=128, block_n=64,BLOCK_K=32,num_warps=8,num_stages=4,smem_bytes=96k,"
-                            "persistent=true,num_sms=100,maxnreg=128")
-    assert cfg == GemmConfig(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=4,
-                             smem_bytes=96 * 1024, persistent=True, num_sms=100, maxnreg=128)
+    cfg = parse_config_spec(
+        "BLOCK_M=128, block_n=64,BLOCK_K=32,num_warps=8,num_stages=4,smem_bytes=96k,"
+        "persistent=true,num_sms=100,maxnreg=128"
+    )
+    assert cfg == GemmConfig(
+        BLOCK_M=128,
+        BLOCK_N=64,
+        BLOCK_K=32,
+        num_warps=8,
+        num_stages=4,
+        smem_bytes=96 * 1024,
+        persistent=True,
+        num_sms=100,
+        maxnreg=128,
+    )
     assert parse_config_spec(cfg.spec()) == cfg
     assert GemmConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ValueError, match="unknown config key 'BLOCKM'; allowed: BLOCK_M"):
@@ -378,8 +404,18 @@ def test_cache_dir_from_env_and_argument(tmp_path, monkeypatch):
 def test_tuning_cache_round_trips_every_field(tmp_path):
     """A stored config (vendor knobs, persistent form, footprint) loads back equal from a
     fresh cache object; other entries and the extra info are kept; the file is versioned JSON."""
-    cuda = GemmConfig(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=4, num_warps=8, num_stages=4,
-                      persistent=True, num_sms=100, smem_bytes=98304, maxnreg=128)
+    cuda = GemmConfig(
+        BLOCK_M=64,
+        BLOCK_N=128,
+        BLOCK_K=32,
+        GROUP_M=4,
+        num_warps=8,
+        num_stages=4,
+        persistent=True,
+        num_sms=100,
+        smem_bytes=98304,
+        maxnreg=128,
+    )
     hip = config_space("hip")[3].replace(persistent=True, num_sms=200)
     k1 = TuningCache.key("NVIDIA H200", torch.bfloat16, 4096, 1024, 512, True, "ieee")
     k2 = TuningCache.key("AMD Instinct MI300X", torch.float32, 100, 200, 300, True, "ieee")

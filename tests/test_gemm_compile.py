@@ -39,19 +39,31 @@ def _cases():
         "sm_80": [
             (G(128, 256, 64, 8, num_warps=8, num_stages=3), bf16, {}),
             (G(128, 128, 64, 8, num_warps=4, num_stages=4), fp16, {"even_k": False, "has_bias": True}),
-            (G(64, 64, 32, 8, num_warps=4, num_stages=4, persistent=True, num_sms=100, maxnreg=128), bf16, {}),
+            (
+                G(64, 64, 32, 8, num_warps=4, num_stages=4, persistent=True, num_sms=100, maxnreg=128),
+                bf16,
+                {},
+            ),
             (G(128, 128, 32, 8, num_warps=4, num_stages=3), fp32, {"precision": "tf32"}),
         ],
         "sm_90": [
             (G(128, 256, 64, 8, num_warps=8, num_stages=3), bf16, {}),
             (G(128, 128, 64, 8, num_warps=8, num_stages=4, persistent=True), fp16, {}),
-            (G(64, 128, 32, 8, num_warps=4, num_stages=4, maxnreg=128), bf16, {"even_k": False, "has_bias": True}),
+            (
+                G(64, 128, 32, 8, num_warps=4, num_stages=4, maxnreg=128),
+                bf16,
+                {"even_k": False, "has_bias": True},
+            ),
             (G(128, 128, 32, 8, num_warps=4, num_stages=3), fp32, {"precision": "tf32"}),
         ],
         "gfx942": [
             (G(256, 256, 64, 4, num_warps=8, num_stages=2, matrix_instr_nonkdim=16, kpack=2), bf16, {}),
             (G(128, 128, 64, 8, num_warps=4, num_stages=2, waves_per_eu=2), fp16, {"has_bias": True}),
-            (G(128, 128, 32, 1, num_warps=8, num_stages=2, persistent=True, matrix_instr_nonkdim=32), bf16, {}),
+            (
+                G(128, 128, 32, 1, num_warps=8, num_stages=2, persistent=True, matrix_instr_nonkdim=32),
+                bf16,
+                {},
+            ),
             (G(64, 64, 32, 1, num_warps=4, num_stages=2), fp32, {"even_k": False}),
         ],
     }
@@ -95,10 +107,15 @@ def _worker() -> dict:
                 k.check_limits()
                 occ = kernel_occupancy(k)
                 row.update(
-                    ok=True, shared=k.shared_bytes, registers=k.registers, spills=k.spills,
-                    num_warps=k.num_warps, name=k.name,
+                    ok=True,
+                    shared=k.shared_bytes,
+                    registers=k.registers,
+                    spills=k.spills,
+                    num_warps=k.num_warps,
+                    name=k.name,
                     estimate=estimate_shared_bytes(cfg, dtype, limits, kw.get("precision", "ieee")),
-                    blocks_per_sm=occ.blocks_per_sm, limiting=occ.limiting,
+                    blocks_per_sm=occ.blocks_per_sm,
+                    limiting=occ.limiting,
                 )
             except Exception:
                 row.update(ok=False, error=traceback.format_exc()[-2000:])
@@ -116,15 +133,19 @@ def _worker() -> dict:
             after = kernel_occupancy(shaped)
             tk = shaped.compiled
             out.update(
-                used=base.shared_bytes, registers=base.registers, request=request,
-                shaped_shared_bytes=shaped.shared_bytes, metadata_shared=tk.metadata.shared,
+                used=base.shared_bytes,
+                registers=base.registers,
+                request=request,
+                shaped_shared_bytes=shaped.shared_bytes,
+                metadata_shared=tk.metadata.shared,
                 packed_metadata=list(tk.packed_metadata),
                 base_metadata_shared=base.compiled.metadata.shared,
                 same_binary=tk.kernel == base.compiled.kernel,
                 same_name=tk.metadata.name == base.compiled.metadata.name,
                 launchable=callable(getattr(tk, "__getitem__", None)) and tk.function is None,
                 type=type(tk).__module__ + "." + type(tk).__qualname__,
-                blocks_before=before.blocks_per_sm, blocks_after=after.blocks_per_sm,
+                blocks_before=before.blocks_per_sm,
+                blocks_after=after.blocks_per_sm,
                 limiting_after=after.limiting,
             )
             for bad in (base.shared_bytes - 1, limits.max_shared_per_block + 1):
@@ -155,12 +176,29 @@ def _worker() -> dict:
     parser = argparse.ArgumentParser(prog="cokit")
     occupancy_cmd.add_parser(parser.add_subparsers(dest="command"))
     runs = {
-        "sm_90_json": ["--target", "sm_90", "--dtype", "bf16", "--json", "--config",
-                       "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=8,num_stages=3,smem_bytes=115840"],
-        "gfx942_table": ["--target", "gfx942", "--dtype", "fp16", "--config",
-                         "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=4,num_stages=2,waves_per_eu=2"],
-        "sm_90_too_small": ["--target", "sm_90", "--config", "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,"
-                            "num_warps=8,num_stages=3,smem_bytes=70000"],
+        "sm_90_json": [
+            "--target",
+            "sm_90",
+            "--dtype",
+            "bf16",
+            "--json",
+            "--config",
+            "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=8,num_stages=3,smem_bytes=115840",
+        ],
+        "gfx942_table": [
+            "--target",
+            "gfx942",
+            "--dtype",
+            "fp16",
+            "--config",
+            "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=4,num_stages=2,waves_per_eu=2",
+        ],
+        "sm_90_too_small": [
+            "--target",
+            "sm_90",
+            "--config",
+            "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=8,num_stages=3,smem_bytes=70000",
+        ],
     }
     from cokit.cli import CliError
 
@@ -185,12 +223,18 @@ def report() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=900,
+        [sys.executable, str(Path(__file__).resolve())],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    assert proc.returncode == 0 and lines, f"compile worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len(MARK):])
+    assert proc.returncode == 0 and lines, (
+        f"compile worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    return json.loads(lines[-1][len(MARK) :])
 
 
 def _builds(report: dict, target: str) -> list[dict]:

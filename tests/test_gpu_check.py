@@ -23,8 +23,14 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no
 def _run(args, cwd=ROOT, env_extra=None, timeout=120):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "cokit.bench.gpu_check", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cokit.bench.gpu_check", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_no_gpu_exits_2_with_one_line(tmp_path):
@@ -90,15 +96,23 @@ def test_failing_phase_is_reported_and_later_phases_run(tmp_path, monkeypatch, c
         calls.append("fine")
         return {"key": "42 GB/s", "value": 42}
 
-    phases = [gpu_check.Phase("boom", boom, 5, 5), gpu_check.Phase("slow", slow, 0.2, 0.2),
-              gpu_check.Phase("fine", fine, 5, 5), gpu_check.Phase("gpu-only", fine, 5, 5, needs_gpu=True)]
+    phases = [
+        gpu_check.Phase("boom", boom, 5, 5),
+        gpu_check.Phase("slow", slow, 0.2, 0.2),
+        gpu_check.Phase("fine", fine, 5, 5),
+        gpu_check.Phase("gpu-only", fine, 5, 5, needs_gpu=True),
+    ]
     rc = gpu_check.main(["--allow-cpu", "--quick", "--out", str(tmp_path)], phases=phases)
     assert rc == 1 and calls == ["boom", "slow", "fine"]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     by = {p["name"]: p for p in report["phases"]}
     assert by["boom"]["status"] == "FAILED" and "ValueError: injected failure" in by["boom"]["traceback"]
     assert by["slow"]["status"] == "BUDGET" and by["slow"]["cut"] == 1
-    assert by["fine"]["status"] == "OK" and by["fine"]["result"]["value"] == 42 and by["fine"]["key"] == "42 GB/s"
+    assert (
+        by["fine"]["status"] == "OK"
+        and by["fine"]["result"]["value"] == 42
+        and by["fine"]["key"] == "42 GB/s"
+    )
     assert by["gpu-only"]["status"] == "SKIPPED"
     log = (tmp_path / "gpu_check.log").read_text()
     assert "Traceback" in log and "injected failure" in log

@@ -18,8 +18,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: top-level folder -> the package it installs as (pyproject.toml package-dir)
 FOLDERS = {"triton_kernels": "cokit.triton_kernels", "compress": "cokit.compress", "overlap": "cokit.overlap"}
-APP = ("cokit.cli", "cokit.commands", "cokit.train", "cokit.validation", "cokit.workloads", "cokit.display",
-       "cokit.train_report")
+APP = (
+    "cokit.cli",
+    "cokit.commands",
+    "cokit.train",
+    "cokit.validation",
+    "cokit.workloads",
+    "cokit.display",
+    "cokit.train_report",
+)
 #: the folders' bare names: importing them bare bypasses the one import root, ``cokit``
 BARE = ("triton_kernels", "compress", "overlap", "benchmarks")
 
@@ -72,7 +79,9 @@ def kernel_graph() -> dict[str, set[str]]:
                 graph[name].add(target)
     compile_only = modules["cokit.triton_kernels.compile_only"]
     for node in ast.walk(ast.parse(compile_only.read_text())):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KERNEL_MODULES" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "KERNEL_MODULES" for t in node.targets
+        ):
             for short in ast.literal_eval(node.value):
                 graph["cokit.triton_kernels.compile_only"].add(f"cokit.triton_kernels.{short}")
             break
@@ -91,7 +100,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return [*path[path.index(nxt):], nxt]
+                return [*path[path.index(nxt) :], nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -117,7 +126,9 @@ def test_triton_kernels_import_graph_is_acyclic():
     graph = kernel_graph()
     assert "cokit.triton_kernels.gemm" in graph and graph["cokit.triton_kernels.compile_only"]
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle in triton_kernels/: " + " -> ".join(c.rpartition(".")[2] for c in cycle)
+    assert cycle is None, "import cycle in triton_kernels/: " + " -> ".join(
+        c.rpartition(".")[2] for c in cycle
+    )
 
 
 def test_occupancy_is_pure_math():

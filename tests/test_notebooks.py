@@ -33,6 +33,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("COKIT_NOTEBOOK_OUT", str(tmp_path))
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error

@@ -14,14 +14,19 @@ def test_opcheck_every_op(device):
     xs = [randn(96, 128), randn(7).half()]
     torch.library.opcheck(torch.ops.cokit.dct_encode_multi.default, (xs, 64))
     coeffs = [randn(4, 3072), randn(1, 7)]
-    torch.library.opcheck(torch.ops.cokit.dct_decode_multi.default, (coeffs, [96, 128, 7], [2, 1], 64, torch.float32))
+    torch.library.opcheck(
+        torch.ops.cokit.dct_decode_multi.default, (coeffs, [96, 128, 7], [2, 1], 64, torch.float32)
+    )
     torch.library.opcheck(torch.ops.cokit.chunk_topk.default, (randn(5, 40), 3))
     deltas, grads = [randn(64, 64), randn(7)], [randn(64, 64), randn(7)]
-    torch.library.opcheck(torch.ops.cokit.ef_encode.default, (deltas, grads, 0.9, 0.1, 1.0, 64, 4, torch.float16))
+    torch.library.opcheck(
+        torch.ops.cokit.ef_encode.default, (deltas, grads, 0.9, 0.1, 1.0, 64, 4, torch.float16)
+    )
     idx, vals = ef_encode([randn(64, 64), randn(7)], grads, beta=0.9, lr=0.1, k=4)
     params = [randn(64, 64), randn(7)]
-    torch.library.opcheck(torch.ops.cokit.ef_decode.default,
-                          (params, idx[None], vals[None], 64, 4, 0.01, 0.0, True))
+    torch.library.opcheck(
+        torch.ops.cokit.ef_decode.default, (params, idx[None], vals[None], 64, 4, 0.01, 0.0, True)
+    )
 
 
 def test_torch_compile_fullgraph(device):

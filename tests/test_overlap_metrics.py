@@ -31,10 +31,16 @@ def test_perfect_and_no_overlap():
     assert worse.fraction_of_ideal_gain == -1.0 and worse.speedup < 1
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"t_comp": 0.0}, "t_comp"), ({"t_comm": -1.0}, "t_comm"), ({"t_ovl": math.nan}, "t_ovl"),
-    ({"t_comp": "3"}, "t_comp"), ({"t_comp_under_overlap": math.inf}, "t_comp_under_overlap"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"t_comp": 0.0}, "t_comp"),
+        ({"t_comm": -1.0}, "t_comm"),
+        ({"t_ovl": math.nan}, "t_ovl"),
+        ({"t_comp": "3"}, "t_comp"),
+        ({"t_comp_under_overlap": math.inf}, "t_comp_under_overlap"),
+    ],
+)
 def test_bad_times(kw, match):
     args = {"t_comp": 1.0, "t_comm": 1.0, "t_ovl": 1.0, **kw}
     with pytest.raises(ValueError, match=match):
@@ -114,8 +120,9 @@ def test_measure_exact_on_virtual_clock():
     assert "speedup" in res.format() and res.to_dict()["metrics"]["t_seq"] == 8.0
 
 
-@pytest.mark.parametrize("kw, match", [({"repeats": 0}, "repeats"), ({"warmup": -1}, "warmup"),
-                                       ({"repeats": 2.5}, "repeats")])
+@pytest.mark.parametrize(
+    "kw, match", [({"repeats": 0}, "repeats"), ({"warmup": -1}, "warmup"), ({"repeats": 2.5}, "repeats")]
+)
 def test_measure_bad_counts(kw, match):
     with pytest.raises(ValueError, match=match):
         measure(FakeWorkload(VirtualClock()), **kw)

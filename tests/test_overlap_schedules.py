@@ -123,7 +123,9 @@ def _checks(rank, world, path):
     bound = gemm_bound([(_data(r, 14, 128, 40), _data(r, 15, 40, 30)) for r in range(W)])
     for chunks in (2, 4):
         s = GemmCollective(a128, b128, collective="all_reduce", chunks=chunks, config=cfg)
-        exact_or_close(f"ar_aligned{chunks}_vs_seq", tiles_exact and sum_exact, s.run().output, s.run_sequential(), bound)
+        exact_or_close(
+            f"ar_aligned{chunks}_vs_seq", tiles_exact and sum_exact, s.run().output, s.run_sequential(), bound
+        )
 
     # GEMM + reduce-scatter: this rank's rows of the summed product
     M = 8 * W
@@ -197,30 +199,52 @@ def _checks(rank, world, path):
     bitwise("ov_compute", o1, o2)  # the same matmul on the same operands
     bitwise("ov_comm", r1, reduced[-1])  # the same all-reduce of the same tensor
     summands = [_data(r, 11, 1000) for r in range(W)]
-    close("ov_comm_ref", r1, sum(t.double() for t in summands), 2 * _gamma(W) * sum(t.double().abs() for t in summands))
+    close(
+        "ov_comm_ref",
+        r1,
+        sum(t.double() for t in summands),
+        2 * _gamma(W) * sum(t.double().abs() for t in summands),
+    )
 
     # a real measurement through run(measure=True); 32-row chunks = BLOCK_M
     s = GemmCollective(_data(rank, 12, 64, 64), _data(rank, 13, 64, 64), chunks=2, config=cfg)
     res = s.run(measure=True, repeats=2, warmup=1)
-    exact_or_close("measured_output", tiles_exact and sum_exact, res.output, s.run_sequential(),
-                   gemm_bound([(_data(r, 12, 64, 64), _data(r, 13, 64, 64)) for r in range(W)]))
+    exact_or_close(
+        "measured_output",
+        tiles_exact and sum_exact,
+        res.output,
+        s.run_sequential(),
+        gemm_bound([(_data(r, 12, 64, 64), _data(r, 13, 64, 64)) for r in range(W)]),
+    )
     t = res.timings
-    out["timings"] = (t.world_size, t.rank, t.timer, t.emulated, t.times["compute"].n,
-                      all(math.isfinite(v.median) and v.median > 0 for v in t.times.values()),
-                      t.info["chunks"], t.info["collective"], t.info["kernel_path"])
+    out["timings"] = (
+        t.world_size,
+        t.rank,
+        t.timer,
+        t.emulated,
+        t.times["compute"].n,
+        all(math.isfinite(v.median) and v.median > 0 for v in t.times.values()),
+        t.info["chunks"],
+        t.info["collective"],
+        t.info["kernel_path"],
+    )
 
     # bad input: clear errors, raised before any collective
     errors = {}
     for name, fn in {
-        "rs_rows": lambda: GemmCollective(_data(rank, 1, 10, 8), _data(rank, 1, 8, 4), collective="reduce_scatter",
-                                          chunks=2),
+        "rs_rows": lambda: GemmCollective(
+            _data(rank, 1, 10, 8), _data(rank, 1, 8, 4), collective="reduce_scatter", chunks=2
+        ),
         "chunks": lambda: GemmCollective(_data(rank, 1, 3, 8), _data(rank, 1, 8, 4), chunks=5),
         "inner": lambda: GemmCollective(_data(rank, 1, 4, 8), _data(rank, 1, 7, 4)),
-        "collective": lambda: GemmCollective(_data(rank, 1, 4, 8), _data(rank, 1, 8, 4), collective="all_to_all"),
+        "collective": lambda: GemmCollective(
+            _data(rank, 1, 4, 8), _data(rank, 1, 8, 4), collective="all_to_all"
+        ),
         "operand": lambda: AllGatherGemm(_data(rank, 1, 4, 8), _data(rank, 1, 8, 4), operand="c"),
         "priority": lambda: GemmCollective(_data(rank, 1, 4, 8), _data(rank, 1, 8, 4), priority=5),
-        "guard": lambda: GemmCollective(_data(rank, 1, 4, 8), _data(rank, 1, 8, 4),
-                                        guard=StarvationGuard(allow_high_priority=False)),
+        "guard": lambda: GemmCollective(
+            _data(rank, 1, 4, 8), _data(rank, 1, 8, 4), guard=StarvationGuard(allow_high_priority=False)
+        ),
         "dtype": lambda: GemmCollective(_data(rank, 1, 4, 8), _data(rank, 1, 8, 4, dtype=torch.float16)),
     }.items():
         try:
@@ -234,8 +258,6 @@ def _checks(rank, world, path):
 
 def _worker(rank, world):
     return _checks(rank, world, exact_reduce=True)
-
-
 
 
 def _worker(rank, world):
@@ -268,18 +290,35 @@ def test_schedules_equal_sequential_and_reference_world2(world2, path):
         assert res["hp_group"] == ("gloo", False)
         # the bitwise claims: only where the module docstring's arguments hold
         if path == "interpreter":
-            assert _claims(res, "bitwise") == {"ar1_vs_seq", "ar_aligned2_vs_seq", "ar_aligned4_vs_seq",
-                                               "aga_aligned_vs_seq", "agb_aligned_vs_seq", "measured_output"}
+            assert _claims(res, "bitwise") == {
+                "ar1_vs_seq",
+                "ar_aligned2_vs_seq",
+                "ar_aligned4_vs_seq",
+                "aga_aligned_vs_seq",
+                "agb_aligned_vs_seq",
+                "measured_output",
+            }
         else:  # CPU BLAS: only the same GEMM on the same shapes
             assert _claims(res, "bitwise") == {"ar1_vs_seq"}
-            assert "ar_aligned2_vs_seq" in _claims(res, "bound") and "measured_output" in _claims(res, "bound")
+            assert "ar_aligned2_vs_seq" in _claims(res, "bound") and "measured_output" in _claims(
+                res, "bound"
+            )
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_real_measurement_world2(world2, path):
     for rank, by_path in enumerate(world2):
-        assert by_path[path]["timings"] == (2, rank, "monotonic (time.perf_counter)", False, 2, True, 2, "all_reduce",
-                                            path)
+        assert by_path[path]["timings"] == (
+            2,
+            rank,
+            "monotonic (time.perf_counter)",
+            False,
+            2,
+            True,
+            2,
+            "all_reduce",
+            path,
+        )
 
 
 def test_bad_input_world2(world2):

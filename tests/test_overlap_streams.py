@@ -66,7 +66,9 @@ def test_high_priority_group_needs_distributed():
 
 def test_starvation_guard():
     lim = arch_limits("sm_90")  # 132 SMs
-    guard = StarvationGuard(max_reserved_fraction=0.25, max_footprint_inflation=2.0, allow_high_priority=False)
+    guard = StarvationGuard(
+        max_reserved_fraction=0.25, max_footprint_inflation=2.0, allow_high_priority=False
+    )
     carve = GemmConfig(persistent=True, num_sms=100)  # 32 reserved <= floor(0.25 * 132) = 33
     assert reserved_sms(carve, lim) == 32 and reserved_sms(GemmConfig(), lim) == 0
     assert guard.violations(carve, limits=lim) == []
@@ -83,8 +85,12 @@ def test_starvation_guard():
     slow = StarvationGuard(max_compute_slowdown=0.2)
     assert slow.check_measured(0.1) == [] and "above max_compute_slowdown" in slow.check_measured(0.3)[0]
     assert StarvationGuard().check_measured(5.0) == []
-    for kw in ({"max_reserved_fraction": 1.5}, {"max_reserved_sms": -1}, {"max_footprint_inflation": 0.5},
-               {"max_compute_slowdown": -0.1}):
+    for kw in (
+        {"max_reserved_fraction": 1.5},
+        {"max_reserved_sms": -1},
+        {"max_footprint_inflation": 0.5},
+        {"max_compute_slowdown": -0.1},
+    ):
         with pytest.raises(ValueError, match=next(iter(kw))):
             StarvationGuard(**kw)
 
@@ -98,10 +104,16 @@ def test_split_sizes():
         split_sizes(3, 0)
 
 
-@pytest.mark.parametrize("n, dtype, n_sms, passes", [
-    (1, torch.float32, 1, 1), (1000, torch.float16, 3, 2), (70001, torch.bfloat16, 2, 1),
-    (4097, torch.int32, 5, 1), (33, torch.int8, 64, 1),
-])
+@pytest.mark.parametrize(
+    "n, dtype, n_sms, passes",
+    [
+        (1, torch.float32, 1, 1),
+        (1000, torch.float16, 3, 2),
+        (70001, torch.bfloat16, 2, 1),
+        (4097, torch.int32, 5, 1),
+        (33, torch.int8, 64, 1),
+    ],
+)
 def test_sm_copy_matches_reference(n, dtype, n_sms, passes):
     src = (torch.randn(n) * 100).to(dtype)
     dst = torch.full((n,), -7).to(dtype)  # poisoned
@@ -115,16 +127,19 @@ def test_sm_copy_small_blocks_and_2d():
     assert sm_copy(torch.empty(0)).numel() == 0
 
 
-@pytest.mark.parametrize("kw, err, match", [
-    ({"src": torch.randn(4, 4).t()}, ValueError, "contiguous"),
-    ({"src": torch.zeros(4, dtype=torch.bool)}, TypeError, "dtype"),
-    ({"dst": torch.empty(5)}, ValueError, "dst must be"),
-    ({"n_sms": 0}, ValueError, "n_sms"),
-    ({"passes": 0}, ValueError, "passes"),
-    ({"block": 100}, ValueError, "block"),
-    ({"num_warps": 3}, ValueError, "num_warps"),
-    ({"smem_bytes": 1024}, ValueError, "GPU only"),
-])
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"src": torch.randn(4, 4).t()}, ValueError, "contiguous"),
+        ({"src": torch.zeros(4, dtype=torch.bool)}, TypeError, "dtype"),
+        ({"dst": torch.empty(5)}, ValueError, "dst must be"),
+        ({"n_sms": 0}, ValueError, "n_sms"),
+        ({"passes": 0}, ValueError, "passes"),
+        ({"block": 100}, ValueError, "block"),
+        ({"num_warps": 3}, ValueError, "num_warps"),
+        ({"smem_bytes": 1024}, ValueError, "GPU only"),
+    ],
+)
 def test_sm_copy_bad_input(kw, err, match):
     args = {"src": torch.randn(4), **kw}
     src = args.pop("src")

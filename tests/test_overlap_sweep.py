@@ -26,7 +26,13 @@ def test_emulated_sweep_in_process_writes_csv_json_png(tmp_path):
     csv_path = write_csv(rows, tmp_path / "s.csv")
     with csv_path.open() as f:
         back = list(csv.DictReader(f))
-    assert len(back) == 6 and {"num_warps", "smem_bytes", "speedup", "comm_hidden", "overlapped_iqr_ms"} <= set(back[0])
+    assert len(back) == 6 and {
+        "num_warps",
+        "smem_bytes",
+        "speedup",
+        "comm_hidden",
+        "overlapped_iqr_ms",
+    } <= set(back[0])
     data = json.loads(write_json(rows, tmp_path / "s.json", {"k": 1}).read_text())
     assert data["meta"] == {"k": 1} and len(data["rows"]) == 6
     paths = default_plots(rows, tmp_path)
@@ -62,8 +68,23 @@ def test_sweep_points_validation():
 
 @pytest.mark.distributed
 def test_cli_sweep_gloo_two_ranks(tmp_path, capsys):
-    rc = main(["sweep", "--sizes", "32", "--chunks", "2", "--repeats", "1", "--warmup", "0",
-               "--num-warps", "4,8", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "sweep",
+            "--sizes",
+            "32",
+            "--chunks",
+            "2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--num-warps",
+            "4,8",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "2 rank(s), backend gloo" in out and "change nothing here" in out and "speedup" in out
@@ -78,18 +99,21 @@ def test_cli_sweep_gloo_two_ranks(tmp_path, capsys):
     assert json.loads((tmp_path / "sweep.json").read_text())["meta"]["world_size"] == 2
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--collectives", "bcast"], "unknown"),
-    (["--sizes", "30", "--chunks", "4", "--collectives", "reduce_scatter"], "divisible"),
-    (["--comm-sms", "4"], "emulated only"),
-    (["--priority", "urgent"], "priority"),
-    (["--sizes", "0"], "must be >= 1"),
-    (["--repeats", "0"], "repeats"),
-    (["--num-warps", "3"], "num_warps=3"),
-    (["--collectives", "emulated"], "world-size 1"),
-    (["--backend", "nccl"], "needs 2 GPUs"),
-    (["--world-size", "1", "--collectives", "all_reduce"], ">= 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--collectives", "bcast"], "unknown"),
+        (["--sizes", "30", "--chunks", "4", "--collectives", "reduce_scatter"], "divisible"),
+        (["--comm-sms", "4"], "emulated only"),
+        (["--priority", "urgent"], "priority"),
+        (["--sizes", "0"], "must be >= 1"),
+        (["--repeats", "0"], "repeats"),
+        (["--num-warps", "3"], "num_warps=3"),
+        (["--collectives", "emulated"], "world-size 1"),
+        (["--backend", "nccl"], "needs 2 GPUs"),
+        (["--world-size", "1", "--collectives", "all_reduce"], ">= 2 ranks"),
+    ],
+)
 def test_cli_sweep_bad_input(argv, match, capsys, tmp_path):
     assert main(["sweep", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err

@@ -67,10 +67,18 @@ def test_guard_rejects_up_front_and_on_measured_slowdown():
     guard = StarvationGuard(max_reserved_fraction=0.25, max_footprint_inflation=4.0, max_compute_slowdown=0.5)
     import torch
 
-    tuner = OnlineTuner([carve, fat, ok_a, ok_b], guard=guard,
-                        guard_kwargs={"limits": limits, "dtype": torch.bfloat16}, trials=1)
+    tuner = OnlineTuner(
+        [carve, fat, ok_a, ok_b],
+        guard=guard,
+        guard_kwargs={"limits": limits, "dtype": torch.bfloat16},
+        trials=1,
+    )
     rejected = [e for e in tuner.log if e["event"] == "reject"]
-    assert len(rejected) == 2 and "66 of 132" in rejected[0]["reason"] and "max_footprint_inflation" in rejected[1]["reason"]
+    assert (
+        len(rejected) == 2
+        and "66 of 132" in rejected[0]["reason"]
+        and "max_footprint_inflation" in rejected[1]["reason"]
+    )
     assert tuner.candidates == [ok_a, ok_b]
     # ok_a slows compute down by 80% under overlap: dropped, re-explore with ok_b only
     tuner.record(tuner.choose(), 1.0, compute_slowdown=0.8)
@@ -97,10 +105,16 @@ def test_step_times_with_the_clock():
     assert outs[:4] == [4, 8, 4, 8] and tuner.locked == CONFIGS[1] and outs[4] == 8
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"candidates": []}, "non-empty"), ({"trials": 0}, "trials"), ({"drift_threshold": 0}, "drift_threshold"),
-    ({"window": 0}, "window"), ({"cooldown": -1}, "cooldown"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"candidates": []}, "non-empty"),
+        ({"trials": 0}, "trials"),
+        ({"drift_threshold": 0}, "drift_threshold"),
+        ({"window": 0}, "window"),
+        ({"cooldown": -1}, "cooldown"),
+    ],
+)
 def test_bad_arguments(kw, match):
     args = {"candidates": CONFIGS, **kw}
     with pytest.raises(ValueError, match=match):

@@ -70,6 +70,8 @@ def test_k_larger_than_tile_is_clamped(device):
 
 @pytest.mark.usefixtures("poison")
 def test_extreme_values(device):
-    x = torch.tensor([[0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e38, 1.0, float("nan")]], device=device)
+    x = torch.tensor(
+        [[0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e38, 1.0, float("nan")]], device=device
+    )
     idx, _ = chunk_topk(x, 4)
     assert idx.tolist() == [[2, 3, 5, 7]]  # NaN ranks above every number (documented)

@@ -44,8 +44,19 @@ def test_study_writes_tables_plots_and_run_jsons(study):
         for plot in ("heldout_vs_step", "heldout_vs_bytes", "pareto"):
             assert (out / f"{wl}_{plot}.png").read_bytes()[:8] == PNG
     doc = json.loads((out / "study.json").read_text())
-    assert set(doc) >= {"preset", "world_size", "backend", "machine", "date", "tables", "pareto_front",
-                        "files", "table_markdown", "workload_info", "lr_selection"}
+    assert set(doc) >= {
+        "preset",
+        "world_size",
+        "backend",
+        "machine",
+        "date",
+        "tables",
+        "pareto_front",
+        "files",
+        "table_markdown",
+        "workload_info",
+        "lr_selection",
+    }
     assert doc["world_size"] == 2 and doc["backend"] == "gloo" and doc["seeds"] == 1
     assert set(doc["machine"]) >= {"cpu", "cores", "torch", "triton"}
     for wl in ("text", "digits"):
@@ -75,7 +86,9 @@ def test_headline_methods_get_more_seeds_at_their_best_lr(study):
     assert list(doc["tables"]) == ["digits"] and doc["seeds"] == 2
     for row in doc["tables"]["digits"]:  # all three are headline methods
         assert row["seeds"] == 2 and row["final_heldout_loss_std"] is not None
-        assert row["final_heldout_loss_min"] <= row["final_heldout_loss_mean"] <= row["final_heldout_loss_max"]
+        assert (
+            row["final_heldout_loss_min"] <= row["final_heldout_loss_mean"] <= row["final_heldout_loss_max"]
+        )
     assert "±" in (seeded / "table.md").read_text()
 
 
@@ -85,8 +98,20 @@ def test_run_json_schema(study):
     assert len(runs) == 3 * len(METHODS)  # text seed 0, digits seeds 0 and 1
     for path in runs:
         doc = json.loads(path.read_text())
-        assert set(doc) >= {"key", "workload", "method", "family", "lr", "seed", "steps", "world_size",
-                            "status", "summary", "evals", "series"}
+        assert set(doc) >= {
+            "key",
+            "workload",
+            "method",
+            "family",
+            "lr",
+            "seed",
+            "steps",
+            "world_size",
+            "status",
+            "summary",
+            "evals",
+            "series",
+        }
         assert doc["status"] == "ok" and doc["steps"] == 4 and doc["world_size"] == 2
         assert set(doc["summary"]) == set(SUMMARY_FIELDS)
         assert doc["summary"]["max_replica_diff"] == 0.0  # every method keeps replicas identical
@@ -106,15 +131,18 @@ def test_rerun_skips_finished_runs(study, capsys):
     assert len(lines) == 2 and all(", 0 to run" in ln for ln in lines)  # 2 phases x 1 workload
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--methods", "adamw,nope"], "unknown method 'nope'"),
-    (["--methods", "adamw,adamw"], "without repeats"),
-    (["--workloads", "images"], "workloads must be"),
-    (["--world-size", "0"], "world size"),
-    (["--seeds", "0"], "seeds"),
-    (["--steps", "0"], "steps"),
-    (["--quick", "--preset", "full"], "conflicts"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--methods", "adamw,nope"], "unknown method 'nope'"),
+        (["--methods", "adamw,adamw"], "without repeats"),
+        (["--workloads", "images"], "workloads must be"),
+        (["--world-size", "0"], "world size"),
+        (["--seeds", "0"], "seeds"),
+        (["--steps", "0"], "steps"),
+        (["--quick", "--preset", "full"], "conflicts"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(argv, needle, capsys, tmp_path):
     assert main(["bench", "validate", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip()

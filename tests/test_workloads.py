@@ -79,7 +79,7 @@ def test_each_rank_reads_its_own_shard(workload):
         hay = shards[rank]
         for row in window:  # every sampled window lies inside this rank's shard
             starts = (hay[: hay.numel() - row.numel() + 1] == row[0]).nonzero().flatten()
-            assert any(torch.equal(hay[s:s + row.numel()], row) for s in starts.tolist())
+            assert any(torch.equal(hay[s : s + row.numel()], row) for s in starts.tolist())
     with pytest.raises(ValueError):
         workload.shard(3, 3)
 
@@ -106,7 +106,9 @@ def test_model_shapes_params_and_seeded_init():
     assert dims == {1, 2}
     out = m1(torch.randint(0, VOCAB_SIZE, (3, 16)))
     assert out.shape == (3, 16, VOCAB_SIZE)
-    tied = CharTransformer(ModelConfig(VOCAB_SIZE, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, tied_head=True))
+    tied = CharTransformer(
+        ModelConfig(VOCAB_SIZE, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, tied_head=True)
+    )
     assert tied.num_params() == m1.num_params() - VOCAB_SIZE * 32
     assert tied(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, VOCAB_SIZE)
     with pytest.raises(ValueError):

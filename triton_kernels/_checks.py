@@ -13,9 +13,13 @@ def check_float_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...] = F
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; call .to_dense() first")
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got layout {t.layout}; call .to_dense() first"
+        )
     if t.dtype not in dtypes:
-        allowed = _ALLOWED if dtypes == FLOAT_DTYPES else ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        allowed = (
+            _ALLOWED if dtypes == FLOAT_DTYPES else ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        )
         raise TypeError(f"{name} must have dtype {allowed}, got {t.dtype}")
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}); nothing to compress")

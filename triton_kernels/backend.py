@@ -118,30 +118,70 @@ class ArchLimits:
 # num_sms is the common part (A100 SXM 108, H100/H200 SXM 132, one MI250X GCD 110, MI300X 304).
 KNOWN_TARGETS: dict[str, ArchLimits] = {
     "sm_80": ArchLimits(
-        name="NVIDIA A100 (sm_80)", backend="cuda", arch=80, warp_size=32, num_sms=108,
-        max_shared_per_block=166912, max_shared_per_sm=167936, reserved_shared_per_block=1024,
-        registers_per_sm=65536, max_registers_per_thread=255, register_alloc_unit=256,
-        max_warps_per_sm=64, max_blocks_per_sm=32, max_threads_per_block=1024,
+        name="NVIDIA A100 (sm_80)",
+        backend="cuda",
+        arch=80,
+        warp_size=32,
+        num_sms=108,
+        max_shared_per_block=166912,
+        max_shared_per_sm=167936,
+        reserved_shared_per_block=1024,
+        registers_per_sm=65536,
+        max_registers_per_thread=255,
+        register_alloc_unit=256,
+        max_warps_per_sm=64,
+        max_blocks_per_sm=32,
+        max_threads_per_block=1024,
     ),
     "sm_90": ArchLimits(
-        name="NVIDIA H100/H200 (sm_90)", backend="cuda", arch=90, warp_size=32, num_sms=132,
-        max_shared_per_block=232448, max_shared_per_sm=233472, reserved_shared_per_block=1024,
-        registers_per_sm=65536, max_registers_per_thread=255, register_alloc_unit=256,
-        max_warps_per_sm=64, max_blocks_per_sm=32, max_threads_per_block=1024,
+        name="NVIDIA H100/H200 (sm_90)",
+        backend="cuda",
+        arch=90,
+        warp_size=32,
+        num_sms=132,
+        max_shared_per_block=232448,
+        max_shared_per_sm=233472,
+        reserved_shared_per_block=1024,
+        registers_per_sm=65536,
+        max_registers_per_thread=255,
+        register_alloc_unit=256,
+        max_warps_per_sm=64,
+        max_blocks_per_sm=32,
+        max_threads_per_block=1024,
     ),
     # AMD: registers are 512 VGPRs (arch + accumulation) per lane per SIMD, 4 SIMDs per CU,
     # at most 8 waves per SIMD; counted here per CU in 32-bit registers per lane x wave slots.
     "gfx90a": ArchLimits(
-        name="AMD MI250X GCD (gfx90a)", backend="hip", arch="gfx90a", warp_size=64, num_sms=110,
-        max_shared_per_block=65536, max_shared_per_sm=65536, reserved_shared_per_block=0,
-        registers_per_sm=4 * 512 * 64, max_registers_per_thread=512, register_alloc_unit=8 * 64,
-        max_warps_per_sm=32, max_blocks_per_sm=32, max_threads_per_block=1024,
+        name="AMD MI250X GCD (gfx90a)",
+        backend="hip",
+        arch="gfx90a",
+        warp_size=64,
+        num_sms=110,
+        max_shared_per_block=65536,
+        max_shared_per_sm=65536,
+        reserved_shared_per_block=0,
+        registers_per_sm=4 * 512 * 64,
+        max_registers_per_thread=512,
+        register_alloc_unit=8 * 64,
+        max_warps_per_sm=32,
+        max_blocks_per_sm=32,
+        max_threads_per_block=1024,
     ),
     "gfx942": ArchLimits(
-        name="AMD MI300X (gfx942)", backend="hip", arch="gfx942", warp_size=64, num_sms=304,
-        max_shared_per_block=65536, max_shared_per_sm=65536, reserved_shared_per_block=0,
-        registers_per_sm=4 * 512 * 64, max_registers_per_thread=512, register_alloc_unit=8 * 64,
-        max_warps_per_sm=32, max_blocks_per_sm=32, max_threads_per_block=1024,
+        name="AMD MI300X (gfx942)",
+        backend="hip",
+        arch="gfx942",
+        warp_size=64,
+        num_sms=304,
+        max_shared_per_block=65536,
+        max_shared_per_sm=65536,
+        reserved_shared_per_block=0,
+        registers_per_sm=4 * 512 * 64,
+        max_registers_per_thread=512,
+        register_alloc_unit=8 * 64,
+        max_warps_per_sm=32,
+        max_blocks_per_sm=32,
+        max_threads_per_block=1024,
     ),
 }
 
@@ -151,9 +191,7 @@ def arch_limits(target: str) -> ArchLimits:
     try:
         return KNOWN_TARGETS[target]
     except KeyError:
-        raise ValueError(
-            f"unknown target {target!r}; known targets: {', '.join(KNOWN_TARGETS)}"
-        ) from None
+        raise ValueError(f"unknown target {target!r}; known targets: {', '.join(KNOWN_TARGETS)}") from None
 
 
 def _table_key(props: object) -> str:
@@ -176,9 +214,7 @@ def device_limits(device: torch.device | str | int | None = None) -> ArchLimits:
     props = torch.cuda.get_device_properties(dev)
     base = KNOWN_TARGETS[_table_key(props)]
     backend: Literal["cuda", "hip"] = "hip" if torch.version.hip else "cuda"
-    arch: int | str = (
-        props.gcnArchName.split(":")[0] if backend == "hip" else props.major * 10 + props.minor
-    )
+    arch: int | str = props.gcnArchName.split(":")[0] if backend == "hip" else props.major * 10 + props.minor
     warp = getattr(props, "warp_size", base.warp_size)
     threads_per_sm = getattr(props, "max_threads_per_multi_processor", base.max_warps_per_sm * warp)
     return dataclasses.replace(

@@ -167,10 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for ck in compile_all(args.targets):
-        rows.append({"kernel": ck.name, "target": ck.target, "num_warps": ck.num_warps,
-                     "shared_bytes": ck.shared_bytes, "registers": ck.registers, "spills": ck.spills,
-                     "max_shared_per_block": ck.limits.max_shared_per_block,
-                     "max_registers_per_thread": ck.limits.max_registers_per_thread})
+        rows.append(
+            {
+                "kernel": ck.name,
+                "target": ck.target,
+                "num_warps": ck.num_warps,
+                "shared_bytes": ck.shared_bytes,
+                "registers": ck.registers,
+                "spills": ck.spills,
+                "max_shared_per_block": ck.limits.max_shared_per_block,
+                "max_registers_per_thread": ck.limits.max_registers_per_thread,
+            }
+        )
     print(json.dumps(rows))
     return 0
 

@@ -75,9 +75,18 @@ def load_basis(bank, off, n, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
 
 
 @triton.jit
-def transform_block(x, bank, bh_off, bw_off, h, w,
-                    TWO_D: tl.constexpr, INVERSE: tl.constexpr,
-                    BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+def transform_block(
+    x,
+    bank,
+    bh_off,
+    bw_off,
+    h,
+    w,
+    TWO_D: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """Encode ``B_h x B_w^T`` / decode ``B_h^T x B_w`` of a zero-padded fp32 block.
 
     In ONE_D mode (``TWO_D`` false) every row of ``x`` is its own 1-D tile: only the
@@ -113,9 +122,18 @@ def transform_block(x, bank, bh_off, bw_off, h, w,
 
 
 @triton.jit
-def _dct_kernel(geometry, pointers, bank, src_ref, dst_ref,
-                G_COLS: tl.constexpr, TWO_D: tl.constexpr, INVERSE: tl.constexpr,
-                BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+def _dct_kernel(
+    geometry,
+    pointers,
+    bank,
+    src_ref,
+    dst_ref,
+    G_COLS: tl.constexpr,
+    TWO_D: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """DCT-II encode or DCT-III decode of the tiles of a bucket of tensors, fp32 math.
 
     Grid: ``(n_programs,)`` of one launch class (:class:`~cokit.triton_kernels.tiling.ClassPlan`);
@@ -181,12 +199,24 @@ def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     specs = []
     for mode, two_d, rows, width in tiling.compile_blocks():
         for inverse in (False, True):
-            sig = tiling.geometry_signature(src_ref="*fp32" if inverse else "*bf16",
-                                            dst_ref="*bf16" if inverse else "*fp32")
+            sig = tiling.geometry_signature(
+                src_ref="*fp32" if inverse else "*bf16", dst_ref="*bf16" if inverse else "*fp32"
+            )
             sig.update(dict.fromkeys(("G_COLS", "TWO_D", "INVERSE", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
-            specs.append((f"dct_{'decode' if inverse else 'encode'}_{mode}", _dct_kernel, sig,
-                          {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "INVERSE": inverse,
-                           "BLOCK_ROWS": rows, "BLOCK_W": width}))
+            specs.append(
+                (
+                    f"dct_{'decode' if inverse else 'encode'}_{mode}",
+                    _dct_kernel,
+                    sig,
+                    {
+                        "G_COLS": tiling.G_COLS,
+                        "TWO_D": two_d,
+                        "INVERSE": inverse,
+                        "BLOCK_ROWS": rows,
+                        "BLOCK_W": width,
+                    },
+                )
+            )
     return specs
 
 
@@ -199,9 +229,17 @@ def _launch(plan: tiling.TilePlan, srcs: list[torch.Tensor], dsts: list[torch.Te
         members = list(cls.tensors)
         pointers = tiling.pointer_table([[srcs[i] for i in members], [dsts[i] for i in members]], device)
         _dct_kernel[(cls.n_programs,)](
-            cls.geometry, pointers, plan.basis_bank, srcs[members[0]], dsts[members[0]],
-            G_COLS=tiling.G_COLS, TWO_D=not cls.one_d, INVERSE=inverse,
-            BLOCK_ROWS=cls.block_rows, BLOCK_W=cls.block_w, num_warps=4,
+            cls.geometry,
+            pointers,
+            plan.basis_bank,
+            srcs[members[0]],
+            dsts[members[0]],
+            G_COLS=tiling.G_COLS,
+            TWO_D=not cls.one_d,
+            INVERSE=inverse,
+            BLOCK_ROWS=cls.block_rows,
+            BLOCK_W=cls.block_w,
+            num_warps=4,
         )
 
 
@@ -216,7 +254,9 @@ def _encode_impl(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
     return outs
 
 
-def _decode_impl(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def _decode_impl(
+    coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
     coeffs = [c.contiguous() for c in coeffs]
     device = coeffs[0].device
     if kernel_path(device) == "torch":
@@ -235,7 +275,9 @@ def _tiles(m: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
     return m.reshape(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
 
 
-def dct_encode_reference(x: torch.Tensor, chunk: int = 64, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dct_encode_reference(
+    x: torch.Tensor, chunk: int = 64, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Pure-torch encode, computed in ``dtype`` (float64 for test references)."""
     t = tiling.TensorTiling.of(x.shape, chunk)
     bh = tiling.basis_matrix(t.h, dtype, x.device)
@@ -281,7 +323,7 @@ def pack_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
 def unpack_shapes(dims: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
     out, pos = [], 0
     for r in ranks:
-        out.append(list(dims[pos:pos + r]))
+        out.append(list(dims[pos : pos + r]))
         pos += r
     return out
 
@@ -306,7 +348,9 @@ def _check_inputs(name: str, xs: list[torch.Tensor], chunk: int) -> None:
     kernel_path(xs[0].device)  # rejects devices no kernel runs on
 
 
-def _check_coeffs(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype) -> None:
+def _check_coeffs(
+    coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype
+) -> None:
     _check_inputs("coeffs", coeffs, chunk)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")

@@ -62,10 +62,22 @@ INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
 @triton.jit
-def _ef_encode_kernel(geometry, pointers, bank, delta_ref, grad_ref, idx_out, val_out,
-                      beta, lr, alpha,
-                      G_COLS: tl.constexpr, TWO_D: tl.constexpr,
-                      BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+def _ef_encode_kernel(
+    geometry,
+    pointers,
+    bank,
+    delta_ref,
+    grad_ref,
+    idx_out,
+    val_out,
+    beta,
+    lr,
+    alpha,
+    G_COLS: tl.constexpr,
+    TWO_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """Error-feedback encode of the tiles of a bucket (module docstring, encode steps).
 
     Grid: ``(n_programs,)`` of one launch class; program ``i`` handles geometry row ``i``:
@@ -121,8 +133,9 @@ def _ef_encode_kernel(geometry, pointers, bank, delta_ref, grad_ref, idx_out, va
 
     coeffs = transform_block(delta, bank, bh_off, bw_off, h, w, TWO_D, False, BLOCK_ROWS, BLOCK_W)
     selected, slot = topk_select(coeffs, mask, k, TWO_D)
-    sent = transform_block(tl.where(selected, coeffs, 0.0), bank, bh_off, bw_off, h, w,
-                           TWO_D, True, BLOCK_ROWS, BLOCK_W)
+    sent = transform_block(
+        tl.where(selected, coeffs, 0.0), bank, bh_off, bw_off, h, w, TWO_D, True, BLOCK_ROWS, BLOCK_W
+    )
     tl.store(delta_ptr + addr, delta - alpha * sent, mask=mask)
 
     if TWO_D:
@@ -136,10 +149,25 @@ def _ef_encode_kernel(geometry, pointers, bank, delta_ref, grad_ref, idx_out, va
 
 
 @triton.jit
-def _ef_decode_kernel(geometry, pointers, bank, param_ref, scratch_ref, indices, values,
-                      n_ranks, payload_numel, lr, decay,
-                      G_COLS: tl.constexpr, TWO_D: tl.constexpr, USE_SIGN: tl.constexpr,
-                      BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, K_POW2: tl.constexpr):
+def _ef_decode_kernel(
+    geometry,
+    pointers,
+    bank,
+    param_ref,
+    scratch_ref,
+    indices,
+    values,
+    n_ranks,
+    payload_numel,
+    lr,
+    decay,
+    G_COLS: tl.constexpr,
+    TWO_D: tl.constexpr,
+    USE_SIGN: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    K_POW2: tl.constexpr,
+):
     """Error-feedback decode of gathered payloads into the parameters (module docstring).
 
     Grid: ``(n_programs,)`` of one launch class; program ``i`` handles geometry row ``i``
@@ -218,7 +246,9 @@ def _ef_decode_kernel(geometry, pointers, bank, param_ref, scratch_ref, indices,
     total = tl.load(sums + tile_addr, mask=mask, other=0.0, volatile=True)
     n = tl.load(counts + tile_addr, mask=mask, other=0.0, volatile=True)
     mean = tl.where(n > 0, total / tl.maximum(n, 1.0), 0.0)
-    update = transform_block(mean, bank, tl.load(g + 7), tl.load(g + 8), h, w, TWO_D, True, BLOCK_ROWS, BLOCK_W)
+    update = transform_block(
+        mean, bank, tl.load(g + 7), tl.load(g + 8), h, w, TWO_D, True, BLOCK_ROWS, BLOCK_W
+    )
     if USE_SIGN:
         update = tl.where(update > 0, 1.0, tl.where(update < 0, -1.0, 0.0))
     addr = x_off + r * row_stride + c
@@ -233,17 +263,52 @@ def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     int16 indices, fp16 values, k = 32."""
     specs = []
     for mode, two_d, rows, width in tiling.compile_blocks():
-        sig = tiling.geometry_signature(delta_ref="*fp32", grad_ref="*bf16", idx_out="*i16", val_out="*fp16",
-                                        beta="fp32", lr="fp32", alpha="fp32")
+        sig = tiling.geometry_signature(
+            delta_ref="*fp32",
+            grad_ref="*bf16",
+            idx_out="*i16",
+            val_out="*fp16",
+            beta="fp32",
+            lr="fp32",
+            alpha="fp32",
+        )
         sig.update(dict.fromkeys(("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
-        specs.append((f"ef_encode_{mode}", _ef_encode_kernel, sig,
-                      {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "BLOCK_ROWS": rows, "BLOCK_W": width}))
-        sig = tiling.geometry_signature(param_ref="*bf16", scratch_ref="*fp32", indices="*i16", values="*fp16",
-                                        n_ranks="i32", payload_numel="i32", lr="fp32", decay="fp32")
-        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2"), "constexpr"))
-        specs.append((f"ef_decode_{mode}", _ef_decode_kernel, sig,
-                      {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "USE_SIGN": True, "BLOCK_ROWS": rows,
-                       "BLOCK_W": width, "K_POW2": 32}))
+        specs.append(
+            (
+                f"ef_encode_{mode}",
+                _ef_encode_kernel,
+                sig,
+                {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "BLOCK_ROWS": rows, "BLOCK_W": width},
+            )
+        )
+        sig = tiling.geometry_signature(
+            param_ref="*bf16",
+            scratch_ref="*fp32",
+            indices="*i16",
+            values="*fp16",
+            n_ranks="i32",
+            payload_numel="i32",
+            lr="fp32",
+            decay="fp32",
+        )
+        sig.update(
+            dict.fromkeys(("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2"), "constexpr")
+        )
+        specs.append(
+            (
+                f"ef_decode_{mode}",
+                _ef_decode_kernel,
+                sig,
+                {
+                    "G_COLS": tiling.G_COLS,
+                    "TWO_D": two_d,
+                    "USE_SIGN": True,
+                    "BLOCK_ROWS": rows,
+                    "BLOCK_W": width,
+                    "K_POW2": 32,
+                },
+            )
+        )
     return specs
 
 
@@ -273,10 +338,21 @@ def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
         members = list(cls.tensors)
         pointers = tiling.pointer_table([[work[i] for i in members], [grads[i] for i in members]], device)
         _ef_encode_kernel[(cls.n_programs,)](
-            cls.geometry, pointers, plan.basis_bank, work[members[0]], grads[members[0]], idx, vals,
-            float(beta), float(lr), float(alpha),
-            G_COLS=tiling.G_COLS, TWO_D=not cls.one_d, BLOCK_ROWS=cls.block_rows,
-            BLOCK_W=cls.block_w, num_warps=4,
+            cls.geometry,
+            pointers,
+            plan.basis_bank,
+            work[members[0]],
+            grads[members[0]],
+            idx,
+            vals,
+            float(beta),
+            float(lr),
+            float(alpha),
+            G_COLS=tiling.G_COLS,
+            TWO_D=not cls.one_d,
+            BLOCK_ROWS=cls.block_rows,
+            BLOCK_W=cls.block_w,
+            num_warps=4,
         )
     for d, wk in zip(deltas, work):
         if wk is not d:
@@ -287,7 +363,9 @@ def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
 def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
     device = params[0].device
     if kernel_path(device) == "torch":
-        ef_decode_reference(params, indices, values, chunk, k, lr, weight_decay=weight_decay, use_sign=use_sign)
+        ef_decode_reference(
+            params, indices, values, chunk, k, lr, weight_decay=weight_decay, use_sign=use_sign
+        )
         return
     plan = tiling.tile_plan([p.shape for p in params], chunk, k, device, groups=[p.dtype for p in params])
     work = [_contiguous_work(p) for p in params]
@@ -305,10 +383,23 @@ def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
             [[work[i] for i in members], [sums[i] for i in members], [counts[i] for i in members]], device
         )
         _ef_decode_kernel[(cls.n_programs,)](
-            cls.geometry, pointers, plan.basis_bank, work[members[0]], scratch, indices, values,
-            indices.shape[0], plan.payload_numel, float(lr), 1.0 - float(lr) * float(weight_decay),
-            G_COLS=tiling.G_COLS, TWO_D=not cls.one_d, USE_SIGN=use_sign,
-            BLOCK_ROWS=cls.block_rows, BLOCK_W=cls.block_w, K_POW2=tiling.next_pow2(cls.max_k),
+            cls.geometry,
+            pointers,
+            plan.basis_bank,
+            work[members[0]],
+            scratch,
+            indices,
+            values,
+            indices.shape[0],
+            plan.payload_numel,
+            float(lr),
+            1.0 - float(lr) * float(weight_decay),
+            G_COLS=tiling.G_COLS,
+            TWO_D=not cls.one_d,
+            USE_SIGN=use_sign,
+            BLOCK_ROWS=cls.block_rows,
+            BLOCK_W=cls.block_w,
+            K_POW2=tiling.next_pow2(cls.max_k),
             num_warps=4,
         )
     for p, wk in zip(params, work):
@@ -379,8 +470,14 @@ def ef_decode_reference(
 
 @torch.library.custom_op("cokit::ef_encode", mutates_args=("deltas",))
 def _ef_encode_op(
-    deltas: list[torch.Tensor], grads: list[torch.Tensor], beta: float, lr: float, alpha: float,
-    chunk: int, k: int, value_dtype: torch.dtype,
+    deltas: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    beta: float,
+    lr: float,
+    alpha: float,
+    chunk: int,
+    k: int,
+    value_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype)
 
@@ -393,8 +490,14 @@ def _(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
 
 @torch.library.custom_op("cokit::ef_decode", mutates_args=("params",))
 def _ef_decode_op(
-    params: list[torch.Tensor], indices: torch.Tensor, values: torch.Tensor, chunk: int, k: int,
-    lr: float, weight_decay: float, use_sign: bool,
+    params: list[torch.Tensor],
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    chunk: int,
+    k: int,
+    lr: float,
+    weight_decay: float,
+    use_sign: bool,
 ) -> None:
     _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign)
 
@@ -436,7 +539,11 @@ def ef_encode(
         raise ValueError(f"got {len(deltas)} deltas but {len(grads)} grads")
     check_positive_int("chunk", chunk)
     check_positive_int("k", k)
-    beta, lr, alpha = _check_scalar("beta", beta, 0.0, 1.0), _check_scalar("lr", lr, 0.0), _check_scalar("alpha", alpha, 0.0, 1.0)
+    beta, lr, alpha = (
+        _check_scalar("beta", beta, 0.0, 1.0),
+        _check_scalar("lr", lr, 0.0),
+        _check_scalar("alpha", alpha, 0.0, 1.0),
+    )
     if value_dtype not in FLOAT_DTYPES:
         raise TypeError(f"value_dtype must be torch.float32, float16 or bfloat16, got {value_dtype}")
     for i, (d, g) in enumerate(zip(deltas, grads)):
@@ -444,7 +551,9 @@ def ef_encode(
         check_float_tensor(f"grads[{i}]", g)
         if d.shape != g.shape:
             raise ValueError(f"deltas[{i}] has shape {tuple(d.shape)} but grads[{i}] has {tuple(g.shape)}")
-    check_same_device(**{f"deltas[{i}]": d for i, d in enumerate(deltas)}, **{f"grads[{i}]": g for i, g in enumerate(grads)})
+    check_same_device(
+        **{f"deltas[{i}]": d for i, d in enumerate(deltas)}, **{f"grads[{i}]": g for i, g in enumerate(grads)}
+    )
     kernel_path(deltas[0].device)
     return torch.ops.cokit.ef_encode(deltas, grads, beta, lr, alpha, chunk, k, value_dtype)
 
@@ -464,7 +573,7 @@ def _check_payload(plan: tiling.TilePlan, indices: torch.Tensor, values: torch.T
             f"k={plan.k} need {plan.payload_numel}: payload and tensors do not match"
         )
     for t, off in zip(plan.tilings, plan.payload_offsets):
-        span = indices[:, off:off + t.n_tiles * t.k_eff(plan.k)]
+        span = indices[:, off : off + t.n_tiles * t.k_eff(plan.k)]
         bad = (span < 0) | (span >= t.tile_numel)
         if bool(bad.any()):
             rank, slot = (int(v) for v in bad.nonzero()[0])

@@ -49,12 +49,29 @@ PRECISIONS = ("ieee", "tf32")
 # ---------------------------------------------------------------------- kernels
 @triton.jit
 def _gemm_tile(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_bias,
     tile_id,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     """Compute output tile ``tile_id`` of ``C = A @ B (+ bias)`` and store it.
 
@@ -109,11 +126,28 @@ def _gemm_tile(
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     """Tiled GEMM, ``C = A @ B (+ bias)``: one program per output tile.
 
@@ -164,20 +198,56 @@ def _gemm_kernel(
       the launcher passes 'ieee' for 16-bit ones. 'tf32' is not available on AMD.
     """
     _gemm_tile(
-        a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        bias_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        stride_cm,
+        stride_cn,
+        stride_bias,
         tl.program_id(0),
-        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS, EVEN_K, UPCAST, INPUT_PRECISION,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        GROUP_M,
+        HAS_BIAS,
+        EVEN_K,
+        UPCAST,
+        INPUT_PRECISION,
     )
 
 
 @triton.jit
 def _gemm_persistent_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     """Persistent GEMM, ``C = A @ B (+ bias)``: a fixed number of programs loop over the tiles.
 
@@ -231,16 +301,36 @@ def _gemm_persistent_kernel(
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         _gemm_tile(
-            a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-            stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+            a_ptr,
+            b_ptr,
+            c_ptr,
+            bias_ptr,
+            M,
+            N,
+            K,
+            stride_am,
+            stride_ak,
+            stride_bk,
+            stride_bn,
+            stride_cm,
+            stride_cn,
+            stride_bias,
             tile_id,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS, EVEN_K, UPCAST, INPUT_PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP_M,
+            HAS_BIAS,
+            EVEN_K,
+            UPCAST,
+            INPUT_PRECISION,
         )
 
 
 # ---------------------------------------------------------------------- reference
-def gemm_reference(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-                   precision: str = "ieee") -> torch.Tensor:
+def gemm_reference(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, precision: str = "ieee"
+) -> torch.Tensor:
     """Pure-torch GEMM with the kernel's semantics: fp32 accumulation, output in a's dtype."""
     del precision  # the reference computes in full fp32
     out = a.float() @ b.float()
@@ -269,7 +359,9 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, p
         if bias.shape != (b.shape[1],):
             raise ValueError(f"bias must have shape ({b.shape[1]},) (got {tuple(bias.shape)})")
         if bias.dtype != a.dtype or bias.device != a.device:
-            raise ValueError(f"bias must have a's dtype and device ({a.dtype}, {a.device}); got {bias.dtype}, {bias.device}")
+            raise ValueError(
+                f"bias must have a's dtype and device ({a.dtype}, {a.device}); got {bias.dtype}, {bias.device}"
+            )
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
 
@@ -335,21 +427,40 @@ def select_config(
 
 
 def _prepare(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
-    cfg: GemmConfig, precision: str, path: str, limits: ArchLimits | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    c: torch.Tensor,
+    cfg: GemmConfig,
+    precision: str,
+    path: str,
+    limits: ArchLimits | None,
 ) -> tuple[Any, tuple[int], dict[str, Any], dict[str, Any]]:
     """(kernel, grid, kernel arguments by name, launch options) of one launch."""
     M, K = a.shape
     N = b.shape[1]
     tiles = triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N)
     args: dict[str, Any] = dict(
-        a_ptr=a, b_ptr=b, c_ptr=c, bias_ptr=bias if bias is not None else c,
-        M=M, N=N, K=K,
-        stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
-        stride_cm=c.stride(0), stride_cn=c.stride(1),
+        a_ptr=a,
+        b_ptr=b,
+        c_ptr=c,
+        bias_ptr=bias if bias is not None else c,
+        M=M,
+        N=N,
+        K=K,
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_bk=b.stride(0),
+        stride_bn=b.stride(1),
+        stride_cm=c.stride(0),
+        stride_cn=c.stride(1),
         stride_bias=bias.stride(0) if bias is not None else 0,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg.BLOCK_K == 0,
+        BLOCK_M=cfg.BLOCK_M,
+        BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M,
+        HAS_BIAS=bias is not None,
+        EVEN_K=K % cfg.BLOCK_K == 0,
         UPCAST=path == "interpreter" and a.dtype == torch.bfloat16,
         # precision only matters for fp32 operands; one spelling for 16-bit avoids recompiles
         INPUT_PRECISION=precision if a.dtype == torch.float32 else "ieee",
@@ -366,8 +477,14 @@ def _prepare(
 
 
 def _precompile(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
-    configs: list[GemmConfig], precision: str, path: str, limits: ArchLimits | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    c: torch.Tensor,
+    configs: list[GemmConfig],
+    precision: str,
+    path: str,
+    limits: ArchLimits | None,
 ) -> None:
     """Compile tuning candidates in parallel threads (Triton's AsyncCompileMode) so timing
     them later hits the JIT cache. Best effort: a failure here only costs time later."""
@@ -387,8 +504,14 @@ def _precompile(
 
 
 def _launch(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
-    cfg: GemmConfig, precision: str, path: str, limits: ArchLimits | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    c: torch.Tensor,
+    cfg: GemmConfig,
+    precision: str,
+    path: str,
+    limits: ArchLimits | None,
 ) -> None:
     kernel, grid, args, opts = _prepare(a, b, bias, c, cfg, precision, path, limits)
     if cfg.smem_bytes is None or path == "interpreter":
@@ -520,15 +643,33 @@ def compile_gemm(
     ptr = "*" + _TRITON_DTYPE[dtype]
     kernel = _gemm_persistent_kernel if config.persistent else _gemm_kernel
     signature: dict[str, str] = {
-        "a_ptr": ptr, "b_ptr": ptr, "c_ptr": ptr, "bias_ptr": ptr,
-        "M": "i32", "N": "i32", "K": "i32",
-        "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32", "stride_bn": "constexpr",
-        "stride_cm": "i32", "stride_cn": "constexpr", "stride_bias": "constexpr",
+        "a_ptr": ptr,
+        "b_ptr": ptr,
+        "c_ptr": ptr,
+        "bias_ptr": ptr,
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_am": "i32",
+        "stride_ak": "constexpr",
+        "stride_bk": "i32",
+        "stride_bn": "constexpr",
+        "stride_cm": "i32",
+        "stride_cn": "constexpr",
+        "stride_bias": "constexpr",
     }
     constexprs: dict[str, Any] = dict(
-        stride_ak=1, stride_bn=1, stride_cn=1, stride_bias=1,
-        BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, GROUP_M=config.GROUP_M,
-        HAS_BIAS=has_bias, EVEN_K=even_k, UPCAST=False,
+        stride_ak=1,
+        stride_bn=1,
+        stride_cn=1,
+        stride_bias=1,
+        BLOCK_M=config.BLOCK_M,
+        BLOCK_N=config.BLOCK_N,
+        BLOCK_K=config.BLOCK_K,
+        GROUP_M=config.GROUP_M,
+        HAS_BIAS=has_bias,
+        EVEN_K=even_k,
+        UPCAST=False,
         INPUT_PRECISION=precision if dtype == torch.float32 else "ieee",
     )
     for name in constexprs:
@@ -589,12 +730,16 @@ def _specialization_attrs(kernel: Any, backend: str, aligned: bool) -> dict[tupl
 
 # ---------------------------------------------------------------------- custom op
 @torch.library.custom_op("cokit::matmul", mutates_args=())
-def _matmul_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool) -> torch.Tensor:
+def _matmul_op(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool
+) -> torch.Tensor:
     return gemm(a, b, bias, precision=precision, persistent=persistent)
 
 
 @_matmul_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool) -> torch.Tensor:
+def _(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool
+) -> torch.Tensor:
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: "cokit::matmul: a and b must be 2-D")
     torch._check(a.shape[1] == b.shape[0], lambda: "cokit::matmul: a.shape[1] must equal b.shape[0]")
     return a.new_empty((a.shape[0], b.shape[1]))
@@ -623,8 +768,14 @@ def _matmul_backward(ctx, grad):
 _matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
-           precision: str = "ieee", persistent: bool = False) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    precision: str = "ieee",
+    persistent: bool = False,
+) -> torch.Tensor:
     """``cokit::matmul``: differentiable, ``torch.compile``-able ``a @ b (+ bias)``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")

@@ -49,7 +49,11 @@ __all__ = [
 #: dtypes the GEMM accepts, by their short names.
 DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _DTYPE_ALIASES = {
-    "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "float": "fp32",
 }
 
 CUDA_KNOBS = _nvidia.KNOBS
@@ -135,7 +139,12 @@ class GemmConfig:
             raise ValueError(f"backend {backend!r} is unknown; allowed: cuda, hip, interpreter")
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not _is_pow2(v) or not _MIN_BLOCK <= v <= _MAX_BLOCK:
+            if (
+                not isinstance(v, int)
+                or isinstance(v, bool)
+                or not _is_pow2(v)
+                or not _MIN_BLOCK <= v <= _MAX_BLOCK
+            ):
                 raise ValueError(
                     f"{name}={v!r} is invalid; allowed: a power of 2 from {_MIN_BLOCK} to {_MAX_BLOCK}"
                 )
@@ -156,8 +165,14 @@ class GemmConfig:
                     f"num_sms={self.num_sms} applies to the persistent form only; set persistent=True"
                 )
             hi = limits.num_sms if limits is not None else None
-            if not isinstance(self.num_sms, int) or self.num_sms < 1 or (hi is not None and self.num_sms > hi):
-                allowed = f"1 to {hi} (the SMs/CUs of {limits.name})" if limits is not None else "an integer >= 1"
+            if (
+                not isinstance(self.num_sms, int)
+                or self.num_sms < 1
+                or (hi is not None and self.num_sms > hi)
+            ):
+                allowed = (
+                    f"1 to {hi} (the SMs/CUs of {limits.name})" if limits is not None else "an integer >= 1"
+                )
                 raise ValueError(f"num_sms={self.num_sms!r} is invalid; allowed: {allowed}")
         # vendor knobs
         if backend == "cuda":
@@ -173,7 +188,9 @@ class GemmConfig:
         if self.waves_per_eu is not None and (
             not isinstance(self.waves_per_eu, int) or not 0 <= self.waves_per_eu <= 8
         ):
-            raise ValueError(f"waves_per_eu={self.waves_per_eu!r} is invalid; allowed: 0 (compiler's choice) to 8")
+            raise ValueError(
+                f"waves_per_eu={self.waves_per_eu!r} is invalid; allowed: 0 (compiler's choice) to 8"
+            )
         if self.matrix_instr_nonkdim is not None and self.matrix_instr_nonkdim not in (0, 16, 32):
             raise ValueError(
                 f"matrix_instr_nonkdim={self.matrix_instr_nonkdim!r} is invalid; allowed: 0 (compiler's choice), 16, 32"
@@ -182,8 +199,14 @@ class GemmConfig:
             raise ValueError(f"kpack={self.kpack!r} is invalid; allowed: 1, 2")
         # per-block shared-memory footprint
         if self.smem_bytes is not None:
-            if not isinstance(self.smem_bytes, int) or isinstance(self.smem_bytes, bool) or self.smem_bytes < 0:
-                raise ValueError(f"smem_bytes={self.smem_bytes!r} is invalid; allowed: an integer number of bytes")
+            if (
+                not isinstance(self.smem_bytes, int)
+                or isinstance(self.smem_bytes, bool)
+                or self.smem_bytes < 0
+            ):
+                raise ValueError(
+                    f"smem_bytes={self.smem_bytes!r} is invalid; allowed: an integer number of bytes"
+                )
             if limits is not None and self.smem_bytes > limits.max_shared_per_block:
                 raise ValueError(
                     f"smem_bytes={self.smem_bytes} is above the device limit of "
@@ -229,7 +252,9 @@ class GemmConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(d) - names)
         if bad:
-            raise ValueError(f"unknown GemmConfig field(s) {', '.join(bad)}; allowed: {', '.join(sorted(names))}")
+            raise ValueError(
+                f"unknown GemmConfig field(s) {', '.join(bad)}; allowed: {', '.join(sorted(names))}"
+            )
         return cls(**d)
 
     def spec(self) -> str:
@@ -289,7 +314,9 @@ def parse_smem_bytes(text: str) -> int | None:
     try:
         return int(val, 0) * mult
     except ValueError:
-        raise ValueError(f"smem_bytes={text!r} is invalid; allowed: an integer, k suffix for KiB, or none") from None
+        raise ValueError(
+            f"smem_bytes={text!r} is invalid; allowed: an integer, k suffix for KiB, or none"
+        ) from None
 
 
 # ---------------------------------------------------------------------- shared memory
@@ -328,9 +355,11 @@ def estimate_shared_bytes(
     if backend == "hip":
         return bk * max(bm, bn) * elem if stages <= 1 else (stages - 1) * tile
     wgmma = (
-        isinstance(arch, int) and arch >= 90
+        isinstance(arch, int)
+        and arch >= 90
         and (dtype != torch.float32 or precision == "tf32")
-        and config.num_warps % 4 == 0 and bm % 64 == 0
+        and config.num_warps % 4 == 0
+        and bm % 64 == 0
     )
     buffers = max(stages, 1) if wgmma else max(stages - 1, 1)
     return max(buffers * tile, bm * bn * elem)
@@ -392,10 +421,17 @@ def interpreter_config(M: int, N: int, K: int, persistent: bool = False) -> Gemm
     The interpreter costs about the same per tile operation whatever the tile size, so tiles
     cover up to 128 x 128 x 128 of the problem; the persistent form runs 2 programs.
     """
+
     def side(x: int) -> int:
         return min(128, max(_MIN_BLOCK, next_pow2(x)))
 
     return GemmConfig(
-        BLOCK_M=side(M), BLOCK_N=side(N), BLOCK_K=side(K), GROUP_M=4, num_warps=4, num_stages=1,
-        persistent=persistent, num_sms=2 if persistent else None,
+        BLOCK_M=side(M),
+        BLOCK_N=side(N),
+        BLOCK_K=side(K),
+        GROUP_M=4,
+        num_warps=4,
+        num_stages=1,
+        persistent=persistent,
+        num_sms=2 if persistent else None,
     )

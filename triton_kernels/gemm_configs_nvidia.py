@@ -30,8 +30,13 @@ KNOBS: tuple[str, ...] = ("maxnreg",)
 
 def _cfg(bm: int, bn: int, bk: int, group_m: int, warps: int, stages: int, **knobs: int) -> dict[str, int]:
     return {
-        "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m,
-        "num_warps": warps, "num_stages": stages, **knobs,
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_K": bk,
+        "GROUP_M": group_m,
+        "num_warps": warps,
+        "num_stages": stages,
+        **knobs,
     }
 
 

@@ -93,8 +93,12 @@ class Occupancy:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields plus the derived occupancy, limiting resource and resident blocks."""
         d = dataclasses.asdict(self)
-        d.update(occupancy=self.occupancy, limiting=self.limiting, resident_blocks=self.resident_blocks,
-                 limited_by=list(self.limited_by))
+        d.update(
+            occupancy=self.occupancy,
+            limiting=self.limiting,
+            resident_blocks=self.resident_blocks,
+            limited_by=list(self.limited_by),
+        )
         return d
 
 
@@ -212,7 +216,9 @@ def driver_occupancy(kernel: Any) -> int:
     return n.value
 
 
-def describe(occ: Occupancy, limits: ArchLimits, used_shared: int | None = None, spills: int | None = None) -> str:
+def describe(
+    occ: Occupancy, limits: ArchLimits, used_shared: int | None = None, spills: int | None = None
+) -> str:
     """A human-readable table of an :class:`Occupancy` (used by ``cokit occupancy``)."""
     unit = "CU" if limits.backend == "hip" else "SM"
     warp = "wave" if limits.backend == "hip" else "warp"
@@ -220,15 +226,19 @@ def describe(occ: Occupancy, limits: ArchLimits, used_shared: int | None = None,
     shared = f"{occ.shared_bytes} B per block reserved"
     if used_shared is not None and used_shared != occ.shared_bytes:
         shared += f" ({used_shared} B used by the kernel)"
-    lines.append(f"shared memory   {shared}; limit {limits.max_shared_per_block} B/block, "
-                 f"{limits.max_shared_per_sm} B/{unit}")
+    lines.append(
+        f"shared memory   {shared}; limit {limits.max_shared_per_block} B/block, "
+        f"{limits.max_shared_per_sm} B/{unit}"
+    )
     regs = "unknown" if occ.registers is None else f"{occ.registers} per thread"
     if spills:
         regs += f" ({spills} spilled)"
     lines.append(f"registers       {regs}")
     by = ", ".join(f"{k} {v}" for k, v in occ.blocks_by.items())
     lines.append(f"blocks / {unit}     {occ.blocks_per_sm}   (allowed by {by})")
-    lines.append(f"{warp}s / {unit}      {occ.warps_per_sm} of {occ.max_warps_per_sm}  ({occ.num_warps} per block)")
+    lines.append(
+        f"{warp}s / {unit}      {occ.warps_per_sm} of {occ.max_warps_per_sm}  ({occ.num_warps} per block)"
+    )
     lines.append(f"occupancy       {occ.occupancy:.1%}")
     lines.append(f"limited by      {', '.join(occ.limited_by)}")
     lines.append(f"resident blocks {occ.resident_blocks} on {limits.num_sms} {unit}s")
@@ -244,4 +254,3 @@ def shaping_table(occ: Occupancy, limits: ArchLimits, used_shared: int) -> list[
         if smem >= used_shared and smem <= limits.max_shared_per_block:
             rows.append((blocks, smem))
     return rows
-

@@ -74,8 +74,15 @@ def with_shared_memory(kernel: Any, smem_bytes: int, limits: ArchLimits | None =
 _SHAPED: dict[tuple[str, int, int], Any] = {}
 
 
-def launch_shaped(kernel: Any, grid: tuple[int, ...], args: dict[str, Any], opts: dict[str, Any],
-                  smem_bytes: int, limits: ArchLimits | None, device_index: int) -> None:
+def launch_shaped(
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: dict[str, Any],
+    opts: dict[str, Any],
+    smem_bytes: int,
+    limits: ArchLimits | None,
+    device_index: int,
+) -> None:
     """Launch the ``@triton.jit`` ``kernel`` on ``grid`` reserving ``smem_bytes`` of shared
     memory per block (GPU only).
 

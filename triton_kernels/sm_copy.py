@@ -27,8 +27,15 @@ __all__ = ["COPY_DTYPES", "compile_specs", "sm_copy", "sm_copy_reference"]
 
 #: dtypes the copy accepts (Triton pointer types of 1 to 8 bytes).
 COPY_DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
 )
 
 
@@ -60,9 +67,14 @@ def _sm_copy_kernel(src, dst, n, passes, BLOCK: tl.constexpr):
 def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """Compile-only build (collected by :mod:`cokit.triton_kernels.compile_only`): the fp32
     copy with 4096-element steps, as :func:`sm_copy` launches it on a GPU."""
-    return [("sm_copy", _sm_copy_kernel,
-             {"src": "*fp32", "dst": "*fp32", "n": "i64", "passes": "i32", "BLOCK": "constexpr"},
-             {"BLOCK": 4096})]
+    return [
+        (
+            "sm_copy",
+            _sm_copy_kernel,
+            {"src": "*fp32", "dst": "*fp32", "n": "i64", "passes": "i32", "BLOCK": "constexpr"},
+            {"BLOCK": 4096},
+        )
+    ]
 
 
 def sm_copy_reference(src: torch.Tensor, passes: int = 1) -> torch.Tensor:
@@ -94,12 +106,19 @@ def sm_copy(
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"src must be a torch.Tensor, got {type(src).__name__}")
     if src.dtype not in COPY_DTYPES:
-        raise TypeError(f"src has dtype {src.dtype}; allowed: {', '.join(str(d).removeprefix('torch.') for d in COPY_DTYPES)}")
+        raise TypeError(
+            f"src has dtype {src.dtype}; allowed: {', '.join(str(d).removeprefix('torch.') for d in COPY_DTYPES)}"
+        )
     if not src.is_contiguous():
         raise ValueError("src must be contiguous (the copy walks it as a flat buffer)")
     if dst is None:
         dst = torch.empty_like(src)
-    elif dst.shape != src.shape or dst.dtype != src.dtype or dst.device != src.device or not dst.is_contiguous():
+    elif (
+        dst.shape != src.shape
+        or dst.dtype != src.dtype
+        or dst.device != src.device
+        or not dst.is_contiguous()
+    ):
         raise ValueError(
             f"dst must be a contiguous {tuple(src.shape)} {src.dtype} tensor on {src.device}; "
             f"got {tuple(dst.shape)} {dst.dtype} on {dst.device}"
@@ -110,12 +129,16 @@ def sm_copy(
         raise ValueError(f"num_warps={num_warps} is invalid; allowed: a power of 2")
     if n_sms is not None:
         check_int("n_sms", n_sms)
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1)):
+    if block is not None and (
+        isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1)
+    ):
         raise ValueError(f"block={block!r} is invalid; allowed: a power of 2 >= 16")
     n = src.numel()
     path = kernel_path(src.device)
     if smem_bytes is not None and path not in ("cuda", "hip"):
-        raise ValueError("smem_bytes applies on a GPU only (the interpreter and torch paths have no shared memory)")
+        raise ValueError(
+            "smem_bytes applies on a GPU only (the interpreter and torch paths have no shared memory)"
+        )
     if n == 0:
         return dst
     if path == "torch":

@@ -132,7 +132,9 @@ def _basis64(n: int) -> torch.Tensor:
     return b
 
 
-def basis_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+def basis_matrix(
+    n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Orthonormal DCT-II matrix ``B`` (``n x n``): ``y = B x``, ``x = B^T y``."""
     return _basis64(n).to(dtype=dtype, device=device)
 
@@ -187,8 +189,19 @@ def _geometry_rows(t: TensorTiling, local: int, bank_off: dict[int, int], p_off:
     for tile in range(t.n_tiles):
         ty, tx = divmod(tile, tiles_x)
         x_off = ty * t.h * t.cols + tx * t.w
-        yield (local, x_off, t.cols, tile * t.tile_numel, t.h, t.h, t.w,
-               bank_off[t.h], bank_off[t.w], p_off + tile * ke, ke)
+        yield (
+            local,
+            x_off,
+            t.cols,
+            tile * t.tile_numel,
+            t.h,
+            t.h,
+            t.w,
+            bank_off[t.h],
+            bank_off[t.w],
+            p_off + tile * ke,
+            ke,
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -220,8 +233,14 @@ def _tile_plan(
         classes.append(ClassPlan(one_d, brows, bw, max_k, tuple(members), geometry))
     _, index_dtype = payload_shape(shapes, chunk, k)
     return TilePlan(
-        tilings, chunk, k, tuple(offsets), p, tuple(classes),
-        torch.cat(parts).to(torch.float32).to(device), index_dtype,
+        tilings,
+        chunk,
+        k,
+        tuple(offsets),
+        p,
+        tuple(classes),
+        torch.cat(parts).to(torch.float32).to(device),
+        index_dtype,
     )
 
 

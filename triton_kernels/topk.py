@@ -107,8 +107,7 @@ def topk_select(y, valid, k, TWO_D: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k,
-                 BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
     """Per-row top-k by magnitude: positions (increasing) and values of the ``k`` largest
     ``|x|`` of each row, ties to the lower position.
 
@@ -139,8 +138,16 @@ def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k,
 def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """Compile-only build (collected by :mod:`cokit.triton_kernels.compile_only`): one
     4096-wide fp32 tile per program, int16 indices."""
-    sig = {"x": "*fp32", "idx_out": "*i16", "val_out": "*fp32", "n_rows": "i32", "n_cols": "i32", "k": "i32",
-           "BLOCK_ROWS": "constexpr", "BLOCK_W": "constexpr"}
+    sig = {
+        "x": "*fp32",
+        "idx_out": "*i16",
+        "val_out": "*fp32",
+        "n_rows": "i32",
+        "n_cols": "i32",
+        "k": "i32",
+        "BLOCK_ROWS": "constexpr",
+        "BLOCK_W": "constexpr",
+    }
     return [("chunk_topk", _topk_kernel, sig, {"BLOCK_ROWS": 1, "BLOCK_W": 4096})]
 
 

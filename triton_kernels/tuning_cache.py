@@ -55,8 +55,15 @@ class TuningCache:
         self.path = self.dir / self.FILENAME
 
     @staticmethod
-    def key(device_name: str, dtype: torch.dtype, M: int, N: int, K: int,
-            persistent: bool = False, precision: str = "ieee") -> str:
+    def key(
+        device_name: str,
+        dtype: torch.dtype,
+        M: int,
+        N: int,
+        K: int,
+        persistent: bool = False,
+        precision: str = "ieee",
+    ) -> str:
         """The cache key of one tuning problem."""
         form = "persistent" if persistent else "tiled"
         return f"{device_name}|{dtype_name(dtype)}|{form}|{precision}|{shape_bucket(M, N, K)}"
@@ -86,7 +93,9 @@ class TuningCache:
         try:
             return GemmConfig.from_dict(entry["config"])
         except (KeyError, TypeError, ValueError) as exc:
-            warnings.warn(f"cokit: ignoring bad tuning cache entry {key!r} in {self.path}: {exc}", stacklevel=2)
+            warnings.warn(
+                f"cokit: ignoring bad tuning cache entry {key!r} in {self.path}: {exc}", stacklevel=2
+            )
             return None
 
     def store(self, key: str, config: GemmConfig, **info: Any) -> None:

@@ -20,25 +20,41 @@ from cokit.cli import CliError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``cokit bench`` and its subcommands."""
-    p = subparsers.add_parser("bench", help="run a benchmark: validate, gpu-check, gemm",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="run a benchmark: validate, gpu-check, gemm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     p.set_defaults(func=lambda args: _usage(p))
 
     from cokit.validation.study import __doc__ as study_doc
     from cokit.validation.study import add_arguments
 
-    v = sub.add_parser("validate", help="compression validation study (DeMo, AdamW, SGD, PowerSGD)",
-                       description=study_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    v = sub.add_parser(
+        "validate",
+        help="compression validation study (DeMo, AdamW, SGD, PowerSGD)",
+        description=study_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(v)
     v.set_defaults(func=run_validate)
 
-    g = sub.add_parser("gpu-check", help="every kernel vs torch, then speed (python -m cokit.bench.gpu_check)",
-                       description="Run cokit.bench.gpu_check; see python -m cokit.bench.gpu_check --help.")
+    g = sub.add_parser(
+        "gpu-check",
+        help="every kernel vs torch, then speed (python -m cokit.bench.gpu_check)",
+        description="Run cokit.bench.gpu_check; see python -m cokit.bench.gpu_check --help.",
+    )
     g.add_argument("--quick", action="store_true", help="smaller sizes (< 3 min on one H200)")
-    g.add_argument("--out", default=None, help="folder for gpu_check.json and gpu_check.log "
-                                               "(default benchmarks/out/gpu_check)")
-    g.add_argument("--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU")
+    g.add_argument(
+        "--out",
+        default=None,
+        help="folder for gpu_check.json and gpu_check.log (default benchmarks/out/gpu_check)",
+    )
+    g.add_argument(
+        "--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU"
+    )
     g.add_argument("--only", nargs="+", default=None, metavar="PHASE", help="run only these phases")
     g.set_defaults(func=lambda args: _run_module("gpu_check", args))
 

@@ -24,8 +24,17 @@ from cokit.cli import CliError
 
 METHOD_NAMES = ("demo", "adamw")
 DEFAULTS = {
-    "ranks": 2, "steps": 400, "model": "tiny", "batch_size": 16, "topk": 32, "chunk": 64,
-    "decay": 0.999, "demo_lr": 1e-3, "adamw_lr": 1e-3, "eval_every": 25, "max_chars": 2_000_000,
+    "ranks": 2,
+    "steps": 400,
+    "model": "tiny",
+    "batch_size": 16,
+    "topk": 32,
+    "chunk": 64,
+    "decay": 0.999,
+    "demo_lr": 1e-3,
+    "adamw_lr": 1e-3,
+    "eval_every": 25,
+    "max_chars": 2_000_000,
 }
 
 
@@ -42,44 +51,103 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--ranks", type=int, default=None,
-                   help=f"local processes to spawn (default {d['ranks']}; under torchrun: WORLD_SIZE)")
-    p.add_argument("--steps", type=int, default=d["steps"], help=f"training steps per method (default {d['steps']})")
-    p.add_argument("--model", choices=tuple(MODEL_PRESETS), default=d["model"],
-                   help=f"model size preset (default {d['model']}); "
-                        + "; ".join(f"{k}: d={v['d_model']} L={v['n_layers']} T={v['max_seq_len']}"
-                                    for k, v in MODEL_PRESETS.items()))
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help=f"local processes to spawn (default {d['ranks']}; under torchrun: WORLD_SIZE)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=d["steps"], help=f"training steps per method (default {d['steps']})"
+    )
+    p.add_argument(
+        "--model",
+        choices=tuple(MODEL_PRESETS),
+        default=d["model"],
+        help=f"model size preset (default {d['model']}); "
+        + "; ".join(
+            f"{k}: d={v['d_model']} L={v['n_layers']} T={v['max_seq_len']}" for k, v in MODEL_PRESETS.items()
+        ),
+    )
     p.add_argument("--d-model", type=int, default=None, help="override the preset's width")
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of blocks")
     p.add_argument("--heads", type=int, default=None, help="override the preset's attention heads")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's context length")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"],
-                   help=f"sequences per rank per step (default {d['batch_size']})")
-    p.add_argument("--topk", type=int, default=d["topk"], help=f"DeMo: coefficients kept per tile (default {d['topk']})")
-    p.add_argument("--chunk", type=int, default=d["chunk"], help=f"DeMo: tile side target (default {d['chunk']})")
-    p.add_argument("--decay", type=float, default=d["decay"], help=f"DeMo: momentum decay (default {d['decay']})")
-    p.add_argument("--payload", choices=codec_names(), default="compact",
-                   help="DeMo wire format: compact (int16 idx + bf16 values), sign (1 bit/value), "
-                        "reference (int64 + fp32, DeMo's reference) (default compact)")
-    p.add_argument("--demo-lr", type=float, default=d["demo_lr"], help=f"DeMo learning rate (default {d['demo_lr']})")
-    p.add_argument("--adamw-lr", type=float, default=d["adamw_lr"], help=f"AdamW learning rate (default {d['adamw_lr']})")
-    p.add_argument("--schedule", choices=SCHEDULES, default="constant",
-                   help="learning-rate schedule for both (cosine decays to 10%%; default constant)")
-    p.add_argument("--warmup", type=float, default=0.0,
-                   help="fraction of the steps with a linear learning-rate warm-up (default 0)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay for both (default 0)")
-    p.add_argument("--methods", default=",".join(METHOD_NAMES),
-                   help="comma-separated subset of demo,adamw to run (default both)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d["batch_size"],
+        help=f"sequences per rank per step (default {d['batch_size']})",
+    )
+    p.add_argument(
+        "--topk", type=int, default=d["topk"], help=f"DeMo: coefficients kept per tile (default {d['topk']})"
+    )
+    p.add_argument(
+        "--chunk", type=int, default=d["chunk"], help=f"DeMo: tile side target (default {d['chunk']})"
+    )
+    p.add_argument(
+        "--decay", type=float, default=d["decay"], help=f"DeMo: momentum decay (default {d['decay']})"
+    )
+    p.add_argument(
+        "--payload",
+        choices=codec_names(),
+        default="compact",
+        help="DeMo wire format: compact (int16 idx + bf16 values), sign (1 bit/value), "
+        "reference (int64 + fp32, DeMo's reference) (default compact)",
+    )
+    p.add_argument(
+        "--demo-lr", type=float, default=d["demo_lr"], help=f"DeMo learning rate (default {d['demo_lr']})"
+    )
+    p.add_argument(
+        "--adamw-lr", type=float, default=d["adamw_lr"], help=f"AdamW learning rate (default {d['adamw_lr']})"
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="constant",
+        help="learning-rate schedule for both (cosine decays to 10%%; default constant)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="fraction of the steps with a linear learning-rate warm-up (default 0)",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=0.0, help="decoupled weight decay for both (default 0)"
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(METHOD_NAMES),
+        help="comma-separated subset of demo,adamw to run (default both)",
+    )
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: cuda (NCCL/RCCL, one GPU per rank) when enough GPUs exist, else cpu (gloo)")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"],
-                   help=f"held-out evaluation and progress line every N steps (default {d['eval_every']})")
-    p.add_argument("--max-chars", type=int, default=d["max_chars"],
-                   help=f"corpus size in characters (default {d['max_chars']})")
-    p.add_argument("--out", default=os.path.join("results", "demo"), help="output folder (default results/demo)")
-    p.add_argument("--triton-interpret", action="store_true",
-                   help="CPU ranks run the Triton kernels through the interpreter (slow; for checking)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda (NCCL/RCCL, one GPU per rank) when enough GPUs exist, else cpu (gloo)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d["eval_every"],
+        help=f"held-out evaluation and progress line every N steps (default {d['eval_every']})",
+    )
+    p.add_argument(
+        "--max-chars",
+        type=int,
+        default=d["max_chars"],
+        help=f"corpus size in characters (default {d['max_chars']})",
+    )
+    p.add_argument(
+        "--out", default=os.path.join("results", "demo"), help="output folder (default results/demo)"
+    )
+    p.add_argument(
+        "--triton-interpret",
+        action="store_true",
+        help="CPU ranks run the Triton kernels through the interpreter (slow; for checking)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
     return p
@@ -99,31 +167,44 @@ def _resolve(args: argparse.Namespace) -> tuple[int, str, bool, list[str], int]:
     cores = os.cpu_count() or 1
     if torchrun:
         world = int(os.environ["WORLD_SIZE"])
-        _check(args.ranks is None or args.ranks == world,
-               f"--ranks {args.ranks} disagrees with torchrun's WORLD_SIZE={world}; leave --ranks out")
+        _check(
+            args.ranks is None or args.ranks == world,
+            f"--ranks {args.ranks} disagrees with torchrun's WORLD_SIZE={world}; leave --ranks out",
+        )
     else:
         world = int(DEFAULTS["ranks"]) if args.ranks is None else args.ranks  # type: ignore[call-overload]
-        _check(1 <= world <= cores * 4, f"--ranks must be in [1, {cores * 4}] (4 per CPU core here), got {world}")
+        _check(
+            1 <= world <= cores * 4, f"--ranks must be in [1, {cores * 4}] (4 per CPU core here), got {world}"
+        )
     _check(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
     _check(args.eval_every >= 1, f"--eval-every must be >= 1, got {args.eval_every}")
     _check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
     _check(args.chunk >= 1, f"--chunk must be >= 1, got {args.chunk}")
-    _check(1 <= args.topk <= args.chunk ** 2,
-           f"--topk must be in [1, chunk*chunk = {args.chunk ** 2}], got {args.topk}")
+    _check(
+        1 <= args.topk <= args.chunk**2,
+        f"--topk must be in [1, chunk*chunk = {args.chunk**2}], got {args.topk}",
+    )
     _check(0.0 <= args.decay <= 1.0, f"--decay must be in [0, 1], got {args.decay}")
     for flag in ("demo_lr", "adamw_lr"):
         v = getattr(args, flag)
         _check(math.isfinite(v) and v > 0, f"--{flag.replace('_', '-')} must be a positive number, got {v}")
     _check(0.0 <= args.warmup < 1.0, f"--warmup must be in [0, 1), got {args.warmup}")
-    _check(math.isfinite(args.weight_decay) and args.weight_decay >= 0,
-           f"--weight-decay must be >= 0, got {args.weight_decay}")
+    _check(
+        math.isfinite(args.weight_decay) and args.weight_decay >= 0,
+        f"--weight-decay must be >= 0, got {args.weight_decay}",
+    )
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    _check(bool(methods) and all(m in METHOD_NAMES for m in methods) and len(set(methods)) == len(methods),
-           f"--methods must be a comma-separated subset of {','.join(METHOD_NAMES)}, got {args.methods!r}")
+    _check(
+        bool(methods) and all(m in METHOD_NAMES for m in methods) and len(set(methods)) == len(methods),
+        f"--methods must be a comma-separated subset of {','.join(METHOD_NAMES)}, got {args.methods!r}",
+    )
     for flag in ("d_model", "layers", "heads", "seq_len"):
         v = getattr(args, flag)
         _check(v is None or v >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    _check(not os.path.exists(args.out) or os.path.isdir(args.out), f"--out {args.out} exists and is not a folder")
+    _check(
+        not os.path.exists(args.out) or os.path.isdir(args.out),
+        f"--out {args.out} exists and is not a folder",
+    )
 
     gpus = torch_gpus()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world  # ranks on this node
@@ -141,8 +222,16 @@ def _workload_config(args: argparse.Namespace):
     from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
     from cokit.workloads.text import VOCAB_SIZE
 
-    overrides = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.layers),
-                                   ("n_heads", args.heads), ("max_seq_len", args.seq_len)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("d_model", args.d_model),
+            ("n_layers", args.layers),
+            ("n_heads", args.heads),
+            ("max_seq_len", args.seq_len),
+        )
+        if v is not None
+    }
     try:
         model = ModelConfig.preset(args.model, VOCAB_SIZE, **overrides)
         corpus = CorpusConfig(max_chars=args.max_chars)
@@ -155,12 +244,28 @@ def _specs(args: argparse.Namespace, methods: list[str]) -> list:
     from cokit.train import MethodSpec
 
     specs = {
-        "demo": MethodSpec("demo", args.demo_lr, args.weight_decay, label="demo", options={
-            "compression_topk": args.topk, "compression_chunk": args.chunk,
-            "compression_decay": args.decay, "payload": args.payload},
-            schedule=args.schedule, warmup=args.warmup),
-        "adamw": MethodSpec("adamw", args.adamw_lr, args.weight_decay, label="adamw",
-                            schedule=args.schedule, warmup=args.warmup),
+        "demo": MethodSpec(
+            "demo",
+            args.demo_lr,
+            args.weight_decay,
+            label="demo",
+            options={
+                "compression_topk": args.topk,
+                "compression_chunk": args.chunk,
+                "compression_decay": args.decay,
+                "payload": args.payload,
+            },
+            schedule=args.schedule,
+            warmup=args.warmup,
+        ),
+        "adamw": MethodSpec(
+            "adamw",
+            args.adamw_lr,
+            args.weight_decay,
+            label="adamw",
+            schedule=args.schedule,
+            warmup=args.warmup,
+        ),
     }
     return [specs[m] for m in methods]
 
@@ -187,19 +292,35 @@ def run(args: argparse.Namespace) -> int:
     m = cfg.model
     backend = backend_for(device)
     if rank0:
-        print(f"cokit demo: {world} ranks ({device}, {backend}{', torchrun' if torchrun else ''}); "
-              f"model {args.model} d={m.d_model} L={m.n_layers} T={m.max_seq_len} ({n_params:,} params); "
-              f"{args.steps} steps x {cfg.batch_size} seqs per rank; "
-              f"corpus {workload.corpus.num_chars:,} chars of stdlib source", flush=True)
+        print(
+            f"cokit demo: {world} ranks ({device}, {backend}{', torchrun' if torchrun else ''}); "
+            f"model {args.model} d={m.d_model} L={m.n_layers} T={m.max_seq_len} ({n_params:,} params); "
+            f"{args.steps} steps x {cfg.batch_size} seqs per rank; "
+            f"corpus {workload.corpus.num_chars:,} chars of stdlib source",
+            flush=True,
+        )
         if args.device == "auto" and device == "cpu" and gpus > 0:
-            print(f"note: {gpus} GPU(s) for {world} ranks: running on CPU "
-                  "(--device cuda needs one GPU per rank)", flush=True)
+            print(
+                f"note: {gpus} GPU(s) for {world} ranks: running on CPU "
+                "(--device cuda needs one GPU per rank)",
+                flush=True,
+            )
         print("methods: " + "; ".join(_describe(s) for s in specs), flush=True)
 
     start = time.perf_counter()
-    results = run_distributed(run_methods, specs, cfg, args.steps, args.seed, args.eval_every, device,
-                              not args.quiet, world_size=world, device=device,
-                              interpret=args.triton_interpret)
+    results = run_distributed(
+        run_methods,
+        specs,
+        cfg,
+        args.steps,
+        args.seed,
+        args.eval_every,
+        device,
+        not args.quiet,
+        world_size=world,
+        device=device,
+        interpret=args.triton_interpret,
+    )
     if results is None:  # a torchrun rank other than 0
         return 0
     elapsed = time.perf_counter() - start
@@ -207,15 +328,25 @@ def run(args: argparse.Namespace) -> int:
     from cokit.train_report import summary_table, write_outputs
 
     info = {
-        "world_size": world, "device": device, "backend": backend,
-        "torchrun": torchrun, "steps": args.steps, "seed": args.seed, "eval_every": args.eval_every,
-        "model_preset": args.model, "num_params": n_params, "triton_interpret": args.triton_interpret,
-        "elapsed_s": elapsed, "workload": workload.info(),
+        "world_size": world,
+        "device": device,
+        "backend": backend,
+        "torchrun": torchrun,
+        "steps": args.steps,
+        "seed": args.seed,
+        "eval_every": args.eval_every,
+        "model_preset": args.model,
+        "num_params": n_params,
+        "triton_interpret": args.triton_interpret,
+        "elapsed_s": elapsed,
+        "workload": workload.info(),
     }
     print()
     print(summary_table(results, uniform_loss=info["workload"]["uniform_loss"]))
-    title = (f"cokit demo: {world} ranks, {args.model} model ({n_params:,} params), {args.steps} steps, "
-             f"demo topk={args.topk} chunk={args.chunk} payload={args.payload}")
+    title = (
+        f"cokit demo: {world} ranks, {args.model} model ({n_params:,} params), {args.steps} steps, "
+        f"demo topk={args.topk} chunk={args.chunk} payload={args.payload}"
+    )
     paths = write_outputs(args.out, info, results, stem="demo", title=title)
     print(f"\ntotal {elapsed:.0f} s; wrote {', '.join(paths)}")
     return 0
@@ -231,8 +362,10 @@ def torch_gpus() -> int:
 def _describe(spec) -> str:
     if spec.name == "demo":
         o = spec.options
-        return (f"demo lr={spec.lr:g} topk={o['compression_topk']} chunk={o['compression_chunk']} "
-                f"decay={o['compression_decay']:g} payload={o['payload']}")
+        return (
+            f"demo lr={spec.lr:g} topk={o['compression_topk']} chunk={o['compression_chunk']} "
+            f"decay={o['compression_decay']:g} payload={o['payload']}"
+        )
     return f"{spec.name} lr={spec.lr:g} (dense all-reduce of fp32 grads)"
 
 

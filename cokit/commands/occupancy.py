@@ -30,10 +30,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", default=None,
-                   help=f"chip to compile for without a GPU: {', '.join(TARGETS)} (default: the live GPU)")
-    p.add_argument("--config", default="", metavar="SPEC",
-                   help="GEMM config, e.g. BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=8,num_stages=3,smem_bytes=98304")
+    p.add_argument(
+        "--target",
+        default=None,
+        help=f"chip to compile for without a GPU: {', '.join(TARGETS)} (default: the live GPU)",
+    )
+    p.add_argument(
+        "--config",
+        default="",
+        metavar="SPEC",
+        help="GEMM config, e.g. BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=8,num_stages=3,smem_bytes=98304",
+    )
     p.add_argument("--dtype", default="bf16", help="input dtype: fp16, bf16, fp32 (default bf16)")
     p.add_argument("--precision", default="ieee", help="fp32 dot precision: ieee or tf32 (default ieee)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -87,9 +94,15 @@ def run(args: argparse.Namespace) -> int:
     shaping = shaping_table(occ, limits, used)
     if args.json:
         out = {
-            "target": limits.target_name, "device": limits.name, "dtype": args.dtype,
-            "precision": args.precision, "config": config.to_dict(), "kernel_shared_bytes": used,
-            "spills": spills, **occ.to_dict(), "occupancy": occ.occupancy,
+            "target": limits.target_name,
+            "device": limits.name,
+            "dtype": args.dtype,
+            "precision": args.precision,
+            "config": config.to_dict(),
+            "kernel_shared_bytes": used,
+            "spills": spills,
+            **occ.to_dict(),
+            "occupancy": occ.occupancy,
             "shaping": [{"blocks_per_sm": b, "smem_bytes": s} for b, s in shaping],
         }
         json.dump(out, sys.stdout, indent=1)
@@ -105,4 +118,3 @@ def run(args: argparse.Namespace) -> int:
         for blocks, smem in shaping:
             print(f"  {blocks:3d} blocks/{unit}  smem_bytes={smem}")
     return 0
-

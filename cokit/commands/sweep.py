@@ -43,28 +43,68 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--collectives", default=None, metavar="LIST",
-                   help="comma list of all_reduce, reduce_scatter, all_gather, emulated (default: "
-                        "all_reduce,reduce_scatter,all_gather with >= 2 ranks; emulated on one GPU)")
-    p.add_argument("--sizes", default=None, metavar="LIST",
-                   help="square GEMM sizes; message = size x size elements (default CPU 256,512; GPU 4096,8192)")
-    p.add_argument("--chunks", default=None, metavar="LIST", help="pipeline chunks (default CPU 1,2; GPU 1,2,4)")
-    p.add_argument("--config", default="", metavar="SPEC",
-                   help="base GemmConfig, e.g. BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=8,num_stages=3 "
-                        "(see `cokit occupancy --help`)")
-    p.add_argument("--num-warps", default=None, metavar="LIST", help="num_warps values (default: the base config's)")
-    p.add_argument("--smem-bytes", default=None, metavar="LIST",
-                   help="per-block shared memory: bytes, k suffix for KiB, none = natural (occupancy shaping)")
-    p.add_argument("--num-sms", default=None, metavar="LIST",
-                   help="persistent GEMM program counts (SMs left to the GEMM); none = tiled form")
-    p.add_argument("--priority", default="high", metavar="LIST",
-                   help="comm stream priorities: high, normal or integers (default high)")
-    p.add_argument("--comm-sms", default=None, metavar="LIST",
-                   help="emulated only: SMs the emulated copy kernel runs on (default: all)")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to spawn (default: 2 on CPU, the GPU count with >= 2 GPUs, else 1)")
-    p.add_argument("--backend", default=None, choices=("gloo", "nccl"),
-                   help="process-group backend (default: nccl on GPUs, gloo on CPU)")
+    p.add_argument(
+        "--collectives",
+        default=None,
+        metavar="LIST",
+        help="comma list of all_reduce, reduce_scatter, all_gather, emulated (default: "
+        "all_reduce,reduce_scatter,all_gather with >= 2 ranks; emulated on one GPU)",
+    )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        metavar="LIST",
+        help="square GEMM sizes; message = size x size elements (default CPU 256,512; GPU 4096,8192)",
+    )
+    p.add_argument(
+        "--chunks", default=None, metavar="LIST", help="pipeline chunks (default CPU 1,2; GPU 1,2,4)"
+    )
+    p.add_argument(
+        "--config",
+        default="",
+        metavar="SPEC",
+        help="base GemmConfig, e.g. BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_warps=8,num_stages=3 "
+        "(see `cokit occupancy --help`)",
+    )
+    p.add_argument(
+        "--num-warps", default=None, metavar="LIST", help="num_warps values (default: the base config's)"
+    )
+    p.add_argument(
+        "--smem-bytes",
+        default=None,
+        metavar="LIST",
+        help="per-block shared memory: bytes, k suffix for KiB, none = natural (occupancy shaping)",
+    )
+    p.add_argument(
+        "--num-sms",
+        default=None,
+        metavar="LIST",
+        help="persistent GEMM program counts (SMs left to the GEMM); none = tiled form",
+    )
+    p.add_argument(
+        "--priority",
+        default="high",
+        metavar="LIST",
+        help="comm stream priorities: high, normal or integers (default high)",
+    )
+    p.add_argument(
+        "--comm-sms",
+        default=None,
+        metavar="LIST",
+        help="emulated only: SMs the emulated copy kernel runs on (default: all)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to spawn (default: 2 on CPU, the GPU count with >= 2 GPUs, else 1)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=("gloo", "nccl"),
+        help="process-group backend (default: nccl on GPUs, gloo on CPU)",
+    )
     p.add_argument("--dtype", default=None, help="fp16, bf16 or fp32 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per point (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds per point (default 1)")
@@ -106,7 +146,9 @@ def _ints(name: str, text: str, *, allow_none: bool = False) -> list[int | None]
         try:
             v = int(low, 0)
         except ValueError:
-            raise CliError(f"--{name}: {item!r} is not an integer{' or none' if allow_none else ''}") from None
+            raise CliError(
+                f"--{name}: {item!r} is not an integer{' or none' if allow_none else ''}"
+            ) from None
         if v < 1:
             raise CliError(f"--{name}: {item!r} must be >= 1")
         out.append(v)
@@ -131,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
     if in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
     else:
-        world = args.world_size if args.world_size is not None else (2 if not on_gpu else (n_gpus if n_gpus >= 2 else 1))
+        world = (
+            args.world_size
+            if args.world_size is not None
+            else (2 if not on_gpu else (n_gpus if n_gpus >= 2 else 1))
+        )
     backend = args.backend or ("nccl" if on_gpu and world > 1 else "gloo")
     if backend == "nccl" and not in_torchrun() and n_gpus < world:
         raise CliError(f"--backend nccl with {world} ranks needs {world} GPUs; found {n_gpus}")
@@ -164,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 priorities.append(int(item))
             except ValueError:
-                raise CliError(f"--priority: {item!r} is invalid; allowed: high, normal or an integer") from None
+                raise CliError(
+                    f"--priority: {item!r} is invalid; allowed: high, normal or an integer"
+                ) from None
     from cokit.overlap.streams import resolve_priority
 
     for pr in priorities:
@@ -182,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
     for w in warps:
         for s in smems:
             for n in sms:
-                cfg = base.replace(num_warps=w, smem_bytes=s, num_sms=n, persistent=n is not None or base.persistent)
+                cfg = base.replace(
+                    num_warps=w, smem_bytes=s, num_sms=n, persistent=n is not None or base.persistent
+                )
                 try:
                     cfg.validate(cfg_backend, limits, dtype=dtype if not gpu_run else None)
                 except ValueError as exc:
@@ -197,26 +247,45 @@ def run(args: argparse.Namespace) -> int:
 
     lead = not in_torchrun() or int(os.environ["RANK"]) == 0  # only rank 0 prints and writes
     if lead:
-        print(f"cokit sweep: {len(points)} point(s) x {args.warmup}+{args.repeats} rounds on {world} rank(s), "
-              f"backend {backend if world > 1 else '-'}, device {'GPU' if gpu_run else 'CPU'}, dtype {dtype}")
+        print(
+            f"cokit sweep: {len(points)} point(s) x {args.warmup}+{args.repeats} rounds on {world} rank(s), "
+            f"backend {backend if world > 1 else '-'}, device {'GPU' if gpu_run else 'CPU'}, dtype {dtype}"
+        )
     if lead and not gpu_run:
-        print("note: CPU run -- num_warps / smem_bytes / num_sms / priority are recorded but change nothing here "
-              "(torch GEMM + gloo); only sizes, chunks and collectives vary what runs.")
+        print(
+            "note: CPU run -- num_warps / smem_bytes / num_sms / priority are recorded but change nothing here "
+            "(torch GEMM + gloo); only sizes, chunks and collectives vary what runs."
+        )
     if lead and "emulated" in collectives:
-        print("note: 'emulated' communication is a copy kernel / copy on one device, not a collective (EMULATION).")
+        print(
+            "note: 'emulated' communication is a copy kernel / copy on one device, not a collective (EMULATION)."
+        )
     t0 = time.time()
     try:
-        rows = sweep_main(points, world_size=world, backend=backend, dtype=str(dtype).removeprefix("torch."),
-                          repeats=args.repeats, warmup=args.warmup)
+        rows = sweep_main(
+            points,
+            world_size=world,
+            backend=backend,
+            dtype=str(dtype).removeprefix("torch."),
+            repeats=args.repeats,
+            warmup=args.warmup,
+        )
     except (RuntimeError, ValueError) as exc:
         raise CliError(f"sweep failed: {str(exc).strip().splitlines()[-1]}") from None
     if rows is None:  # torchrun rank > 0: rank 0 holds every rank's rows and writes them
         return 0
     out = args.out
     csv_path = write_csv(rows, os.path.join(out, "sweep.csv"))
-    meta = {"world_size": world, "backend": backend, "device": "gpu" if gpu_run else "cpu",
-            "dtype": str(dtype), "repeats": args.repeats, "warmup": args.warmup, "torch": torch.__version__,
-            "seconds": round(time.time() - t0, 2)}
+    meta = {
+        "world_size": world,
+        "backend": backend,
+        "device": "gpu" if gpu_run else "cpu",
+        "dtype": str(dtype),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "seconds": round(time.time() - t0, 2),
+    }
     json_path = write_json(rows, os.path.join(out, "sweep.json"), meta)
     _print_rows([r for r in rows if r.get("rank", 0) == 0])
     files = [csv_path, json_path]
@@ -233,14 +302,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_rows(rows: list[dict]) -> None:
-    cols = [("collective", "collective"), ("size", "size"), ("chunks", "chunks"), ("num_warps", "warps"),
-            ("smem_bytes", "smem"), ("num_sms", "sms"), ("priority", "prio"), ("compute_ms", "T_comp"),
-            ("communicate_ms", "T_comm"), ("sequential_ms", "T_seq_meas"), ("overlapped_ms", "T_ovl"),
-            ("speedup", "speedup"), ("comm_hidden", "hidden"), ("compute_slowdown", "slowdown")]
+    cols = [
+        ("collective", "collective"),
+        ("size", "size"),
+        ("chunks", "chunks"),
+        ("num_warps", "warps"),
+        ("smem_bytes", "smem"),
+        ("num_sms", "sms"),
+        ("priority", "prio"),
+        ("compute_ms", "T_comp"),
+        ("communicate_ms", "T_comm"),
+        ("sequential_ms", "T_seq_meas"),
+        ("overlapped_ms", "T_ovl"),
+        ("speedup", "speedup"),
+        ("comm_hidden", "hidden"),
+        ("compute_slowdown", "slowdown"),
+    ]
+
     def cell(v: object) -> str:
         if isinstance(v, float):
             return f"{v:.3f}"
         return "-" if v is None or v == "" else str(v)
+
     table = [[h for _, h in cols]] + [[cell(r.get(k)) for k, _ in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     print("rank 0 (times: medians in ms; T_seq_meas = both run back to back, unchunked):")

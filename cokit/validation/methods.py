@@ -65,15 +65,21 @@ class PowerSGDMethod(Method):
         self.world_size = dist.get_world_size(group)
         ddp = DDP(model.inner, process_group=group)  # the study's models have no buffers
         self.state = psgd.PowerSGDState(
-            process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=max(2, start),
-            min_compression_rate=min_rate, use_error_feedback=True, warm_start=True, random_seed=seed,
+            process_group=group,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=max(2, start),
+            min_compression_rate=min_rate,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=seed,
         )
         ddp.register_comm_hook(self.state, psgd.powerSGD_hook)
         object.__setattr__(model, "engine", ddp)
         params = list(model.parameters())
         if base == "adamw":
             self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-                params, lr=spec.lr, weight_decay=spec.weight_decay, **opts)
+                params, lr=spec.lr, weight_decay=spec.weight_decay, **opts
+            )
         elif base == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay, **opts)
         else:

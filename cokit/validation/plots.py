@@ -17,9 +17,12 @@ def style(method: str) -> dict[str, Any]:
     from matplotlib import colormaps
 
     fixed = {
-        "adamw": ("black", "-"), "sgd-momentum": ("0.55", "-"),
-        "powersgd-r1": ("tab:blue", "--"), "powersgd-r4": ("tab:blue", "-"),
-        "demo-reference-k32-c64": ("tab:red", ":"), "demo-sign-k32-c64": ("tab:orange", "-"),
+        "adamw": ("black", "-"),
+        "sgd-momentum": ("0.55", "-"),
+        "powersgd-r1": ("tab:blue", "--"),
+        "powersgd-r4": ("tab:blue", "-"),
+        "demo-reference-k32-c64": ("tab:red", ":"),
+        "demo-sign-k32-c64": ("tab:orange", "-"),
     }
     if method in fixed:
         color, ls = fixed[method]
@@ -28,8 +31,11 @@ def style(method: str) -> dict[str, Any]:
     if m:
         k, chunk = int(m.group(1)), int(m.group(2))
         shade = {4: 0.15, 8: 0.35, 16: 0.55, 32: 0.75, 64: 0.92}.get(k, 0.5)
-        return {"color": colormaps["viridis"](shade), "ls": "-" if chunk == 64 else "--",
-                "lw": 2.0 if (k, chunk) == (32, 64) else 1.1}
+        return {
+            "color": colormaps["viridis"](shade),
+            "ls": "-" if chunk == 64 else "--",
+            "lw": 2.0 if (k, chunk) == (32, 64) else 1.1,
+        }
     return {"color": "tab:purple", "ls": "-", "lw": 1.2}
 
 
@@ -38,7 +44,9 @@ def _evals(rec: dict) -> tuple[list[int], list[float]]:
     return [s for s, _ in pts], [v for _, v in pts]
 
 
-def plot_curves(out_dir: str, workload: str, records: list[dict], uniform: float | None, title: str) -> list[str]:
+def plot_curves(
+    out_dir: str, workload: str, records: list[dict], uniform: float | None, title: str
+) -> list[str]:
     """``<workload>_heldout_vs_step.png`` and ``<workload>_heldout_vs_bytes.png``: one line per
     method (its best lr, seed 0); the bytes axis is cumulative bytes sent per rank (log)."""
     plt = pyplot()
@@ -53,7 +61,14 @@ def plot_curves(out_dir: str, workload: str, records: list[dict], uniform: float
                 if not pts:
                     continue
                 steps, loss = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(steps, loss, marker="o", ms=2.5, label=f"{rec['method']} (lr {rec['lr']:g})", **style(rec["method"]))
+            ax.plot(
+                steps,
+                loss,
+                marker="o",
+                ms=2.5,
+                label=f"{rec['method']} (lr {rec['lr']:g})",
+                **style(rec["method"]),
+            )
         if uniform is not None and kind == "step":
             ax.axhline(uniform, color="gray", ls=":", lw=1, label="uniform guess")
         if kind == "bytes":
@@ -77,8 +92,9 @@ def plot_curves(out_dir: str, workload: str, records: list[dict], uniform: float
     return paths
 
 
-def plot_pareto(out_dir: str, workload: str, records: list[dict], front: list[str], uniform: float | None,
-                title: str) -> str:
+def plot_pareto(
+    out_dir: str, workload: str, records: list[dict], front: list[str], uniform: float | None, title: str
+) -> str:
     """``<workload>_pareto.png``: final held-out loss vs DeMo's k (one line per chunk, baselines
     as horizontal lines) and vs bytes sent per step (all methods, Pareto front joined)."""
     plt = pyplot()
@@ -92,8 +108,14 @@ def plot_pareto(out_dir: str, workload: str, records: list[dict], front: list[st
             grid.setdefault(int(m.group(2)), []).append((int(m.group(1)), loss))
     for chunk, pts in sorted(grid.items()):
         pts.sort()
-        ax_k.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=f"DeMo compact, chunk {chunk}",
-                  color="tab:green" if chunk == 64 else "tab:olive", ls="-" if chunk == 64 else "--")
+        ax_k.plot(
+            [k for k, _ in pts],
+            [v for _, v in pts],
+            marker="o",
+            label=f"DeMo compact, chunk {chunk}",
+            color="tab:green" if chunk == 64 else "tab:olive",
+            ls="-" if chunk == 64 else "--",
+        )
     for method in ("adamw", "sgd-momentum", "powersgd-r4", "powersgd-r1", "demo-sign-k32-c64"):
         if final.get(method) is not None:
             st = style(method)
@@ -112,10 +134,21 @@ def plot_pareto(out_dir: str, workload: str, records: list[dict], front: list[st
         if loss is None or per_step.get(method, 0) <= 0:
             continue
         st = style(method)
-        ax_b.scatter(per_step[method], loss, color=st["color"], s=40 if method in front else 18,
-                     edgecolors="black" if method in front else "none", zorder=3)
-        ax_b.annotate(method.replace("demo-compact-", "").replace("-k32-c64", ""), (per_step[method], loss),
-                      fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax_b.scatter(
+            per_step[method],
+            loss,
+            color=st["color"],
+            s=40 if method in front else 18,
+            edgecolors="black" if method in front else "none",
+            zorder=3,
+        )
+        ax_b.annotate(
+            method.replace("demo-compact-", "").replace("-k32-c64", ""),
+            (per_step[method], loss),
+            fontsize=6,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     fx = [per_step[m] for m in front]
     fy = [final[m] for m in front]
     if fx:

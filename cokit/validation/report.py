@@ -11,24 +11,56 @@ from typing import Any
 
 from cokit.display import human_bytes
 
-SUMMARY_FIELDS = ("final_train_loss", "final_heldout_loss", "heldout_accuracy", "bytes_per_step",
-                  "mean_bytes_per_step", "total_bytes_sent", "dense_bytes_per_step", "ratio_to_dense",
-                  "time_per_step_s", "opt_time_per_step_s", "total_time_s", "max_replica_diff")
+SUMMARY_FIELDS = (
+    "final_train_loss",
+    "final_heldout_loss",
+    "heldout_accuracy",
+    "bytes_per_step",
+    "mean_bytes_per_step",
+    "total_bytes_sent",
+    "dense_bytes_per_step",
+    "ratio_to_dense",
+    "time_per_step_s",
+    "opt_time_per_step_s",
+    "total_time_s",
+    "max_replica_diff",
+)
 RUN_FIELDS = ("workload", "method", "family", "lr", "seed", "steps", "world_size", "status", *SUMMARY_FIELDS)
-TABLE_FIELDS = ("workload", "method", "family", "best_lr", "lr_at_edge", "lrs_tried", "seeds",
-                "final_train_loss_mean", "final_train_loss_std", "final_heldout_loss_mean",
-                "final_heldout_loss_std", "final_heldout_loss_min", "final_heldout_loss_max",
-                "heldout_accuracy_mean", "heldout_accuracy_std", "delta_heldout_vs_adamw",
-                "bytes_per_step", "total_bytes_sent", "ratio_to_dense", "time_per_step_s",
-                "opt_time_per_step_s", "failed_lrs")
-
+TABLE_FIELDS = (
+    "workload",
+    "method",
+    "family",
+    "best_lr",
+    "lr_at_edge",
+    "lrs_tried",
+    "seeds",
+    "final_train_loss_mean",
+    "final_train_loss_std",
+    "final_heldout_loss_mean",
+    "final_heldout_loss_std",
+    "final_heldout_loss_min",
+    "final_heldout_loss_max",
+    "heldout_accuracy_mean",
+    "heldout_accuracy_std",
+    "delta_heldout_vs_adamw",
+    "bytes_per_step",
+    "total_bytes_sent",
+    "ratio_to_dense",
+    "time_per_step_s",
+    "opt_time_per_step_s",
+    "failed_lrs",
+)
 
 
 def best_lr(records: list[dict]) -> float | None:
     """The lr whose seed-0 run ended with the lowest finite held-out loss (None: all failed)."""
-    ok = [r for r in records if r.get("status") == "ok" and r["seed"] == 0
-          and r["summary"]["final_heldout_loss"] is not None]
+    ok = [
+        r
+        for r in records
+        if r.get("status") == "ok" and r["seed"] == 0 and r["summary"]["final_heldout_loss"] is not None
+    ]
     return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
+
 
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
@@ -46,9 +78,15 @@ def aggregate(records: list[dict], methods: list[str], lrs_tried: dict[str, int]
         lr = best_lr(mine)
         failed = sorted({r["lr"] for r in mine if r["seed"] == 0 and r.get("status") != "ok"})
         grid = sorted({r["lr"] for r in mine if r["seed"] == 0})
-        row: dict[str, Any] = {"method": m, "family": mine[0]["family"] if mine else "", "best_lr": lr,
-                               "lr_at_edge": len(grid) > 1 and lr in (grid[0], grid[-1]),
-                               "lrs_tried": lrs_tried.get(m, 0), "failed_lrs": failed, "seeds": 0}
+        row: dict[str, Any] = {
+            "method": m,
+            "family": mine[0]["family"] if mine else "",
+            "best_lr": lr,
+            "lr_at_edge": len(grid) > 1 and lr in (grid[0], grid[-1]),
+            "lrs_tried": lrs_tried.get(m, 0),
+            "failed_lrs": failed,
+            "seeds": 0,
+        }
         at = [r for r in mine if r["lr"] == lr and r.get("status") == "ok"] if lr is not None else []
         if at:
             row["seeds"] = len(at)
@@ -62,7 +100,9 @@ def aggregate(records: list[dict], methods: list[str], lrs_tried: dict[str, int]
             for f in ("time_per_step_s", "opt_time_per_step_s"):
                 row[f] = statistics.median(r["summary"][f] for r in at)
         rows.append(row)
-    base = next((r for r in rows if r["method"] == "adamw" and r.get("final_heldout_loss_mean") is not None), None)
+    base = next(
+        (r for r in rows if r["method"] == "adamw" and r.get("final_heldout_loss_mean") is not None), None
+    )
     for r in rows:
         if base is not None and r.get("final_heldout_loss_mean") is not None:
             r["delta_heldout_vs_adamw"] = r["final_heldout_loss_mean"] - base["final_heldout_loss_mean"]
@@ -89,10 +129,16 @@ def _fmt(mean: float | None, std: float | None, digits: int = 3, pct: bool = Fal
 
 def markdown_table(rows: list[dict], workload: str, steps: int, uniform: float | None) -> str:
     """The per-workload table in markdown."""
-    head = ("| method | lr (best of N) | seeds | train loss | held-out loss | Δ vs AdamW | held-out acc % "
-            "| bytes/step/rank | total bytes/rank | ratio to dense | time/step | opt/step |")
-    lines = [f"**{workload}** ({steps} steps" + (f"; uniform-guess loss {uniform:.3f}" if uniform else "") + ")",
-             "", head, "|" + "---|" * (head.count("|") - 1)]
+    head = (
+        "| method | lr (best of N) | seeds | train loss | held-out loss | Δ vs AdamW | held-out acc % "
+        "| bytes/step/rank | total bytes/rank | ratio to dense | time/step | opt/step |"
+    )
+    lines = [
+        f"**{workload}** ({steps} steps" + (f"; uniform-guess loss {uniform:.3f}" if uniform else "") + ")",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
     for r in rows:
         lr = "-" if r["best_lr"] is None else f"{r['best_lr']:g} (of {r['lrs_tried']})"
         if r.get("lr_at_edge"):
@@ -101,21 +147,34 @@ def markdown_table(rows: list[dict], workload: str, steps: int, uniform: float |
             lr += " [" + ",".join(f"{x:g}" for x in r["failed_lrs"]) + " failed]"
         d = r.get("delta_heldout_vs_adamw")
         ratio = r.get("ratio_to_dense")
-        lines.append("| " + " | ".join([
-            r["method"], lr, str(r["seeds"]),
-            _fmt(r.get("final_train_loss_mean"), r.get("final_train_loss_std")),
-            _fmt(r.get("final_heldout_loss_mean"), r.get("final_heldout_loss_std")),
-            "-" if d is None else f"{d:+.3f}",
-            _fmt(r.get("heldout_accuracy_mean"), r.get("heldout_accuracy_std"), 1, pct=True),
-            human_bytes(r.get("bytes_per_step")), human_bytes(r.get("total_bytes_sent")),
-            "-" if ratio is None else f"{ratio:.1f}x",
-            "-" if r.get("time_per_step_s") is None else f"{r['time_per_step_s'] * 1e3:.0f} ms",
-            "-" if r.get("opt_time_per_step_s") is None else f"{r['opt_time_per_step_s'] * 1e3:.0f} ms",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["method"],
+                    lr,
+                    str(r["seeds"]),
+                    _fmt(r.get("final_train_loss_mean"), r.get("final_train_loss_std")),
+                    _fmt(r.get("final_heldout_loss_mean"), r.get("final_heldout_loss_std")),
+                    "-" if d is None else f"{d:+.3f}",
+                    _fmt(r.get("heldout_accuracy_mean"), r.get("heldout_accuracy_std"), 1, pct=True),
+                    human_bytes(r.get("bytes_per_step")),
+                    human_bytes(r.get("total_bytes_sent")),
+                    "-" if ratio is None else f"{ratio:.1f}x",
+                    "-" if r.get("time_per_step_s") is None else f"{r['time_per_step_s'] * 1e3:.0f} ms",
+                    "-"
+                    if r.get("opt_time_per_step_s") is None
+                    else f"{r['opt_time_per_step_s'] * 1e3:.0f} ms",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
-def write_report(out_dir: str, info: dict[str, Any], records: dict[str, list[dict]], cfg: Any) -> dict[str, Any]:
+def write_report(
+    out_dir: str, info: dict[str, Any], records: dict[str, list[dict]], cfg: Any
+) -> dict[str, Any]:
     """Write ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots; return the
     study document (with ``table_markdown`` and ``files``)."""
     from cokit.validation.plots import plot_curves, plot_pareto
@@ -134,10 +193,15 @@ def write_report(out_dir: str, info: dict[str, Any], records: dict[str, list[dic
         uniform = info.get("workload_info", {}).get(wl.name, {}).get("uniform_loss")
         md_parts.append(markdown_table(rows, wl.name, wl.steps, uniform))
         best = {r["method"]: r["best_lr"] for r in rows if r["best_lr"] is not None}
-        chosen = [r for r in recs if r["seed"] == 0 and r.get("status") == "ok" and best.get(r["method"]) == r["lr"]]
+        chosen = [
+            r for r in recs if r["seed"] == 0 and r.get("status") == "ok" and best.get(r["method"]) == r["lr"]
+        ]
         chosen.sort(key=lambda r: cfg.methods.index(r["method"]))
-        points = [(r["method"], float(r["summary"]["bytes_per_step"]), r["summary"]["final_heldout_loss"])
-                  for r in chosen if r["summary"]["bytes_per_step"] > 0]
+        points = [
+            (r["method"], float(r["summary"]["bytes_per_step"]), r["summary"]["final_heldout_loss"])
+            for r in chosen
+            if r["summary"]["bytes_per_step"] > 0
+        ]
         pareto[wl.name] = pareto_front(points)
         if chosen:
             files += plot_curves(out_dir, wl.name, chosen, uniform, _title(info, wl))
@@ -150,7 +214,9 @@ def write_report(out_dir: str, info: dict[str, Any], records: dict[str, list[dic
         w = csv.DictWriter(f, fieldnames=TABLE_FIELDS, extrasaction="ignore")
         w.writeheader()
         for rows in tables.values():
-            w.writerows({**r, "failed_lrs": " ".join(f"{x:g}" for x in r.get("failed_lrs", []))} for r in rows)
+            w.writerows(
+                {**r, "failed_lrs": " ".join(f"{x:g}" for x in r.get("failed_lrs", []))} for r in rows
+            )
     with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=RUN_FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -165,25 +231,31 @@ def write_report(out_dir: str, info: dict[str, Any], records: dict[str, list[dic
 
 
 def _title(info: dict, wl: Any) -> str:
-    return (f"{wl.name}: {wl.steps} steps, {info['world_size']} {info['backend']} ranks on CPU, "
-            f"best-of-{info['lr_points']} lr per method, seed 0 ({info['date']})")
+    return (
+        f"{wl.name}: {wl.steps} steps, {info['world_size']} {info['backend']} ranks on CPU, "
+        f"best-of-{info['lr_points']} lr per method, seed 0 ({info['date']})"
+    )
 
 
 def _header(info: dict) -> str:
     m = info["machine"]
-    return (f"Validation study, preset `{info['preset']}`, {info['date']}: {info['world_size']} ranks "
-            f"(`{info['backend']}`, {info['device']}) on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
-            f"triton {m['triton']}. Every method: same model, seed, batches and steps; lr = best of the "
-            f"method's grid by final held-out loss of seed 0 (the best-of-N is in the lr column); "
-            f"mean ± sample std over the seeds column.")
+    return (
+        f"Validation study, preset `{info['preset']}`, {info['date']}: {info['world_size']} ranks "
+        f"(`{info['backend']}`, {info['device']}) on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
+        f"triton {m['triton']}. Every method: same model, seed, batches and steps; lr = best of the "
+        f"method's grid by final held-out loss of seed 0 (the best-of-N is in the lr column); "
+        f"mean ± sample std over the seeds column."
+    )
 
 
 def _footnotes(info: dict) -> str:
-    return ("lr \"edge\": the best lr is the smallest or largest of the grid (a wider grid might do "
-            "better). Train loss: mean of the last 10% of steps. Held-out loss/accuracy: after the last step "
-            "(text: next-character top-1 accuracy). Bytes: sent per rank per step (median; ring "
-            "all-reduce of fp32 gradients for dense methods; PowerSGD's 10% dense warm-up counts in its "
-            "total), ratio to dense = dense all-reduce bytes / bytes sent over the run. Times: medians "
-            "per step on a shared CPU with more ranks than cores; opt/step is the exchange + update "
-            "after backward (PowerSGD's exchange runs inside backward, in DDP's hook, so its opt/step "
-            "leaves it out). CPU/gloo times say nothing about GPU speed.")
+    return (
+        'lr "edge": the best lr is the smallest or largest of the grid (a wider grid might do '
+        "better). Train loss: mean of the last 10% of steps. Held-out loss/accuracy: after the last step "
+        "(text: next-character top-1 accuracy). Bytes: sent per rank per step (median; ring "
+        "all-reduce of fp32 gradients for dense methods; PowerSGD's 10% dense warm-up counts in its "
+        "total), ratio to dense = dense all-reduce bytes / bytes sent over the run. Times: medians "
+        "per step on a shared CPU with more ranks than cores; opt/step is the exchange + update "
+        "after backward (PowerSGD's exchange runs inside backward, in DDP's hook, so its opt/step "
+        "leaves it out). CPU/gloo times say nothing about GPU speed."
+    )

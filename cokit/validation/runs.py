@@ -90,13 +90,21 @@ def _r(x: float, digits: int = 5) -> float | None:
     return float(f"{x:.{digits}g}")
 
 
-def run_record(job: Job, result: RunResult | None, accuracy: float, error: str | None,
-               world_size: int, elapsed: float) -> dict[str, Any]:
+def run_record(
+    job: Job, result: RunResult | None, accuracy: float, error: str | None, world_size: int, elapsed: float
+) -> dict[str, Any]:
     """The JSON document of one run: identity, status, summary and the per-step series."""
     doc: dict[str, Any] = {
-        "key": job.key, "workload": job.workload, "method": job.method, "family": job.family,
-        "lr": job.spec.lr, "seed": job.seed, "steps": job.steps, "world_size": world_size,
-        "options": {k: v for k, v in job.spec.options.items()}, "extra": job.extra,
+        "key": job.key,
+        "workload": job.workload,
+        "method": job.method,
+        "family": job.family,
+        "lr": job.spec.lr,
+        "seed": job.seed,
+        "steps": job.steps,
+        "world_size": world_size,
+        "options": {k: v for k, v in job.spec.options.items()},
+        "extra": job.extra,
         "elapsed_s": round(elapsed, 2),
     }
     if result is None:
@@ -105,31 +113,33 @@ def run_record(job: Job, result: RunResult | None, accuracy: float, error: str |
     sent = result.bytes_sent
     final_heldout = s["final_heldout_loss"]
     finite = all(math.isfinite(v) for v in result.train_loss) and math.isfinite(final_heldout)
-    doc.update({
-        "status": "ok" if finite else "diverged",
-        "num_params": result.num_params,
-        "summary": {
-            "final_train_loss": _r(s["final_train_loss"]),
-            "final_heldout_loss": _r(final_heldout),
-            "heldout_accuracy": _r(accuracy),
-            "bytes_per_step": int(median(sent)) if sent else 0,
-            "mean_bytes_per_step": _r(s["bytes_per_step"]),
-            "total_bytes_sent": int(s["total_bytes_sent"]),
-            "dense_bytes_per_step": int(median(result.dense_bytes)),
-            "ratio_to_dense": _r(s["compression_ratio"]),
-            "time_per_step_s": _r(s["time_per_step_s"], 4),
-            "opt_time_per_step_s": _r(s["opt_time_per_step_s"], 4),
-            "total_time_s": _r(s["total_time_s"], 4),
-            "max_replica_diff": _r(s["max_replica_diff"], 3),
-        },
-        "evals": [{"step": st, "heldout_loss": _r(v)} for st, v in result.evals],
-        "series": {
-            "train_loss": [_r(v, 4) for v in result.train_loss],
-            "bytes_sent": list(sent),
-            "step_s": [_r(v, 3) for v in result.step_s],
-            "opt_s": [_r(v, 3) for v in result.opt_s],
-        },
-    })
+    doc.update(
+        {
+            "status": "ok" if finite else "diverged",
+            "num_params": result.num_params,
+            "summary": {
+                "final_train_loss": _r(s["final_train_loss"]),
+                "final_heldout_loss": _r(final_heldout),
+                "heldout_accuracy": _r(accuracy),
+                "bytes_per_step": int(median(sent)) if sent else 0,
+                "mean_bytes_per_step": _r(s["bytes_per_step"]),
+                "total_bytes_sent": int(s["total_bytes_sent"]),
+                "dense_bytes_per_step": int(median(result.dense_bytes)),
+                "ratio_to_dense": _r(s["compression_ratio"]),
+                "time_per_step_s": _r(s["time_per_step_s"], 4),
+                "opt_time_per_step_s": _r(s["opt_time_per_step_s"], 4),
+                "total_time_s": _r(s["total_time_s"], 4),
+                "max_replica_diff": _r(s["max_replica_diff"], 3),
+            },
+            "evals": [{"step": st, "heldout_loss": _r(v)} for st, v in result.evals],
+            "series": {
+                "train_loss": [_r(v, 4) for v in result.train_loss],
+                "bytes_sent": list(sent),
+                "step_s": [_r(v, 3) for v in result.step_s],
+                "opt_s": [_r(v, 3) for v in result.opt_s],
+            },
+        }
+    )
     return doc
 
 
@@ -142,8 +152,14 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def run_jobs(rank: int, world_size: int, jobs: list[Job], factory: WorkloadFactory,
-             device: str = "cpu", verbose: bool = False) -> list[str]:
+def run_jobs(
+    rank: int,
+    world_size: int,
+    jobs: list[Job],
+    factory: WorkloadFactory,
+    device: str = "cpu",
+    verbose: bool = False,
+) -> list[str]:
     """Worker body: build the workload once, run every job, write each run's JSON on rank 0.
 
     A run that raises (on every rank, as DeMo's non-finite check does) is recorded as
@@ -168,8 +184,15 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job], factory: WorkloadFacto
         if rank == 0:
             write_json(job.path, doc)
             s = doc.get("summary", {})
-            detail = (f"held-out {s['final_heldout_loss']}  acc {s['heldout_accuracy']}  "
-                      f"{s['bytes_per_step']} B/step" if s else doc.get("error", "")[:200])
-            print(f"  [{i}/{len(jobs)}] {job.workload} {job.method} lr={job.spec.lr:g} seed={job.seed}: "
-                  f"{doc['status']}  {detail}  ({elapsed:.1f} s)", flush=True)
+            detail = (
+                f"held-out {s['final_heldout_loss']}  acc {s['heldout_accuracy']}  "
+                f"{s['bytes_per_step']} B/step"
+                if s
+                else doc.get("error", "")[:200]
+            )
+            print(
+                f"  [{i}/{len(jobs)}] {job.workload} {job.method} lr={job.spec.lr:g} seed={job.seed}: "
+                f"{doc['status']}  {detail}  ({elapsed:.1f} s)",
+                flush=True,
+            )
     return statuses

@@ -71,22 +71,46 @@ def method_catalog() -> dict[str, MethodDef]:
     """Every method the study knows, by label, in table order."""
     ms = [
         MethodDef("adamw", "adamw", "adamw", about="AdamW, dense fp32 all-reduce (baseline)"),
-        MethodDef("sgd-momentum", "sgd", "sgd", (("momentum", 0.9),),
-                  about="SGD, momentum 0.9, dense fp32 all-reduce"),
+        MethodDef(
+            "sgd-momentum",
+            "sgd",
+            "sgd",
+            (("momentum", 0.9),),
+            about="SGD, momentum 0.9, dense fp32 all-reduce",
+        ),
     ]
     for r in (1, 4):
-        ms.append(MethodDef(f"powersgd-r{r}", "powersgd", "powersgd", (("rank", r),),
-                            about=f"torch DDP powerSGD_hook rank {r} (error feedback, warm start, "
-                                  "10% dense warm-up) + AdamW"))
+        ms.append(
+            MethodDef(
+                f"powersgd-r{r}",
+                "powersgd",
+                "powersgd",
+                (("rank", r),),
+                about=f"torch DDP powerSGD_hook rank {r} (error feedback, warm start, "
+                "10% dense warm-up) + AdamW",
+            )
+        )
     for payload in ("reference", "sign"):
-        ms.append(MethodDef(f"demo-{payload}-k32-c64", "demo", "demo",
-                            (("compression_topk", 32), ("compression_chunk", 64), ("payload", payload)),
-                            about=f"DeMo k=32 chunk=64, {payload} payload"))
+        ms.append(
+            MethodDef(
+                f"demo-{payload}-k32-c64",
+                "demo",
+                "demo",
+                (("compression_topk", 32), ("compression_chunk", 64), ("payload", payload)),
+                about=f"DeMo k=32 chunk=64, {payload} payload",
+            )
+        )
     for chunk in DEMO_CHUNKS:
         for k in DEMO_KS:
-            ms.append(MethodDef(f"demo-compact-k{k}-c{chunk}", "demo", "demo",
-                                (("compression_topk", k), ("compression_chunk", chunk), ("payload", "compact")),
-                                about=f"DeMo k={k} chunk={chunk}, compact payload (int16 idx + bf16 values)"))
+            ms.append(
+                MethodDef(
+                    f"demo-compact-k{k}-c{chunk}",
+                    "demo",
+                    "demo",
+                    (("compression_topk", k), ("compression_chunk", chunk), ("payload", "compact")),
+                    about=f"DeMo k={k} chunk={chunk}, compact payload (int16 idx + bf16 values)",
+                )
+            )
     return {m.label: m for m in ms}
 
 
@@ -109,10 +133,18 @@ class WorkloadDef:
 # Four points per family, half a decade apart. With three, DeMo's best lr moved between grid
 # edges with k and chunk (1e-3 for small k at chunk 64, 3e-3 at chunk 32); four bracket them all.
 GRID_POINTS = 4
-_TEXT_LRS = (("adamw", (3e-4, 1e-3, 3e-3, 1e-2)), ("sgd", (0.01, 0.03, 0.1, 0.3)),
-             ("powersgd", (3e-4, 1e-3, 3e-3, 1e-2)), ("demo", (3e-4, 1e-3, 3e-3, 1e-2)))
-_DIGITS_LRS = (("adamw", (1e-3, 3e-3, 1e-2, 3e-2)), ("sgd", (0.01, 0.03, 0.1, 0.3)),
-               ("powersgd", (1e-3, 3e-3, 1e-2, 3e-2)), ("demo", (1e-3, 3e-3, 1e-2, 3e-2)))
+_TEXT_LRS = (
+    ("adamw", (3e-4, 1e-3, 3e-3, 1e-2)),
+    ("sgd", (0.01, 0.03, 0.1, 0.3)),
+    ("powersgd", (3e-4, 1e-3, 3e-3, 1e-2)),
+    ("demo", (3e-4, 1e-3, 3e-3, 1e-2)),
+)
+_DIGITS_LRS = (
+    ("adamw", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("sgd", (0.01, 0.03, 0.1, 0.3)),
+    ("powersgd", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("demo", (1e-3, 3e-3, 1e-2, 3e-2)),
+)
 
 
 def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
@@ -122,18 +154,27 @@ def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
     from cokit.workloads.text import VOCAB_SIZE
 
     if preset == "toy":
-        text = TextWorkloadConfig(corpus=CorpusConfig(max_chars=40_000),
-                                  model=ModelConfig(VOCAB_SIZE, d_model=32, n_layers=1, n_heads=2, max_seq_len=16),
-                                  batch_size=2, eval_batches=2)
+        text = TextWorkloadConfig(
+            corpus=CorpusConfig(max_chars=40_000),
+            model=ModelConfig(VOCAB_SIZE, d_model=32, n_layers=1, n_heads=2, max_seq_len=16),
+            batch_size=2,
+            eval_batches=2,
+        )
         digits = DigitsWorkloadConfig(hidden=(32,), batch_size=8)
         budget = {"text": (4, 2), "digits": (4, 2)}
     else:
-        text = TextWorkloadConfig(corpus=CorpusConfig(max_chars=400_000),
-                                  model=ModelConfig(VOCAB_SIZE, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
-                                  batch_size=8, eval_batches=8)
+        text = TextWorkloadConfig(
+            corpus=CorpusConfig(max_chars=400_000),
+            model=ModelConfig(VOCAB_SIZE, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
+            batch_size=8,
+            eval_batches=8,
+        )
         digits = DigitsWorkloadConfig(hidden=(128, 128), batch_size=32)
-        budget = {"text": (250, 25), "digits": (200, 20)} if preset == "full" else \
-                 {"text": (100, 10), "digits": (100, 10)}
+        budget = (
+            {"text": (250, 25), "digits": (200, 20)}
+            if preset == "full"
+            else {"text": (100, 10), "digits": (100, 10)}
+        )
     out = []
     for name, factory, lrs in (("text", text, _TEXT_LRS), ("digits", digits, _DIGITS_LRS)):
         n, every = budget[name]
@@ -166,10 +207,18 @@ class StudyConfig:
         return self.methods_by_label[label]
 
 
-def make_config(preset: str = "full", *, out_dir: str | None = None, world_size: int | None = None,
-                workloads: list[str] | None = None, methods: list[str] | None = None,
-                seeds: int | None = None, lr_points: int | None = None, steps: int | None = None,
-                verbose: bool = False) -> StudyConfig:
+def make_config(
+    preset: str = "full",
+    *,
+    out_dir: str | None = None,
+    world_size: int | None = None,
+    workloads: list[str] | None = None,
+    methods: list[str] | None = None,
+    seeds: int | None = None,
+    lr_points: int | None = None,
+    steps: int | None = None,
+    verbose: bool = False,
+) -> StudyConfig:
     """A preset's configuration with optional overrides; raises ValueError on bad values."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
@@ -179,10 +228,20 @@ def make_config(preset: str = "full", *, out_dir: str | None = None, world_size:
     if preset == "full":
         default_methods, default_seeds, default_points = list(catalog), 3, GRID_POINTS
     elif preset == "quick":
-        default_methods = ["adamw", "sgd-momentum", "powersgd-r4", "demo-compact-k32-c64", "demo-sign-k32-c64"]
+        default_methods = [
+            "adamw",
+            "sgd-momentum",
+            "powersgd-r4",
+            "demo-compact-k32-c64",
+            "demo-sign-k32-c64",
+        ]
         default_seeds, default_points = 1, GRID_POINTS
     else:
-        default_methods, default_seeds, default_points = ["adamw", "powersgd-r4", "demo-compact-k32-c64"], 1, 1
+        default_methods, default_seeds, default_points = (
+            ["adamw", "powersgd-r4", "demo-compact-k32-c64"],
+            1,
+            1,
+        )
     methods = default_methods if methods is None else methods
     unknown = [m for m in methods if m not in catalog]
     if unknown:
@@ -193,7 +252,9 @@ def make_config(preset: str = "full", *, out_dir: str | None = None, world_size:
     names = [w.name for w in all_workloads]
     workloads = names if workloads is None else workloads
     if not workloads or any(w not in names for w in workloads) or len(set(workloads)) != len(workloads):
-        raise ValueError(f"workloads must be distinct names from: {', '.join(names)}; got {','.join(workloads)}")
+        raise ValueError(
+            f"workloads must be distinct names from: {', '.join(names)}; got {','.join(workloads)}"
+        )
     world = 2 if preset == "toy" else 4
     world = world if world_size is None else world_size
     if not 1 <= world <= 64:
@@ -205,9 +266,15 @@ def make_config(preset: str = "full", *, out_dir: str | None = None, world_size:
     if points not in (1, GRID_POINTS):
         raise ValueError(f"lr points must be 1 (one value from the grid) or {GRID_POINTS}, got {points}")
     return StudyConfig(
-        preset=preset, out_dir=out_dir or DEFAULT_OUT[preset], world_size=world,
-        workloads=[w for w in all_workloads if w.name in workloads], methods=list(methods),
-        headline=[m for m in HEADLINE if m in methods], seeds=seeds, lr_points=points, verbose=verbose,
+        preset=preset,
+        out_dir=out_dir or DEFAULT_OUT[preset],
+        world_size=world,
+        workloads=[w for w in all_workloads if w.name in workloads],
+        methods=list(methods),
+        headline=[m for m in HEADLINE if m in methods],
+        seeds=seeds,
+        lr_points=points,
+        verbose=verbose,
     )
 
 
@@ -227,8 +294,11 @@ def _spec_identity(spec: MethodSpec) -> dict[str, Any]:
 
 
 def _key(wl: WorkloadDef, spec: MethodSpec, seed: int, world: int) -> str:
-    blob = json.dumps([repr(wl.factory), wl.steps, wl.eval_every, world, _spec_identity(spec), seed],
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        [repr(wl.factory), wl.steps, wl.eval_every, world, _spec_identity(spec), seed],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -243,9 +313,18 @@ def make_job(cfg: StudyConfig, wl: WorkloadDef, label: str, lr: float, seed: int
 
     m = cfg.method(label)
     spec = m.spec(lr, seed, wl.steps)
-    return Job(workload=wl.name, method=label, family=m.family, spec=spec, seed=seed, steps=wl.steps,
-               eval_every=wl.eval_every, path=run_path(cfg.out_dir, wl.name, label, lr, seed),
-               key=_key(wl, spec, seed, cfg.world_size), extra={"about": m.about})
+    return Job(
+        workload=wl.name,
+        method=label,
+        family=m.family,
+        spec=spec,
+        seed=seed,
+        steps=wl.steps,
+        eval_every=wl.eval_every,
+        path=run_path(cfg.out_dir, wl.name, label, lr, seed),
+        key=_key(wl, spec, seed, cfg.world_size),
+        extra={"about": m.about},
+    )
 
 
 def load_run(path: str, key: str | None = None) -> dict | None:
@@ -260,8 +339,11 @@ def load_run(path: str, key: str | None = None) -> dict | None:
 
 def sweep_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
     """Phase 1: every method at every lr of its grid, seed 0."""
-    return [make_job(cfg, wl, m, lr, 0) for m in cfg.methods
-            for lr in wl.grid(cfg.method(m).family, cfg.lr_points)]
+    return [
+        make_job(cfg, wl, m, lr, 0)
+        for m in cfg.methods
+        for lr in wl.grid(cfg.method(m).family, cfg.lr_points)
+    ]
 
 
 def seed_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
@@ -284,11 +366,22 @@ def _execute(cfg: StudyConfig, wl: WorkloadDef, jobs: list, phase: str, run: boo
     todo = [j for j, doc in zip(jobs, docs) if doc is None]
     if not run:
         return [doc for doc in docs if doc is not None]
-    print(f"[{wl.name}] {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} already done, "
-          f"{len(todo)} to run ({wl.steps} steps each, {cfg.world_size} gloo ranks)", flush=True)
+    print(
+        f"[{wl.name}] {phase}: {len(jobs)} runs, {len(jobs) - len(todo)} already done, "
+        f"{len(todo)} to run ({wl.steps} steps each, {cfg.world_size} gloo ranks)",
+        flush=True,
+    )
     if todo:
-        run_distributed(run_jobs, todo, wl.factory, "cpu", cfg.verbose, world_size=cfg.world_size,
-                        device="cpu", timeout=600.0 + 300.0 * len(todo))
+        run_distributed(
+            run_jobs,
+            todo,
+            wl.factory,
+            "cpu",
+            cfg.verbose,
+            world_size=cfg.world_size,
+            device="cpu",
+            timeout=600.0 + 300.0 * len(todo),
+        )
     docs = [doc if doc is not None else load_run(j.path, j.key) for j, doc in zip(jobs, docs)]
     return [doc for doc in docs if doc is not None]
 
@@ -304,21 +397,36 @@ def machine_info() -> dict[str, Any]:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
 
 
 def describe(cfg: StudyConfig) -> dict[str, Any]:
     """JSON-ready description of the configuration (for ``study.json``)."""
     wls = {}
     for wl in cfg.workloads:
-        wls[wl.name] = {"steps": wl.steps, "eval_every": wl.eval_every, "config": repr(wl.factory),
-                        "lr_grids": {f: list(wl.grid(f, cfg.lr_points)) for f, _ in wl.lrs}}
+        wls[wl.name] = {
+            "steps": wl.steps,
+            "eval_every": wl.eval_every,
+            "config": repr(wl.factory),
+            "lr_grids": {f: list(wl.grid(f, cfg.lr_points)) for f, _ in wl.lrs},
+        }
     return {
-        "preset": cfg.preset, "world_size": cfg.world_size, "device": "cpu", "backend": "gloo",
+        "preset": cfg.preset,
+        "world_size": cfg.world_size,
+        "device": "cpu",
+        "backend": "gloo",
         "seeds": cfg.seeds,
-        "lr_points": cfg.lr_points, "methods": {m: cfg.method(m).about for m in cfg.methods},
-        "headline": cfg.headline, "workloads": wls,
+        "lr_points": cfg.lr_points,
+        "methods": {m: cfg.method(m).about for m in cfg.methods},
+        "headline": cfg.headline,
+        "workloads": wls,
         "lr_selection": "lowest final held-out loss of the seed-0 run",
     }
 
@@ -329,16 +437,26 @@ def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
     os.makedirs(cfg.out_dir, exist_ok=True)
     start = time.perf_counter()
     run = not report_only
-    records = {wl.name: _execute(cfg, wl, sweep_jobs(cfg, wl), "lr sweep (seed 0)", run) for wl in cfg.workloads}
+    records = {
+        wl.name: _execute(cfg, wl, sweep_jobs(cfg, wl), "lr sweep (seed 0)", run) for wl in cfg.workloads
+    }
     if cfg.seeds > 1:
         for wl in cfg.workloads:
-            records[wl.name] += _execute(cfg, wl, seed_jobs(cfg, wl, records[wl.name]),
-                                         f"headline seeds 1..{cfg.seeds - 1} at the best lr", run)
-    info = {**describe(cfg), "machine": machine_info(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-            "elapsed_s_this_invocation": round(time.perf_counter() - start, 1),
-            "run_time_s_all_runs": round(sum(r.get("elapsed_s", 0.0) for rs in records.values() for r in rs), 1),
-            "workload_info": _workload_info(cfg, records)}
+            records[wl.name] += _execute(
+                cfg,
+                wl,
+                seed_jobs(cfg, wl, records[wl.name]),
+                f"headline seeds 1..{cfg.seeds - 1} at the best lr",
+                run,
+            )
+    info = {
+        **describe(cfg),
+        "machine": machine_info(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "elapsed_s_this_invocation": round(time.perf_counter() - start, 1),
+        "run_time_s_all_runs": round(sum(r.get("elapsed_s", 0.0) for rs in records.values() for r in rs), 1),
+        "workload_info": _workload_info(cfg, records),
+    }
     return write_report(cfg.out_dir, info, records, cfg)
 
 
@@ -361,20 +479,39 @@ def _workload_info(cfg: StudyConfig, records: dict[str, list[dict]]) -> dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The study's command-line options (shared by ``cokit bench validate`` and the script)."""
-    p.add_argument("--quick", action="store_true",
-                   help="short runs, 5 methods, 1 seed (< 10 minutes on 2 CPU cores); same as --preset quick")
-    p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="full (default): every method x 4 lrs, 3 seeds for the headline rows; "
-                        "quick; toy (seconds, for tests)")
-    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/validation for "
-                                               "full, benchmarks/out/validation-<preset> otherwise)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="short runs, 5 methods, 1 seed (< 10 minutes on 2 CPU cores); same as --preset quick",
+    )
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help="full (default): every method x 4 lrs, 3 seeds for the headline rows; "
+        "quick; toy (seconds, for tests)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: benchmarks/results/validation for "
+        "full, benchmarks/out/validation-<preset> otherwise)",
+    )
     p.add_argument("--world-size", type=int, default=None, help="gloo ranks to spawn (default 4; toy: 2)")
     p.add_argument("--workloads", default=None, help="comma list of text,digits (default both)")
-    p.add_argument("--methods", default=None, help="comma list of method labels (default: the preset's); "
-                                                   "see --list-methods")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma list of method labels (default: the preset's); see --list-methods",
+    )
     p.add_argument("--seeds", type=int, default=None, help="seeds for the headline methods (full: 3)")
-    p.add_argument("--lr-points", type=int, default=None, choices=(1, GRID_POINTS),
-                   help=f"{GRID_POINTS}: each method's lr grid (default); 1: one value from its middle")
+    p.add_argument(
+        "--lr-points",
+        type=int,
+        default=None,
+        choices=(1, GRID_POINTS),
+        help=f"{GRID_POINTS}: each method's lr grid (default); 1: one value from its middle",
+    )
     p.add_argument("--steps", type=int, default=None, help="override the steps of both workloads")
     p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
     p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
@@ -392,9 +529,17 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     preset = "quick" if args.quick else (args.preset or "full")
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} exists and is not a folder")
-    return make_config(preset, out_dir=args.out, world_size=args.world_size, workloads=_split(args.workloads),
-                       methods=_split(args.methods), seeds=args.seeds, lr_points=args.lr_points,
-                       steps=args.steps, verbose=args.verbose)
+    return make_config(
+        preset,
+        out_dir=args.out,
+        world_size=args.world_size,
+        workloads=_split(args.workloads),
+        methods=_split(args.methods),
+        seeds=args.seeds,
+        lr_points=args.lr_points,
+        steps=args.steps,
+        verbose=args.verbose,
+    )
 
 
 def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> int:
@@ -405,9 +550,12 @@ def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> i
             print(f"{label:24s} {m.about}")
         return 0
     cfg = config_from_args(args) if cfg is None else cfg
-    print(f"validation study, preset {cfg.preset}: {len(cfg.methods)} methods x "
-          f"{cfg.lr_points} lr(s) x {len(cfg.workloads)} workload(s); {cfg.world_size} gloo ranks on "
-          f"{os.cpu_count()} CPU cores; headline seeds {cfg.seeds}; out {cfg.out_dir}", flush=True)
+    print(
+        f"validation study, preset {cfg.preset}: {len(cfg.methods)} methods x "
+        f"{cfg.lr_points} lr(s) x {len(cfg.workloads)} workload(s); {cfg.world_size} gloo ranks on "
+        f"{os.cpu_count()} CPU cores; headline seeds {cfg.seeds}; out {cfg.out_dir}",
+        flush=True,
+    )
     doc = run_study(cfg, report_only=args.report_only)
     print()
     print(doc["table_markdown"])

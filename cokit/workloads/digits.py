@@ -106,8 +106,9 @@ def split_indices(labels: np.ndarray, heldout_fraction: float, seed: int) -> tup
 class DigitsWorkload:
     """Classify 8x8 digits with a :class:`DigitsMLP` (cross-entropy)."""
 
-    def __init__(self, config: DigitsWorkloadConfig = DigitsWorkloadConfig(),
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, config: DigitsWorkloadConfig = DigitsWorkloadConfig(), device: torch.device | str = "cpu"
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         x, y = load_digits_arrays()
@@ -131,7 +132,9 @@ class DigitsWorkload:
             raise ValueError(f"world size {world_size} leaves rank {rank} without training images")
         return slice(lo, hi)
 
-    def train_batch(self, seed: int, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(
+        self, seed: int, step: int, rank: int, world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` images ``(b, 64)`` and labels ``(b,)`` from this rank's shard."""
         part = self.shard(rank, world_size)
         rng = np.random.default_rng([seed, step, rank, _BATCH_STREAM])
@@ -141,8 +144,10 @@ class DigitsWorkload:
     def heldout_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every held-out image once, in fixed batches of ``eval_batch_size``."""
         b = self.config.eval_batch_size
-        return [(self.heldout_x[i:i + b].to(self.device), self.heldout_y[i:i + b].to(self.device))
-                for i in range(0, self.heldout_y.numel(), b)]
+        return [
+            (self.heldout_x[i : i + b].to(self.device), self.heldout_y[i : i + b].to(self.device))
+            for i in range(0, self.heldout_y.numel(), b)
+        ]
 
     @staticmethod
     def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

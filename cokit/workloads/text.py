@@ -31,8 +31,7 @@ UNKNOWN_ID = len(VOCAB)
 VOCAB_SIZE = len(VOCAB) + 1
 # tests, installed packages, caches, and generated data tables (not code a person wrote)
 EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
-     "pydoc_data", "encodings"}
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data", "encodings"}
 )
 _BATCH_STREAM = 0x7E47  # keeps batch sampling apart from other uses of the same seed
 
@@ -85,7 +84,8 @@ def stdlib_sources(root: str | Path | None = None) -> list[str]:
         dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS and not d.startswith(".")]
         rel = Path(dirpath).relative_to(root)
         found.extend(
-            (rel / f).as_posix() for f in filenames
+            (rel / f).as_posix()
+            for f in filenames
             if f.endswith(".py") and not f.startswith("_sysconfigdata")
         )
     return sorted(found)
@@ -133,9 +133,7 @@ class CharCorpus:
             "train_chars": int(self.train.numel()),
             "heldout_chars": int(self.heldout.numel()),
             "vocab_size": VOCAB_SIZE,
-            "unknown_fraction": float(
-                (torch.cat([self.train, self.heldout]) == UNKNOWN_ID).float().mean()
-            ),
+            "unknown_fraction": float((torch.cat([self.train, self.heldout]) == UNKNOWN_ID).float().mean()),
             "sha256": self.sha256,
             **{k: v for k, v in dataclasses.asdict(self.config).items() if k != "root"},
         }
@@ -228,8 +226,9 @@ class TextWorkloadConfig:
 class TextWorkload:
     """Next-character prediction on the stdlib corpus with a :class:`CharTransformer`."""
 
-    def __init__(self, config: TextWorkloadConfig = TextWorkloadConfig(),
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, config: TextWorkloadConfig = TextWorkloadConfig(), device: torch.device | str = "cpu"
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.corpus = CharCorpus.build(config.corpus)
@@ -253,9 +252,11 @@ class TextWorkload:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.check_world(world_size)
         n = self.train.numel()
-        return self.train[rank * n // world_size:(rank + 1) * n // world_size]
+        return self.train[rank * n // world_size : (rank + 1) * n // world_size]
 
-    def train_batch(self, seed: int, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(
+        self, seed: int, step: int, rank: int, world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-character targets, ``(batch_size, seq_len)`` int64 each."""
         data = self.shard(rank, world_size)
         starts = batch_rng(seed, step, rank).integers(0, data.numel() - self.seq_len, self.config.batch_size)
@@ -267,7 +268,7 @@ class TextWorkload:
         starts = np.linspace(0, self.corpus.heldout.numel() - self.seq_len - 1, n).round()
         x, y = _windows(self.corpus.heldout, starts, self.seq_len)
         b = self.config.batch_size
-        return [(x[i:i + b].to(self.device), y[i:i + b].to(self.device)) for i in range(0, n, b)]
+        return [(x[i : i + b].to(self.device), y[i : i + b].to(self.device)) for i in range(0, n, b)]
 
     @staticmethod
     def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
