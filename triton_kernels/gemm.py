@@ -256,47 +256,8 @@ def _gemm_persistent_kernel(
     grouped ordering), so only ``P`` SMs/CUs are occupied and the rest stay free for a
     communication kernel (SM carve-out). Launch options as for :func:`_gemm_kernel`.
 
-    Arguments: the same as :func:`_gemm_kernel`, with the same meaning and constraints.
-
-    Pointers (all one dtype: fp16, bf16 or fp32; any layout, strides in elements):
-
-    * ``a_ptr`` -- A, ``M x K``; element ``(m, k)`` at ``a_ptr + m*stride_am + k*stride_ak``
-      (row-major: ``stride_ak == 1``; a transposed view: ``stride_am == 1``).
-    * ``b_ptr`` -- B, ``K x N``; element ``(k, n)`` at ``b_ptr + k*stride_bk + n*stride_bn``.
-    * ``c_ptr`` -- C, ``M x N``, written (masked to the matrix) at
-      ``c_ptr + m*stride_cm + n*stride_cn``; the fp32 accumulator is cast to C's element type.
-    * ``bias_ptr`` -- bias, ``N`` elements at ``bias_ptr + n*stride_bias``, added to every row
-      (in fp32) when ``HAS_BIAS``; otherwise any valid pointer, never read (the launcher
-      passes ``c_ptr``).
-
-    Scalars (int32; the launcher handles empty problems and never launches them):
-
-    * ``M``, ``N``, ``K`` -- problem sizes, each >= 1; M and N need not be multiples of the
-      blocks (edge rows/columns are clamped for loads and masked for stores), nor K (see
-      ``EVEN_K``).
-    * ``stride_am``, ``stride_ak`` -- A's strides along M and K (elements, >= 0).
-    * ``stride_bk``, ``stride_bn`` -- B's strides along K and N.
-    * ``stride_cm``, ``stride_cn`` -- C's strides along M and N; C must not overlap A or B.
-    * ``stride_bias`` -- bias's element stride (ignored without ``HAS_BIAS``).
-      Row offsets are computed in int64, so ``M * stride_am`` etc. may exceed 2**31.
-
-    Constexprs (each distinct value compiles a separate kernel):
-
-    * ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` -- tile sizes: powers of 2 from 16 to 256
-      (``tl.arange`` needs powers of 2, ``tl.dot`` needs >= 16); one program holds a
-      ``BLOCK_M x BLOCK_N`` fp32 accumulator and loads ``BLOCK_M x BLOCK_K`` and
-      ``BLOCK_K x BLOCK_N`` operand tiles per step (shared memory: ``num_stages`` of them).
-    * ``GROUP_M`` -- grouped ordering (>= 1): consecutive tile ids walk ``GROUP_M`` tile rows
-      down a tile column before moving right, so programs running together share B columns
-      and A rows in L2. 1 = row-major tile order.
-    * ``HAS_BIAS`` -- add ``bias[n]`` to column ``n``.
-    * ``EVEN_K`` -- ``K % BLOCK_K == 0``: the K loop loads without masks; when False the
-      last K step is masked (zeros past K).
-    * ``UPCAST`` -- convert the loaded tiles to fp32 before ``tl.dot``. Set only under the
-      Triton interpreter for bf16 (its bf16 dot is wrong); False on GPUs.
-    * ``INPUT_PRECISION`` -- ``tl.dot``'s ``input_precision``: 'ieee' (exact fp32 products)
-      or 'tf32' (NVIDIA tensor cores, 10-bit mantissa inputs). Only changes fp32 operands;
-      the launcher passes 'ieee' for 16-bit ones. 'tf32' is not available on AMD.
+    Arguments: the same as :func:`_gemm_kernel` (pointers, scalars, strides and constexprs),
+    with the same meaning and constraints; see its docstring.
     """
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile_id in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
