@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from cokit.bench.timing import Budget, atomic_write, kernel_resources, median_ms
+from cokit.bench.timing import Budget, kernel_resources, median_ms
+from cokit.files import atomic_write_text as atomic_write
 
 # Kernel modules are imported when a section runs (never at import), so that gpu_check
 # imports and reports even when one of them fails to.

@@ -647,7 +647,7 @@ def check_writable(folder: str) -> str | None:
 
 
 def write_outputs(folder: str, report: dict, log: list[str]) -> None:
-    from cokit.bench.timing import atomic_write
+    from cokit.files import atomic_write_text as atomic_write
 
     atomic_write(os.path.join(folder, JSON_NAME), json.dumps(report, indent=1, default=str))
     atomic_write(os.path.join(folder, LOG_NAME), "".join(log))

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from cokit.bench.timing import Budget, atomic_write
+from cokit.bench.timing import Budget
+from cokit.files import atomic_write_text as atomic_write
 
 # where the CPU measurement lives (moved from cokit.overlap to the app layer; either works)
 

@@ -8,15 +8,12 @@
   and their ``n_regs`` / ``n_spills`` (known once the binary is loaded on the GPU), read from
   the ``JITFunction``'s per-device cache (same layout on triton 3.6 and 3.9). Best effort:
   anything unknown is ``None`` (printed ``-``); nothing here raises.
-* :func:`atomic_write`: temporary file in the same folder, then ``os.replace``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -170,18 +167,3 @@ class KernelWatch:
     def text(self) -> dict[str, str]:
         """``{'n_regs': ..., 'n_spills': ...}`` as printable strings."""
         return {k: resources_text(self.resources, k) for k in ("n_regs", "n_spills")}
-
-
-def atomic_write(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

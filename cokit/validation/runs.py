@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cokit.files import atomic_write_text
 from cokit.train import MethodSpec, RunResult, WorkloadFactory, _device_of, local_device, median, run_method
 from cokit.validation.methods import EngineSlot  # importing it registers the "powersgd" method
 
@@ -145,11 +145,7 @@ def run_record(
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
     """Write ``doc`` to ``path`` atomically (a temporary file, then rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=None, separators=(",", ":"))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(doc, indent=None, separators=(",", ":")))
 
 
 def run_jobs(
