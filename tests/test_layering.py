@@ -26,6 +26,11 @@ APP = (
     "cokit.workloads",
     "cokit.display",
     "cokit.train_report",
+    "cokit.launch",
+    "cokit.sweeps",
+    "cokit.cpu_demo",
+    "cokit.files",
+    "cokit.bench",
 )
 #: the folders' bare names: importing them bare bypasses the one import root, ``cokit``
 BARE = ("triton_kernels", "compress", "overlap", "benchmarks")
