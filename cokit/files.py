@@ -20,7 +20,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        with_suppressed_unlink(tmp)
+        _unlink_quietly(tmp)
         raise
     return path
 
@@ -30,7 +30,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def with_suppressed_unlink(path: str) -> None:
+def _unlink_quietly(path: str) -> None:
     """Remove a temporary file if it is still there."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

@@ -24,24 +24,16 @@ import copy
 import dataclasses
 import functools
 import operator
-import re
 from types import SimpleNamespace
 from typing import Any, cast
 
 __all__ = [
-    "TRITON_VERSION",
     "TRITON_VERSION_STRING",
     "compile_option_names",
     "fix_interpreter_scalar_index",
     "repack_metadata",
     "unloaded_copy",
 ]
-
-
-def _parse_version(text: str) -> tuple[int, int, int]:
-    """'3.6.0' / '3.9.0+git1a2b' -> (3, 6, 0)."""
-    parts = [int(p) for p in re.findall(r"\d+", text)[:3]] + [0, 0, 0]
-    return parts[0], parts[1], parts[2]
 
 
 try:
@@ -51,8 +43,6 @@ try:
     TRITON_VERSION_STRING: str = _triton.__version__
 except Exception:  # pragma: no cover - depends on the installation
     TRITON_VERSION_STRING = ""
-#: (major, minor, patch) of the installed Triton; (0, 0, 0) without Triton.
-TRITON_VERSION: tuple[int, int, int] = _parse_version(TRITON_VERSION_STRING)
 
 
 # ---------------------------------------------------------------------- interpreter
