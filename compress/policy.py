@@ -1,0 +1,259 @@
+"""Network policies: adapt what DeMo sends to the link it runs on, deterministically.
+
+Each step, every rank contributes its measurements of the previous step (wall time and the
+time it was blocked waiting on collectives) to the step's status exchange; the optimizer
+takes the max over ranks and hands the policy one :class:`Observation` that is the same on
+every rank. The policy answers with a :class:`Decision` (scale k, switch payload, go dense,
+or skip this sync and keep the update in the error buffers). Because the inputs and the
+policy's own state are the same everywhere, every rank takes the same decision on the same
+step and the replicas stay bit-identical.
+
+    from cokit.compress import DeMo
+    from cokit.compress.policy import BandwidthTargetPolicy
+    opt = DeMo(model.parameters(), lr=3e-4, policy=BandwidthTargetPolicy(target=0.2))
+    ...
+    opt.policy_log     # every change of decision, with the observation behind it
+
+:class:`StaticPolicy` (the default) is today's behaviour: it never changes anything and adds
+no bytes to the status exchange.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["BandwidthTargetPolicy", "Decision", "NetworkPolicy", "Observation", "StaticPolicy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """The previous step as every rank agrees on it (times are the max over ranks).
+
+    ``sent_bytes`` and ``dense_bytes`` are this rank's ring volumes (the same on every rank):
+    what the step sent, and what a dense all-reduce of the same gradients would have sent.
+    ``synced`` is False when that step skipped its sync.
+    """
+
+    step: int
+    step_s: float
+    exposed_s: float
+    sent_bytes: int
+    dense_bytes: int
+    synced: bool = True
+
+    @property
+    def exposed_fraction(self) -> float:
+        """Share of the step spent blocked on communication (0 when the step took no time)."""
+        return self.exposed_s / self.step_s if self.step_s > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What one step sends.
+
+    ``topk_scale`` multiplies every group's ``compression_topk`` (at least 1 coefficient per
+    tile); ``payload`` overrides the optimizer's codec (None keeps it); ``dense`` sends every
+    buffer with a dense all-reduce; ``skip_sync`` sends nothing: the gradient goes into the
+    error buffers (``delta = decay * delta + lr * grad``) and the parameters stay as they are.
+    """
+
+    topk_scale: float = 1.0
+    payload: str | None = None
+    dense: bool = False
+    skip_sync: bool = False
+
+    def describe(self) -> str:
+        """A short label, e.g. ``"k x0.25, sign"``, ``"dense"`` or ``"skip sync"``."""
+        if self.skip_sync:
+            return "skip sync"
+        if self.dense:
+            return "dense"
+        parts = [f"k x{self.topk_scale:g}"]
+        if self.payload is not None:
+            parts.append(self.payload)
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class NetworkPolicy(abc.ABC):
+    """Decides, from agreed measurements only, what each step sends.
+
+    Subclasses must be deterministic functions of the observations they have seen (no clocks,
+    no randomness without a fixed seed), set ``observes`` to True when they need measurements,
+    and keep their evolving state in ``state_dict()`` so that a checkpoint resumes them.
+    ``describe()`` names the policy and its settings: the optimizer compares it across ranks.
+    """
+
+    observes: bool = True
+
+    @abc.abstractmethod
+    def decide(self, observation: Observation | None) -> Decision:
+        """The decision for the coming step; ``observation`` is None on the first step and
+        the first step after a restart."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Name and settings, e.g. ``"BandwidthTargetPolicy(target=0.2, ...)"``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.describe()} keeps no state, got {sorted(state)}")
+
+
+class StaticPolicy(NetworkPolicy):
+    """Always the optimizer's own settings (the behaviour without a policy)."""
+
+    observes = False
+
+    def decide(self, observation: Observation | None) -> Decision:
+        return Decision()
+
+    def describe(self) -> str:
+        return "StaticPolicy()"
+
+
+class BandwidthTargetPolicy(NetworkPolicy):
+    """Keep exposed communication under ``target`` of the step time.
+
+    The settings form a ladder from most to fewest bytes: dense (if ``allow_dense``), the
+    optimizer's own k, k/2, k/4, ... down to ``min_topk_scale``, then the ``sign`` payload at
+    that k (if ``allow_sign``). It starts on the optimizer's own settings. After a step whose
+    exposed fraction is above ``target`` it moves one rung down; when the fraction predicted
+    for the rung above (from the bytes that rung sent when last seen, else twice the bytes)
+    is below ``headroom * target``, it moves one rung up. After a move it holds for
+    ``patience`` steps so that each rung is measured. With ``deadline_s``, a step after one
+    whose exposed communication exceeded the deadline skips its sync (at most ``max_skips``
+    in a row): its update stays in the error buffers and goes out with the next sync.
+    """
+
+    def __init__(
+        self,
+        target: float = 0.2,
+        *,
+        min_topk_scale: float = 0.125,
+        allow_sign: bool = True,
+        allow_dense: bool = True,
+        headroom: float = 0.7,
+        patience: int = 2,
+        deadline_s: float | None = None,
+        max_skips: int = 1,
+    ):
+        if not (_is_number(target) and 0 < target < 1):
+            raise ValueError(f"BandwidthTargetPolicy: target must be in (0, 1), got {target!r}")
+        if not (_is_number(min_topk_scale) and 0 < min_topk_scale <= 1):
+            raise ValueError(
+                f"BandwidthTargetPolicy: min_topk_scale must be in (0, 1], got {min_topk_scale!r}"
+            )
+        if not (_is_number(headroom) and 0 < headroom < 1):
+            raise ValueError(f"BandwidthTargetPolicy: headroom must be in (0, 1), got {headroom!r}")
+        for name, value in (("patience", patience), ("max_skips", max_skips)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"BandwidthTargetPolicy: {name} must be an integer >= 0, got {value!r}")
+        if deadline_s is not None and not (_is_number(deadline_s) and deadline_s > 0):
+            raise ValueError(
+                f"BandwidthTargetPolicy: deadline_s must be a positive number of seconds or None, "
+                f"got {deadline_s!r}"
+            )
+        self.target = float(target)
+        self.min_topk_scale = float(min_topk_scale)
+        self.allow_sign = bool(allow_sign)
+        self.allow_dense = bool(allow_dense)
+        self.headroom = float(headroom)
+        self.patience = patience
+        self.deadline_s = None if deadline_s is None else float(deadline_s)
+        self.max_skips = max_skips
+        self.ladder = self._ladder()
+        self.level = 1 if self.allow_dense else 0  # the optimizer's own settings
+        self._hold = 0
+        self._skips = 0
+        self._late = False  # the last synced step overran deadline_s
+        self._bytes: dict[int, int] = {}  # rung -> bytes it sent when last measured
+
+    def _ladder(self) -> list[Decision]:
+        rungs = [Decision(dense=True)] if self.allow_dense else []
+        scale = 1.0
+        while scale >= self.min_topk_scale:
+            rungs.append(Decision(topk_scale=scale))
+            scale /= 2
+        if self.allow_sign:
+            rungs.append(Decision(topk_scale=rungs[-1].topk_scale, payload="sign"))
+        return rungs
+
+    def describe(self) -> str:
+        return (
+            f"BandwidthTargetPolicy(target={self.target:g}, min_topk_scale={self.min_topk_scale:g}, "
+            f"allow_sign={self.allow_sign}, allow_dense={self.allow_dense}, headroom={self.headroom:g}, "
+            f"patience={self.patience}, deadline_s={self.deadline_s}, max_skips={self.max_skips})"
+        )
+
+    def decide(self, observation: Observation | None) -> Decision:
+        if observation is None:
+            return self.ladder[self.level]
+        if observation.synced:  # a skipped step measures nothing about the link
+            self._skips = 0
+            self._bytes[self.level] = observation.sent_bytes
+            self._late = self.deadline_s is not None and observation.exposed_s > self.deadline_s
+            self._adapt(observation)
+        if self._late and self._skips < self.max_skips:
+            self._skips += 1
+            return Decision(skip_sync=True)
+        return self.ladder[self.level]
+
+    def _adapt(self, obs: Observation) -> None:
+        """Move one rung down when over target, one up when the rung above fits."""
+        if self._hold > 0:
+            self._hold -= 1
+        elif obs.exposed_fraction > self.target and self.level < len(self.ladder) - 1:
+            self._move(+1)
+        elif self.level > 0 and self._predicted_fraction(obs) < self.headroom * self.target:
+            self._move(-1)
+
+    def _predicted_fraction(self, obs: Observation) -> float:
+        """Exposed fraction expected one rung up, taking communication as bytes-bound."""
+        up = self.level - 1
+        if self.ladder[up].dense:
+            more = obs.dense_bytes
+        else:
+            more = self._bytes.get(up, 2 * obs.sent_bytes)
+        if obs.sent_bytes <= 0:
+            return math.inf
+        exposed = obs.exposed_s * more / obs.sent_bytes
+        return exposed / max(obs.step_s - obs.exposed_s + exposed, 1e-12)
+
+    def _move(self, by: int) -> None:
+        self.level += by
+        self._hold = self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level,
+            "hold": self._hold,
+            "skips": self._skips,
+            "late": self._late,
+            "bytes": dict(self._bytes),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        level = state.get("level")
+        if not (isinstance(level, int) and 0 <= level < len(self.ladder)):
+            raise ValueError(
+                f"{self.describe()}: saved level {level!r} is outside its ladder of {len(self.ladder)} "
+                "rungs; the checkpoint was saved with other policy settings"
+            )
+        self.level = level
+        self._hold = int(state.get("hold", 0))
+        self._skips = int(state.get("skips", 0))
+        self._late = bool(state.get("late", False))
+        self._bytes = {int(k): int(v) for k, v in state.get("bytes", {}).items()}
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

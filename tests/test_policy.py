@@ -1,0 +1,123 @@
+"""Network policies as pure functions of agreed observations (compress/policy.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from cokit.compress.policy import BandwidthTargetPolicy, Decision, Observation, StaticPolicy
+
+
+def _obs(step: int, exposed: float, step_s: float = 1.0, sent: int = 1000, dense: int = 32000, synced=True):
+    return Observation(step, step_s, exposed, sent, dense, synced)
+
+
+def test_static_policy_never_changes_anything():
+    policy = StaticPolicy()
+    assert not policy.observes
+    for obs in (None, _obs(1, 0.99), _obs(2, 0.0)):
+        assert policy.decide(obs) == Decision()
+    assert policy.state_dict() == {}
+
+
+def test_ladder_runs_from_dense_to_sign_at_the_smallest_k():
+    policy = BandwidthTargetPolicy(min_topk_scale=0.25)
+    assert [d.describe() for d in policy.ladder] == ["dense", "k x1", "k x0.5", "k x0.25", "k x0.25, sign"]
+    assert policy.decide(None) == Decision()  # starts on the optimizer's own settings
+    assert [d.describe() for d in BandwidthTargetPolicy(allow_dense=False, allow_sign=False).ladder] == [
+        "k x1",
+        "k x0.5",
+        "k x0.25",
+        "k x0.125",
+    ]
+
+
+def test_a_slow_link_walks_down_one_rung_per_patience_window_and_stops_at_the_bottom():
+    policy = BandwidthTargetPolicy(target=0.2, min_topk_scale=0.25, patience=1)
+    seen = [policy.decide(_obs(s, exposed=0.9)).describe() for s in range(1, 10)]
+    assert seen == [
+        "k x0.5",
+        "k x0.5",  # held for patience=1 step
+        "k x0.25",
+        "k x0.25",
+        "k x0.25, sign",
+        "k x0.25, sign",
+        "k x0.25, sign",  # bottom of the ladder
+        "k x0.25, sign",
+        "k x0.25, sign",
+    ]
+
+
+def test_a_fast_link_climbs_back_up_and_goes_dense_only_when_dense_fits():
+    policy = BandwidthTargetPolicy(target=0.2, patience=0)
+    policy.level = 3  # k x0.25
+    # 1% exposed at 1000 B: twice the bytes predict 2%, well under 0.7 * 20%.
+    assert policy.decide(_obs(1, 0.01, sent=1000)).describe() == "k x0.5"
+    assert policy.decide(_obs(2, 0.02, sent=2000)).describe() == "k x1"
+    # dense would send 32x the bytes: 0.04 * 16 s exposed in a ~1.6 s step is far over target
+    assert policy.decide(_obs(3, 0.04, sent=4000, dense=64000)).describe() == "k x1"
+    # a link so fast that even dense fits
+    assert policy.decide(_obs(4, 0.0001, sent=4000, dense=64000)).describe() == "dense"
+
+
+def test_climbing_uses_the_bytes_a_rung_sent_when_it_was_last_measured():
+    policy = BandwidthTargetPolicy(target=0.2, patience=0, allow_dense=False)
+    policy.decide(_obs(1, 0.5, sent=10_000))  # k x1 sent 10 kB and was too slow: down to k x0.5
+    assert policy.level == 1
+    # at k x0.5 the exposed share is 10%: k x1 (10 kB, 2x) predicts ~18%, above 0.7 * 20%
+    assert policy.decide(_obs(2, 0.1, sent=5_000)).describe() == "k x0.5"
+
+
+def test_deadline_skips_syncs_then_sends_again():
+    policy = BandwidthTargetPolicy(target=0.5, deadline_s=2.0, max_skips=2, allow_dense=False, patience=0)
+    assert policy.decide(_obs(1, 0.1, step_s=1.0)) == Decision()
+    late = policy.decide(_obs(2, 3.0, step_s=4.0))  # over the deadline and over target
+    assert late.skip_sync
+    assert policy.decide(_obs(3, 0.0, synced=False)).skip_sync  # second skip in a row
+    back = policy.decide(_obs(4, 0.0, synced=False))  # max_skips reached: sync again
+    assert not back.skip_sync and back.describe() == "k x0.5"
+    assert not policy.decide(_obs(5, 0.2, step_s=1.0)).skip_sync
+
+
+def test_same_observations_give_the_same_decisions_and_state_round_trips():
+    trace = [_obs(s, exposed=(0.9 if s % 7 < 4 else 0.01), sent=1000 * (s % 3 + 1)) for s in range(1, 40)]
+    a, b = BandwidthTargetPolicy(deadline_s=0.85), BandwidthTargetPolicy(deadline_s=0.85)
+    decisions_a = [a.decide(o) for o in trace]
+    assert decisions_a == [b.decide(o) for o in trace]
+    assert len({d.describe() for d in decisions_a}) > 2  # it really adapted
+
+    first = BandwidthTargetPolicy(deadline_s=0.85)
+    for o in trace[:20]:
+        first.decide(o)
+    resumed = BandwidthTargetPolicy(deadline_s=0.85)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert [first.decide(o) for o in trace[20:]] == [resumed.decide(o) for o in trace[20:]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"target": 0}, "target"),
+        ({"target": 1.5}, "target"),
+        ({"target": float("nan")}, "target"),
+        ({"min_topk_scale": 0}, "min_topk_scale"),
+        ({"headroom": 1}, "headroom"),
+        ({"patience": -1}, "patience"),
+        ({"patience": True}, "patience"),
+        ({"deadline_s": 0}, "deadline_s"),
+        ({"deadline_s": float("inf")}, "deadline_s"),
+        ({"max_skips": 1.5}, "max_skips"),
+    ],
+)
+def test_bad_settings_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BandwidthTargetPolicy(**kwargs)
+
+
+def test_a_state_from_other_settings_is_rejected():
+    state = BandwidthTargetPolicy(min_topk_scale=1 / 64).state_dict() | {"level": 8}
+    with pytest.raises(ValueError, match="other policy settings"):
+        BandwidthTargetPolicy().load_state_dict(state)
+    with pytest.raises(ValueError, match="keeps no state"):
+        StaticPolicy().load_state_dict({"level": 1})
