@@ -29,6 +29,7 @@ class Bucket:
     dense: bool
     plan: tiling.TilePlan | None = None
     codec: PayloadCodec | None = None  # None for dense buckets
+    topk: int | None = None  # coefficients kept per tile (None for dense buckets)
 
 
 def compressed_nbytes(
@@ -64,18 +65,21 @@ def make_buckets(
     cap_bytes: int,
     dense_fallback: bool,
     world_size: int,
+    *,
+    all_dense: bool = False,
 ) -> list[Bucket]:
     """Buckets for a step whose entries have param-group ``groups[i]`` and ``shapes[i]``.
 
     ``settings[g]`` holds ``compression_chunk`` and ``compression_topk`` of group ``g``.
     Dense buckets come first so that their all-reduce starts before any encoding.
+    ``all_dense`` sends every tensor dense (a network policy's "go dense" decision).
     """
     dense: dict[int, list[int]] = {}
     compressed: dict[int, list[int]] = {}
     for i in reversed(range(len(shapes))):
         g = groups[i]
         chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
-        to_dense = len(shapes[i]) == 0 or (
+        to_dense = all_dense or len(shapes[i]) == 0 or (
             dense_fallback and sends_dense(shapes[i], chunk, k, codec, value_dtype, world_size)
         )
         (dense if to_dense else compressed).setdefault(g, []).append(i)
@@ -110,4 +114,4 @@ def _compressed_bucket(
     value_dtype: torch.dtype,
 ) -> Bucket:
     plan = payload_layout([shapes[i] for i in members], chunk, k)
-    return Bucket(g, list(members), False, plan, codec(plan, value_dtype))
+    return Bucket(g, list(members), False, plan, codec(plan, value_dtype), topk=k)

@@ -25,21 +25,26 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import time
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
 
+from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.buckets import Bucket, make_buckets
-from cokit.compress.comm import Communicator, Pending
+from cokit.compress.comm import Communicator, Pending, check_process_group
 from cokit.compress.payload import VALUE_DTYPES, get_codec
+from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 
 __all__ = ["DeMo"]
 
 _NONFINITE = ("error", "skip")
+# Per-group settings that change what is sent or how the update is computed (checked across ranks).
+_GROUP_SETTINGS = ("lr", "weight_decay", "compression_decay", "compression_topk", "compression_chunk", "alpha")
 # Per-parameter status travelling in the step's flag exchange.
 _OK, _BAD, _NO_GRAD = 0, 1, 2
 
@@ -82,6 +87,14 @@ class DeMo(torch.optim.Optimizer):
             must get a gradient every step, with one backward per step (no accumulation).
             Encoding works on copies of the buffers so that a non-finite gradient found late
             can still leave every rank unchanged (one extra buffer copy per step).
+        policy: a network policy (:mod:`cokit.compress.policy`), its name (``"static"``,
+            ``"bandwidth"``) or ``{"name": ..., **arguments}``. Each step it decides, from
+            the previous step's wall time and time blocked in collectives (agreed over
+            ranks, so every rank decides the same), whether to scale k, switch payload, go dense
+            or skip the sync (the gradient then only enters the error buffers:
+            ``delta = decay * delta + lr * grad``, parameters unchanged, counted in
+            ``skipped_syncs``). Decision changes are in ``policy_log``. Default: static.
+            Policies that measure need ``overlap_backward=False``.
 
     ``state_dict()`` holds each parameter's ``delta`` buffer: it differs per rank, so every
     rank saves and loads its own.
@@ -107,16 +120,32 @@ class DeMo(torch.optim.Optimizer):
         timeout: float | datetime.timedelta | None = None,
         validate_payload: bool = False,
         overlap_backward: bool = False,
+        policy: NetworkPolicy | str | dict[str, Any] | None = None,
     ):
         codec = get_codec(payload, owner="DeMo")
+        network_policy = make_policy(policy)
+        if overlap_backward and network_policy.observes:
+            raise ValueError(
+                f"DeMo: policy {network_policy.describe()} decides each step before its buckets are "
+                "sent, but overlap_backward=True sends them during backward; use one or the other"
+            )
         if value_dtype not in VALUE_DTYPES:
             raise TypeError(
                 f"DeMo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}"
             )
         if not (
-            isinstance(bucket_cap_mb, (int, float)) and math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0
+            isinstance(bucket_cap_mb, (int, float))
+            and not isinstance(bucket_cap_mb, bool)
+            and math.isfinite(bucket_cap_mb)
+            and bucket_cap_mb > 0
         ):
             raise ValueError(f"DeMo: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        for name, flag in (("validate_payload", validate_payload), ("overlap_backward", overlap_backward)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"DeMo: {name} must be True or False, got {flag!r}")
+        if dense_fallback is not None and not isinstance(dense_fallback, bool):
+            raise TypeError(f"DeMo: dense_fallback must be True, False or None, got {dense_fallback!r}")
+        check_process_group("DeMo", process_group)
         if full_sync_every is not None and not _positive_int(full_sync_every):
             raise ValueError(
                 f"DeMo: full_sync_every must be a positive integer or None, got {full_sync_every!r}"
@@ -133,7 +162,9 @@ class DeMo(torch.optim.Optimizer):
         )
         self.payload = payload
         self.codec = codec
+        self.requested_value_dtype = value_dtype
         self.value_dtype = codec.resolve_value_dtype(value_dtype)
+        self.bucket_cap_mb = float(bucket_cap_mb)
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.dense_fallback = codec.dense_fallback if dense_fallback is None else bool(dense_fallback)
         self.full_sync_every = full_sync_every
@@ -142,6 +173,9 @@ class DeMo(torch.optim.Optimizer):
         self.comm = Communicator(process_group, owner="DeMo.step", timeout=timeout)
         self.comm_stats = CommStats()
         self.skipped_steps = 0
+        self.policy = network_policy
+        self._driver = PolicyDriver(network_policy)
+        self.skipped_syncs = 0
         self._steps = 0
         self._checked_layout: tuple | None = None
         self._bucket_cache: dict[tuple, list[Bucket]] = {}
@@ -150,20 +184,32 @@ class DeMo(torch.optim.Optimizer):
         self._ready: set[int] = set()
         # overlap_backward: every bucket's parameters and each parameter's bucket (made once)
         self._hook_plan: tuple[list[Bucket], list[list[torch.Tensor]], dict[int, int]] | None = None
+        self._hooks: list = []  # overlap_backward: one post-accumulate-grad hook per parameter
         super().__init__(params, defaults)
-        if self.overlap_backward:
-            self._hooks = [
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                for g in self.param_groups
-                for p in g["params"]
-            ]
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group after checking its settings (see the class docstring)."""
+        """Add a group after checking its settings (see the class docstring); a bad group raises
+        and is not added. Every rank must add the same groups: the next step checks again that
+        all ranks agree (a collective)."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]  # a list once, so a generator is not consumed twice
+            params = [params] if isinstance(params, torch.Tensor) else params
+            params = params if isinstance(params, set) else list(params)  # torch rejects sets
+            param_group = {**param_group, "params": params}
+            self._check_group({**self.defaults, **param_group}, len(self.param_groups))
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        where = f"DeMo param group {len(self.param_groups) - 1}"
+        self._hook_plan = None
+        self._bucket_cache.clear()
+        self._checked_layout = None  # the next step checks every rank's settings and layout again
+        if self.overlap_backward:
+            self._hooks += [
+                p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.param_groups[-1]["params"]
+            ]
+
+    @staticmethod
+    def _check_group(group: dict[str, Any], index: int) -> None:
+        where = f"DeMo param group {index}"
         _check_number(where, "lr", group["lr"], 0.0)
         _check_number(where, "weight_decay", group["weight_decay"], 0.0)
         _check_number(where, "compression_decay", group["compression_decay"], 0.0, 1.0)
@@ -173,22 +219,29 @@ class DeMo(torch.optim.Optimizer):
         for key in ("compression_topk", "compression_chunk"):
             if not _positive_int(group[key]):
                 raise ValueError(f"{where}: {key} must be a positive integer, got {group[key]!r}")
-        self._hook_plan = None
         for p in group["params"]:
-            if p.dtype not in VALUE_DTYPES:
+            p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, parameter)
+            if isinstance(p, torch.Tensor) and p.dtype not in VALUE_DTYPES:
                 raise TypeError(
                     f"{where}: DeMo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}"
                 )
-        self._bucket_cache.clear()
+
+    @property
+    def policy_log(self) -> list[dict[str, Any]]:
+        """Every change of the policy's decision: step, decision and the observation behind it."""
+        return self._driver.log
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The torch.optim state (with each parameter's fp32 ``delta``) plus step counters."""
+        """The torch.optim state (with each parameter's fp32 ``delta``), step counters and the
+        policy's state."""
         sd = super().state_dict()
         sd["demo"] = {
             "steps": self._steps,
             "skipped_steps": self.skipped_steps,
+            "skipped_syncs": self.skipped_syncs,
             "comm_stats": self.comm_stats.as_dict(),
+            "policy": self._driver.state_dict(),
         }
         return sd
 
@@ -196,6 +249,8 @@ class DeMo(torch.optim.Optimizer):
         """Load a state saved by this rank; ``delta`` buffers stay fp32 whatever the param dtype."""
         deltas = {k: v["delta"].detach().clone() for k, v in state_dict["state"].items() if "delta" in v}
         extra = state_dict.get("demo", {})
+        if "policy" in extra:
+            self._driver.load_state_dict(extra["policy"])
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "demo"})
         params = [p for g in self.param_groups for p in g["params"]]
         for key, delta in deltas.items():
@@ -208,6 +263,7 @@ class DeMo(torch.optim.Optimizer):
             self.state[p]["delta"] = delta.to(device=p.device, dtype=torch.float32)
         self._steps = int(extra.get("steps", 0))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.skipped_syncs = int(extra.get("skipped_syncs", 0))
         stats = {k: v for k, v in extra.get("comm_stats", {}).items() if k != "ratio"}
         self.comm_stats = CommStats(**stats)
 
@@ -233,7 +289,7 @@ class DeMo(torch.optim.Optimizer):
         else:
             active = self._step_now(entries)
         if active is None:  # skipped consistently on every rank
-            self._record(dense=0)
+            self._record(dense=0, synced=False)
             return loss
         dense_bytes = ring_allreduce_bytes(
             sum(p.grad.numel() * p.grad.element_size() for _, _, p in active), self.comm.world_size
@@ -241,7 +297,7 @@ class DeMo(torch.optim.Optimizer):
         self._steps += 1
         if self.full_sync_every is not None and self._steps % self.full_sync_every == 0:
             self._full_sync([p for _, _, p in entries])
-        self._record(dense=dense_bytes)
+        self._record(dense=dense_bytes, synced=self._driver.syncing)
         return loss
 
     def _entries(self) -> list[tuple[int, int, torch.Tensor]]:
@@ -253,11 +309,29 @@ class DeMo(torch.optim.Optimizer):
         if status is None:
             return None
         active = [e for e, has_grad in zip(entries, status) if has_grad]
-        if active:
-            finishers = [self._launch(b, [active[i][2] for i in b.members]) for b in self._buckets(active)]
+        decision = self._driver.decision or Decision()
+        if decision.skip_sync:
+            self._accumulate(active)
+            self.skipped_syncs += 1
+        elif active:
+            buckets = self._buckets(active, decision)
+            finishers = [self._launch(b, [active[i][2] for i in b.members]) for b in buckets]
             for finish in finishers:
                 finish()
         return active
+
+    def _accumulate(self, active) -> None:
+        """A skipped sync: the gradient only enters the error buffers."""
+        for gi, _, p in active:
+            group = self.param_groups[gi]
+            self._delta(p).mul_(group["compression_decay"]).add_(_grad(p).float(), alpha=group["lr"])
+
+    def _wait(self, pending: Pending) -> torch.Tensor:
+        """Wait on a collective, counting the time blocked for the network policy."""
+        start = time.perf_counter()
+        result = pending.wait()
+        self._driver.blocked(time.perf_counter() - start)
+        return result
 
     # ------------------------------------------------------------------ overlap with backward
     @torch.no_grad()
@@ -316,9 +390,10 @@ class DeMo(torch.optim.Optimizer):
                 self.state[p]["delta"] = delta
         return entries
 
-    def _record(self, dense: int) -> None:
+    def _record(self, dense: int, synced: bool) -> None:
         sent, received = self.comm.reset_counts()
         self.comm_stats.record(sent, received, dense)
+        self._driver.step_done(sent, dense, synced)
 
     def _name(self, gi: int, i: int, p: torch.Tensor) -> str:
         names = self.param_groups[gi].get("param_names")
@@ -372,7 +447,11 @@ class DeMo(torch.optim.Optimizer):
         if with_grad:
             finite = torch.stack([torch.isfinite(_grad(entries[n][2])).all() for n in with_grad])
             flags[with_grad] = torch.where(finite, _OK, _BAD).to(torch.uint8)
-        everyone = self.comm.all_gather(flags, "gradient status exchange").wait().cpu()
+        n_flags = len(entries)
+        if self._driver.status_bytes:  # the previous step's times, for the network policy
+            flags = torch.cat([flags, self._driver.measurement(flags.device)])
+        gathered = self._wait(self.comm.all_gather(flags, "gradient status exchange")).cpu()
+        everyone, measured = gathered[:, :n_flags], gathered[:, n_flags:]
         has_grad = everyone != _NO_GRAD
         mixed = (has_grad.any(0) & ~has_grad.all(0)).nonzero().flatten().tolist()
         if mixed:
@@ -392,6 +471,7 @@ class DeMo(torch.optim.Optimizer):
             self.comm.reset_counts()
             r, n = bad[0]
             raise FloatingPointError(self._nonfinite_message(entries[n], r, len(bad)))
+        self._driver.decide(measured if self._driver.status_bytes else None, self._steps + 1)
         return has_grad[0].tolist()
 
     def _nonfinite_message(self, entry, rank: int, n_bad: int) -> str:
@@ -402,19 +482,33 @@ class DeMo(torch.optim.Optimizer):
             "such steps on every rank"
         )
 
-    def _buckets(self, active) -> list[Bucket]:
-        key = tuple((gi, i) for gi, i, _ in active)
+    def _buckets(self, active, decision: Decision | None = None) -> list[Bucket]:
+        """The buckets of ``active`` under ``decision`` (default: the optimizer's settings)."""
+        decision = decision or Decision()
+        key = (tuple((gi, i) for gi, i, _ in active), decision)
         buckets = self._bucket_cache.get(key)
         if buckets is None:
+            codec, value_dtype = self.codec, self.value_dtype
+            if decision.payload is not None:
+                codec = get_codec(decision.payload, owner="DeMo policy")
+                value_dtype = codec.resolve_value_dtype(self.requested_value_dtype)
+            settings = [
+                {
+                    "compression_chunk": g["compression_chunk"],
+                    "compression_topk": max(1, round(g["compression_topk"] * decision.topk_scale)),
+                }
+                for g in self.param_groups
+            ]
             buckets = make_buckets(
                 [gi for gi, _, _ in active],
                 [tuple(p.shape) for _, _, p in active],
-                self.param_groups,
-                self.codec,
-                self.value_dtype,
+                settings,
+                codec,
+                value_dtype,
                 self.bucket_cap_bytes,
                 self.dense_fallback,
                 self.comm.world_size,
+                all_dense=decision.dense,
             )
             self._bucket_cache[key] = buckets
         return buckets
@@ -432,18 +526,18 @@ class DeMo(torch.optim.Optimizer):
         group = self.param_groups[bucket.group]
         lr, wd = group["lr"], group["weight_decay"]
         beta, alpha = group["compression_decay"], group["alpha"]
-        chunk, k = group["compression_chunk"], group["compression_topk"]
+        chunk, k = group["compression_chunk"], bucket.topk
         deltas = [self._delta(p) for p in params] if deltas is None else deltas
         grads = [_grad(p) for p in params]
 
         if bucket.dense:
             send = torch.cat([_dense_encode(d, g, beta, lr, alpha) for d, g in zip(deltas, grads)])
             pending = self.comm.all_reduce_mean(send, "dense all-reduce")
-            return lambda: _dense_decode(params, pending.wait(), lr, wd)
+            return lambda: _dense_decode(params, self._wait(pending), lr, wd)
 
         codec = bucket.codec
-        if codec is None:
-            raise RuntimeError("DeMo: internal error: a compressed bucket has no payload codec")
+        if codec is None or k is None:
+            raise RuntimeError("DeMo: internal error: a compressed bucket has no payload codec or k")
         idx, vals = ef_encode(
             deltas, grads, beta=beta, lr=lr, chunk=chunk, k=k, alpha=alpha, value_dtype=codec.encode_dtype
         )
@@ -453,7 +547,7 @@ class DeMo(torch.optim.Optimizer):
         ]
 
         def finish() -> None:
-            indices, values = codec.from_wire([g.wait() for g in gathers])
+            indices, values = codec.from_wire([self._wait(g) for g in gathers])
             ef_decode(
                 params,
                 indices,
@@ -478,7 +572,7 @@ class DeMo(torch.optim.Optimizer):
             flat = torch.cat([p.reshape(-1) for p in ps])
             pending.append((ps, self.comm.all_reduce_mean(flat, "full parameter sync")))
         for ps, pend in pending:
-            for p, avg in zip(ps, _split_like(pend.wait(), ps)):
+            for p, avg in zip(ps, _split_like(self._wait(pend), ps)):
                 p.copy_(avg)
 
 

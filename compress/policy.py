@@ -2,8 +2,8 @@
 
 Each step, every rank contributes its measurements of the previous step (wall time and the
 time it was blocked waiting on collectives) to the step's status exchange; the optimizer
-takes the max over ranks and hands the policy one :class:`Observation` that is the same on
-every rank. The policy answers with a :class:`Decision` (scale k, switch payload, go dense,
+combines them (slowest step time, least blocked time: a straggler makes the others wait, not
+itself) into one :class:`Observation` that is the same on every rank. The policy answers with a :class:`Decision` (scale k, switch payload, go dense,
 or skip this sync and keep the update in the error buffers). Because the inputs and the
 policy's own state are the same everywhere, every rank takes the same decision on the same
 step and the replicas stay bit-identical.
@@ -30,7 +30,8 @@ __all__ = ["BandwidthTargetPolicy", "Decision", "NetworkPolicy", "Observation", 
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
-    """The previous step as every rank agrees on it (times are the max over ranks).
+    """The previous step as every rank agrees on it: ``step_s`` is the slowest rank's step
+    time, ``exposed_s`` the least time any rank was blocked on collectives.
 
     ``sent_bytes`` and ``dense_bytes`` are this rank's ring volumes (the same on every rank):
     what the step sent, and what a dense all-reduce of the same gradients would have sent.
@@ -48,6 +49,12 @@ class Observation:
     def exposed_fraction(self) -> float:
         """Share of the step spent blocked on communication (0 when the step took no time)."""
         return self.exposed_s / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Bytes sent per second blocked (a lower bound on the link's rate; inf when the
+        step was never blocked)."""
+        return self.sent_bytes / self.exposed_s if self.exposed_s > 0 else math.inf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,215 @@
+"""DeMo driven by a network policy on real gloo groups: agreed decisions, bit-identical ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from cokit.compress import DeMo
+from cokit.compress.policy import BandwidthTargetPolicy, Decision, NetworkPolicy, Observation
+from tests.distributed import run_gloo
+
+
+class _Fixed(NetworkPolicy):
+    """A plug-in policy that always takes one decision (module level: it is pickled)."""
+
+    observes = False
+
+    def __init__(self, decision: Decision):
+        self.decision = decision
+
+    def decide(self, observation: Observation | None) -> Decision:
+        return self.decision
+
+    def describe(self) -> str:
+        return f"_Fixed({self.decision.describe()})"
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+
+def _one_step(model, opt, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _slow_link(comm, delay: list[float]) -> None:
+    """Make every collective of ``comm`` complete ``delay[0]`` seconds late (bytes-independent
+    latency, the same on every rank)."""
+    for name in ("all_gather", "all_reduce_mean"):
+        launch = getattr(comm, name)
+
+        def delayed(tensor, what, _launch=launch):
+            pending = _launch(tensor, what)
+            wait = pending.wait
+
+            def late_wait():
+                time.sleep(delay[0])
+                return wait()
+
+            pending.wait = late_wait
+            return pending
+
+        setattr(comm, name, delayed)
+
+
+def _changing_link(rank: int, world: int):
+    os.environ["TRITON_INTERPRET"] = "0"
+    model = _model()
+    policy = BandwidthTargetPolicy(target=0.2, min_topk_scale=0.25, patience=0)
+    opt = DeMo(model.parameters(), lr=1e-3, compression_topk=8, compression_chunk=16, policy=policy)
+    delay = [0.0]
+    _slow_link(opt.comm, delay)
+    phases = {}
+    for step in range(1, 25):
+        delay[0] = 0.15 if 5 <= step <= 14 else 0.0  # a slow stretch, then fast again
+        time.sleep(0.03)  # "compute": keeps the step time well above the fast link's waits
+        _one_step(model, opt, rank, step)
+        phases[step] = (opt._driver.decision.describe(), opt.comm_stats.step_sent_bytes)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, opt.policy_log, phases
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_policy_follows_a_changing_link_with_the_same_decisions_on_every_rank(world):
+    results = run_gloo(world, _changing_link)
+    flat0, log0, phases = results[0]
+    for flat, log, _ in results[1:]:
+        assert torch.equal(flat, flat0)  # replicas stay bit-identical
+        assert [(e["step"], e["decision"]) for e in log] == [(e["step"], e["decision"]) for e in log0]
+    # the slow stretch drives it to the bottom of the ladder: fewer bytes than at the start
+    assert phases[14][0] == "k x0.25, sign", phases
+    assert phases[14][1] < phases[4][1]
+    # once the link is fast again it climbs back to the optimizer's own k (or dense)
+    assert phases[24][0] in ("k x1", "dense"), phases
+    moves = [e for e in log0 if e["observation"] is not None]
+    assert any(e["observation"]["exposed_fraction"] > 0.2 for e in moves)
+
+
+def _fixed(rank: int, world: int, decision: Decision):
+    os.environ["TRITON_INTERPRET"] = "0"
+    model = _model()
+    opt = DeMo(model.parameters(), lr=1e-3, compression_topk=8, compression_chunk=16, policy=_Fixed(decision))
+    before = [p.detach().clone() for p in model.parameters()]
+    deltas = None
+    for step in range(1, 4):
+        if decision.skip_sync:
+            deltas = [opt._delta(p).clone() for p in model.parameters()]
+            before = [p.detach().clone() for p in model.parameters()]
+        _one_step(model, opt, rank, step)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    after = [p.detach().clone() for p in model.parameters()]
+    grads = []
+    if decision.skip_sync:  # replay the last step's gradient to check the buffers
+        x, y = _batch(rank, 3)
+        probe = _model()
+        probe.load_state_dict(model.state_dict())
+        torch.nn.functional.mse_loss(probe(x), y).backward()
+        grads = [p.grad for p in probe.parameters()]
+    new_deltas = [opt._delta(p).clone() for p in model.parameters()]
+    return flat, opt.comm_stats.as_dict(), opt.skipped_syncs, before, after, deltas, new_deltas, grads
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_decision_changes_what_is_sent_and_ranks_stay_identical():
+    results = {
+        d.describe(): run_gloo(2, _fixed, d)
+        for d in (
+            Decision(),
+            Decision(topk_scale=0.5),
+            Decision(payload="sign"),
+            Decision(dense=True),
+        )
+    }
+    for runs in results.values():
+        assert torch.equal(runs[0][0], runs[1][0])
+    sent = {name: runs[0][1]["step_sent_bytes"] for name, runs in results.items()}
+    n = sum(p.numel() for p in _model().parameters())
+    status = 1 * 4  # 4 parameters, one status byte each, all-gathered (world 2)
+    assert sent["dense"] == n * 4 + status  # fp32 ring all-reduce at world 2 sends the buffer once
+    assert sent["k x0.5"] < sent["k x1"] < sent["dense"]
+    assert sent["k x1, sign"] < sent["k x1"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_skipped_sync_keeps_the_update_in_the_error_buffers():
+    for _flat, stats, skipped, before, after, deltas, new_deltas, grads in run_gloo(
+        2, _fixed, Decision(skip_sync=True)
+    ):
+        assert skipped == 3
+        assert all(torch.equal(a, b) for a, b in zip(before, after))  # parameters unchanged
+        for old, new, g in zip(deltas, new_deltas, grads):
+            torch.testing.assert_close(new, 0.999 * old + 1e-3 * g, rtol=0, atol=1e-7)
+        assert stats["step_sent_bytes"] == 4  # only the status exchange
+
+
+def _resume_with_policy(rank: int, world: int):
+    os.environ["TRITON_INTERPRET"] = "0"
+    model = _model()
+    policy = BandwidthTargetPolicy(patience=3)
+    opt = DeMo(model.parameters(), lr=1e-3, compression_topk=8, compression_chunk=16, policy=policy)
+    for step in range(1, 4):
+        _one_step(model, opt, rank, step)
+    state = opt.state_dict()
+    again = DeMo(_model().parameters(), lr=1e-3, compression_topk=8, compression_chunk=16, policy="bandwidth")
+    try:
+        again.load_state_dict(state)
+        other = None
+    except ValueError as exc:
+        other = str(exc)
+    same = DeMo(
+        _model().parameters(),
+        lr=1e-3,
+        compression_topk=8,
+        compression_chunk=16,
+        policy=BandwidthTargetPolicy(patience=3),
+    )
+    same.load_state_dict(state)
+    return state["demo"]["policy"], same.policy.state_dict(), same.policy_log, other
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_policy_state_is_checkpointed_and_must_match():
+    saved, loaded, log, other = run_gloo(2, _resume_with_policy)[0]
+    assert loaded == saved["state"]
+    assert log == saved["log"] and log[0]["decision"] == "k x1"
+    assert other is not None and "saved with policy BandwidthTargetPolicy(target=0.2" in other
+
+
+def test_policies_are_checked_before_anything_is_built():
+    params = list(_model().parameters())
+    with pytest.raises(ValueError, match="one or the other"):
+        DeMo(params, overlap_backward=True, policy="bandwidth")
+    with pytest.raises(ValueError, match="policy must be a NetworkPolicy"):
+        DeMo(params, policy="fastest")
+    with pytest.raises(ValueError, match="bad arguments for policy 'bandwidth'"):
+        DeMo(params, policy={"name": "bandwidth", "targte": 0.1})
+    with pytest.raises(ValueError, match="target must be in"):
+        DeMo(params, policy={"name": "bandwidth", "target": 2})
+    assert DeMo(params, policy={"name": "bandwidth", "target": 0.1}).policy.target == 0.1
+    assert DeMo(params, overlap_backward=True, policy="static").policy.describe() == "StaticPolicy()"
+
+
+def test_a_single_process_keeps_deciding_without_peers():
+    model = _model()
+    opt = DeMo(model.parameters(), lr=1e-3, compression_topk=8, compression_chunk=16, policy="bandwidth")
+    for step in range(1, 5):
+        _one_step(model, opt, 0, step)
+    assert opt.policy_log[0]["decision"] == "k x1" and opt.policy_log[0]["observation"] is None
