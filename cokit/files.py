@@ -1,36 +1,143 @@
-"""Results files written atomically: a reader (or a crash) never sees a half-written file,
-and a failed write leaves the previous file in place."""
+"""Where results land: atomic results files and checked output folders.
+
+Every results file (JSON, CSV, logs, PNG plots) is written through the one atomic writer,
+:mod:`cokit.triton_kernels._atomic_file` (re-exported here): a reader, a crash or a kill never
+sees a half-written file, and a failed write leaves the previous file in place.
+
+Output folders are checked before any work starts (:func:`prepare_out_dir`,
+:func:`prepare_out_file`): the folder is created and a probe file written and removed, so an
+unwritable ``--out`` fails in a second rather than after the run; and a folder that already
+holds this command's results is refused unless ``overwrite`` is set, so a second run never
+replaces the first one's results silently.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import io
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
+
+from cokit.triton_kernels._atomic_file import atomic_open, atomic_write_bytes, atomic_write_text, fsync_dir
+
+__all__ = [
+    "OutputError",
+    "atomic_open",
+    "atomic_savefig",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "existing_outputs",
+    "fsync_dir",
+    "prepare_out_dir",
+    "prepare_out_file",
+    "remove_stale_outputs",
+]
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and
-    ``os.replace`` (creating the folder); returns the path."""
+class OutputError(ValueError):
+    """An output folder or file that cannot be used; the message says what to do."""
+
+
+def atomic_savefig(fig: Any, path: str | os.PathLike, **savefig_kw: Any) -> Path:
+    """Save a matplotlib figure atomically: render into memory, then
+    :func:`atomic_write_bytes` (the format follows the suffix unless ``format`` is given)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    savefig_kw.setdefault("format", path.suffix.lstrip(".") or "png")
+    buf = io.BytesIO()
+    fig.savefig(buf, **savefig_kw)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+def existing_outputs(folder: str | os.PathLike, outputs: Iterable[str]) -> list[str]:
+    """Names of the files in ``folder`` that match ``outputs`` (file names or glob
+    patterns such as ``heatmap_*.png``), sorted; empty when the folder is missing."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+        names = sorted(e.name for e in os.scandir(os.fspath(folder)) if not e.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    patterns = list(outputs)
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def _probe(folder: Path, flag: str) -> None:
+    """Create ``folder`` and write and remove a probe file in it, or raise OutputError."""
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(
+            f"{flag} {folder} is a file, not a folder; give a folder path (it is created when missing)"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".cokit-write-probe.", dir=folder)
+        try:
+            os.write(fd, b"probe")
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(
+            f"{flag} {folder} is not writable ({exc.strerror or exc}); "
+            f"choose a folder you can create and write to with {flag}"
+        ) from None
+
+
+def prepare_out_dir(
+    folder: str | os.PathLike,
+    outputs: Sequence[str],
+    *,
+    overwrite: bool = False,
+    flag: str = "--out",
+) -> Path:
+    """Make ``folder`` ready for a run before any work starts; returns it as a Path.
+
+    Creates it, proves it writable with a probe file, and refuses (``OutputError``) when it
+    already holds files matching ``outputs`` (names or glob patterns) unless ``overwrite``.
+    ``flag`` names the option in the messages.
+    """
+    folder = Path(folder)
+    if not overwrite:  # checked first: a refused run changes nothing on disk
+        found = existing_outputs(folder, outputs)
+        if found:
+            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            raise OutputError(
+                f"{flag} {folder} already holds results of an earlier run ({shown}); "
+                f"pass --overwrite to replace them, or choose another {flag}"
+            )
+    _probe(folder, flag)
+    return folder
+
+
+def prepare_out_file(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "--out") -> Path:
+    """:func:`prepare_out_dir` for a single results file: ``path`` must not be a folder, its
+    folder must be writable, and an existing file is refused unless ``overwrite``."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{flag} {path} is a folder; give a file name, e.g. {flag} {path / 'results.json'}")
+    if path.exists() and not overwrite:
+        raise OutputError(
+            f"{flag} {path} already exists (an earlier run's results); "
+            f"pass --overwrite to replace it, or choose another {flag}"
+        )
+    _probe(path.parent, flag)
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """:func:`atomic_write_bytes` of UTF-8 text."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def _unlink_quietly(path: str) -> None:
-    """Remove a temporary file if it is still there."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def remove_stale_outputs(
+    folder: str | os.PathLike, outputs: Iterable[str], written: Iterable[str | os.PathLike]
+) -> list[Path]:
+    """After an ``--overwrite`` run: remove the files in ``folder`` matching ``outputs`` that
+    this run did not write (e.g. plots over axes the new run does not vary), so the folder
+    holds one run's results only. Returns what was removed."""
+    folder = Path(folder)
+    keep = {Path(p).name for p in written}
+    removed = []
+    for name in existing_outputs(folder, outputs):
+        if name not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                (folder / name).unlink()
+                removed.append(folder / name)
+    return removed

@@ -431,10 +431,10 @@ def test_tuning_cache_round_trips_every_field(tmp_path):
     assert fresh.entries()[k1]["time_ms"] == 1.5
     data = json.loads((tmp_path / TuningCache.FILENAME).read_text())
     assert data["version"] == TuningCache.VERSION and set(data["entries"]) == {k1, k2, k3}
-    # overwrite in place; no temp files left behind
+    # overwrite in place; no temp files left behind (the lock file stays, empty)
     TuningCache(tmp_path).store(k1, cuda.replace(smem_bytes=None))
     assert TuningCache(tmp_path).load(k1).smem_bytes is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == [TuningCache.FILENAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [TuningCache.FILENAME, TuningCache.LOCK_FILENAME]
 
 
 def test_default_cache_dir_order(monkeypatch, tmp_path):

@@ -9,21 +9,35 @@ cached winner) and stores the fastest.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
-import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ._atomic_file import atomic_write_text
 from .gemm_config import GemmConfig, dtype_name, next_pow2
 
-__all__ = ["TuningCache", "autotune", "default_cache_dir", "shape_bucket"]
+try:  # POSIX; elsewhere concurrent stores are not serialized (documented on store)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["TuningCache", "autotune", "default_cache_dir", "shape_bucket", "validate_entry"]
+
+#: tuned winners whose store failed (unwritable cache folder), by cache file: this process
+#: still reuses them instead of tuning again.
+_UNSAVED: dict[Path, dict[str, dict[str, Any]]] = {}
+
+_FIELDS = {f.name: f for f in dataclasses.fields(GemmConfig)}
+#: fields every stored config has (to_dict drops only the None-valued optional ones)
+_REQUIRED = tuple(name for name, f in _FIELDS.items() if f.default is not None)
 
 
 def default_cache_dir() -> Path:
@@ -40,19 +54,64 @@ def shape_bucket(M: int, N: int, K: int) -> str:
     return "x".join(str(next_pow2(max(1, d))) for d in (M, N, K))
 
 
+def validate_entry(key: str, entry: Any) -> GemmConfig:
+    """The config of one stored entry, or ``ValueError`` saying what is wrong with it.
+
+    The entry must be an object with a ``config`` object holding every required GemmConfig
+    field with the right type (ints are not bools, ``persistent`` is a bool); the config must
+    pass :meth:`GemmConfig.validate` (either vendor's knobs allowed) and agree with the
+    key's form (tiled / persistent); a stored ``time_ms`` must be a finite number >= 0.
+    """
+    if not isinstance(entry, dict):
+        raise ValueError(f"expected an object, got {type(entry).__name__}")
+    raw = entry.get("config")
+    if not isinstance(raw, dict):
+        raise ValueError("missing 'config' object" if raw is None else "'config' is not an object")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown GemmConfig field(s) {', '.join(unknown)}")
+    missing = [name for name in _REQUIRED if name not in raw]
+    if missing:
+        raise ValueError(f"config lacks {', '.join(missing)}")
+    for name, value in raw.items():
+        want_bool = name == "persistent"
+        ok = (
+            isinstance(value, bool) if want_bool else (isinstance(value, int) and not isinstance(value, bool))
+        )
+        if not ok and not (value is None and _FIELDS[name].default is None):
+            raise ValueError(
+                f"{name}={value!r} has the wrong type; expected {'a bool' if want_bool else 'an int'}"
+            )
+    cfg = GemmConfig.from_dict(raw).validate("interpreter")  # the union of both vendors' rules
+    form = key.split("|")[2] if key.count("|") >= 4 else None
+    if form is not None and form != ("persistent" if cfg.persistent else "tiled"):
+        raise ValueError(f"persistent={cfg.persistent} disagrees with the key's form {form!r}")
+    t = entry.get("time_ms")
+    if t is not None and (
+        not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
+    ):
+        raise ValueError(f"time_ms={t!r} is not a finite number >= 0")
+    return cfg
+
+
 class TuningCache:
     """Tuned GEMM configs in ``<cache_dir>/gemm_tuning.json``.
 
     Keys are ``device|dtype|form|precision|bucket``. A missing file is an empty cache; an
-    unreadable or corrupt one is ignored with a warning (and replaced on the next store).
+    unreadable, non-UTF-8 or corrupt one is ignored with a warning (and replaced on the next
+    store); an invalid entry is ignored with a warning naming its key. Stores from several
+    processes are merged under a lock file (``gemm_tuning.json.lock``); a store that cannot
+    write (unwritable folder) warns and keeps the result in this process's memory.
     """
 
     FILENAME = "gemm_tuning.json"
+    LOCK_FILENAME = FILENAME + ".lock"
     VERSION = 1
 
     def __init__(self, cache_dir: str | os.PathLike | None = None) -> None:
         self.dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self.path = self.dir / self.FILENAME
+        self.lock_path = self.dir / self.LOCK_FILENAME
 
     @staticmethod
     def key(
@@ -69,12 +128,20 @@ class TuningCache:
         return f"{device_name}|{dtype_name(dtype)}|{form}|{precision}|{shape_bucket(M, N, K)}"
 
     def _read(self) -> dict[str, Any]:
+        """The stored entries as they are (empty, with a warning, when unusable)."""
         try:
-            text = self.path.read_text()
-        except FileNotFoundError:
+            text = self.path.read_bytes().decode("utf-8")
+        except (FileNotFoundError, NotADirectoryError):  # no cache there (yet)
             return {}
         except OSError as exc:
             warnings.warn(f"cokit: ignoring unreadable GEMM tuning cache {self.path}: {exc}", stacklevel=3)
+            return {}
+        except UnicodeDecodeError as exc:
+            warnings.warn(
+                f"cokit: ignoring GEMM tuning cache {self.path}: not UTF-8 text ({exc.reason} at byte "
+                f"{exc.start}); it is replaced on the next store",
+                stacklevel=3,
+            )
             return {}
         try:
             data = json.loads(text)
@@ -86,35 +153,64 @@ class TuningCache:
         return data["entries"]
 
     def load(self, key: str) -> GemmConfig | None:
-        """The tuned config stored under ``key``, or None (bad entries are ignored with a warning)."""
+        """The tuned config stored under ``key``, or None (an invalid entry is ignored with a
+        warning naming the key; see :func:`validate_entry`)."""
         entry = self._read().get(key)
         if entry is None:
-            return None
+            entry = _UNSAVED.get(self.path, {}).get(key)
+            if entry is None:
+                return None
         try:
-            return GemmConfig.from_dict(entry["config"])
-        except (KeyError, TypeError, ValueError) as exc:
+            return validate_entry(key, entry)
+        except (TypeError, ValueError) as exc:
             warnings.warn(
-                f"cokit: ignoring bad tuning cache entry {key!r} in {self.path}: {exc}", stacklevel=2
+                f"cokit: ignoring bad tuning cache entry {key!r} in {self.path}: {exc}",
+                stacklevel=2,
             )
             return None
 
-    def store(self, key: str, config: GemmConfig, **info: Any) -> None:
-        """Save ``config`` under ``key`` (atomic replace; other entries are kept)."""
-        entries = self._read()
-        entries[key] = {"config": config.to_dict(), **info}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".gemm_tuning.", suffix=".json", dir=self.dir)
+    def store(self, key: str, config: GemmConfig, **info: Any) -> bool:
+        """Save ``config`` under ``key``, keeping every other entry, including those other
+        processes store at the same time (read-merge-write under an exclusive ``flock`` of
+        the lock file; atomic, fsync-ed replace). Returns True when saved; when the folder
+        cannot be written it warns, keeps the entry in memory for this process (``load``
+        still finds it) and returns False. An entry :meth:`load` would reject raises
+        ``ValueError`` before anything is written."""
+        entry = {"config": config.to_dict(), **info}
+        validate_entry(key, entry)
         try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": self.VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            with self._locked():
+                entries = self._read()
+                entries[key] = entry
+                doc = {"version": self.VERSION, "entries": entries}
+                atomic_write_text(self.path, json.dumps(doc, indent=1, sort_keys=True))
+        except OSError as exc:
+            _UNSAVED.setdefault(self.path, {})[key] = entry
+            warnings.warn(
+                f"cokit: could not save the tuned GEMM config for {key!r} to {self.path} "
+                f"({exc.strerror or exc}); it is kept in memory for this process only. "
+                "Set COKIT_CACHE_DIR to a writable folder to keep tuning results",
+                stacklevel=2,
+            )
+            return False
+        _UNSAVED.get(self.path, {}).pop(key, None)
+        return True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold an exclusive lock on ``<file>.lock`` (creating the folder and the lock file)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def entries(self) -> dict[str, Any]:
-        """All stored entries (empty when the file is missing or corrupt)."""
+        """All stored entries as stored (empty when the file is missing or corrupt; entries
+        are not validated: :meth:`load` does that)."""
         return self._read()
 
 
