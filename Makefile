@@ -25,8 +25,9 @@ $(STAMP36): pyproject.toml
 	$(VENV36)/bin/python -m pip install -q -e '.[dev]'
 	touch $(STAMP36)
 
+# Each `make run` gets its own results folder: a second run never replaces (or is refused by) the first.
 run: $(STAMP)
-	$(BIN)/cokit demo
+	$(BIN)/cokit demo --out results/demo/$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
-from pathlib import Path
 
 import torch
 
 from cokit.compress import DeMo, codec_names
+from cokit.files import OutputError, atomic_write_text, prepare_out_dir
 from cokit.launch import spawn
+
+JSON_NAME = "compress_bytes.json"
 
 
 def build_model(d_model: int = 128, layers: int = 4, vocab: int = 256) -> torch.nn.Module:
@@ -85,10 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, nargs="+", default=[4, 8, 32], help="top-k values (default 4 8 32)")
     ap.add_argument("--chunk", type=int, default=64, help="chunk (default 64)")
     ap.add_argument("--steps", type=int, default=3, help="steps per case (default 3)")
-    ap.add_argument("--out", default="benchmarks/out", help="output folder (default benchmarks/out)")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/out",
+        help=f"output folder (default benchmarks/out); checked for writing before anything runs, and "
+        f"refused when it already holds {JSON_NAME} unless --overwrite",
+    )
+    ap.add_argument("--overwrite", action="store_true", help=f"replace an existing {JSON_NAME} in --out")
     args = ap.parse_args(argv)
     if args.world < 2 or args.steps < 1:
         ap.error("--world must be >= 2 and --steps >= 1")
+    try:
+        out = prepare_out_dir(args.out, (JSON_NAME,), overwrite=args.overwrite)
+    except OutputError as exc:
+        print(f"compress_bytes: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     rows = run(args.world, args.topk, args.chunk, args.steps)
     print(
         f"DeMo bytes per step, {rows[0]['params']:,} parameters, world {args.world} (gloo, {platform.machine()} CPU)"
@@ -99,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['payload']:>10} {r['topk']:>4} {r['sent_bytes_per_step']:>12,} {r['dense_bytes_per_step']:>12,} "
             f"{r['ratio']:>8.1f} {r['step_ms_median']:>8.1f}"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "world": args.world,
         "chunk": args.chunk,
@@ -108,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "rows": rows,
     }
-    (out / "compress_bytes.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'compress_bytes.json'}")
+    atomic_write_text(out / JSON_NAME, json.dumps(report, indent=2))
+    print(f"wrote {out / JSON_NAME}")
     return 0
 
 

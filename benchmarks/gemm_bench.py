@@ -24,13 +24,14 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from cokit.bench.timing import Budget, kernel_resources, median_ms
+from cokit.files import OutputError, prepare_out_file
 from cokit.files import atomic_write_text as atomic_write
 
 # Kernel modules are imported when a section runs (never at import), so that gpu_check
@@ -598,13 +599,22 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer shapes and sweep points (about 1 minute)")
-    p.add_argument("--out", default=os.path.join("benchmarks", "out", "gemm.json"), help="JSON output file")
+    p.add_argument(
+        "--out",
+        default=os.path.join("benchmarks", "out", "gemm.json"),
+        help="JSON output file; its folder is checked for writing before anything runs, and an "
+        "existing file (an earlier run's) is refused unless --overwrite",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--cache-dir", default=None, help="tuning cache directory (default $COKIT_CACHE_DIR)")
     args = p.parse_args(argv)
+    try:
+        out = prepare_out_file(args.out, overwrite=args.overwrite)
+    except OutputError as exc:
+        print(f"gemm_bench: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     report: dict = {}
     rows = run(report, quick=args.quick, cache_dir=args.cache_dir)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps({"summary": report["gemm"], "rows": rows}, indent=1, default=str))
     print(f"[gemm] wrote {out}")
     return 0

@@ -18,7 +18,9 @@ budget is spent stops adding work and is marked BUDGET):
 
 Needs a visible GPU and TRITON_INTERPRET unset (else exits 2 with one line); ``--allow-cpu``
 runs the torch reference path on the CPU at tiny sizes (no GPU numbers). ``--out`` receives
-gpu_check.json and gpu_check.log (everything printed), rewritten atomically after every phase.
+gpu_check.json and gpu_check.log (everything printed), rewritten atomically after every phase;
+it is created and checked for writing before any phase runs, and a folder that already holds
+them (an earlier check) is refused unless ``--overwrite`` is given.
 Exit status: 0, 1 when a phase FAILED, 2 when the check cannot run here (one line says why).
 Sized for one H200: --quick under 3 minutes, the full run under 8 (mostly Triton compiles).
 """
@@ -634,15 +636,15 @@ class Tee(io.TextIOBase):
         return False
 
 
-def check_writable(folder: str) -> str | None:
-    """None when ``folder`` can be created and written, else why not (one line)."""
+def check_writable(folder: str, overwrite: bool = True, flag: str = "--out") -> str | None:
+    """None when ``folder`` can be created and written (and, unless ``overwrite``, holds no
+    earlier check's results), else why not (one line: what is wrong and what to do)."""
+    from cokit.files import OutputError, prepare_out_dir
+
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".gpu_check_probe.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return f"--out {folder} is not writable: {exc.strerror or exc}"
+        prepare_out_dir(folder, (JSON_NAME, LOG_NAME), overwrite=overwrite, flag=flag)
+    except OutputError as exc:
+        return str(exc)
     return None
 
 
@@ -697,7 +699,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="smaller sizes and fewer points (< 3 min on one H200)"
     )
     p.add_argument(
-        "--out", default=DEFAULT_OUT, help=f"folder for {JSON_NAME} and {LOG_NAME} (default {DEFAULT_OUT})"
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"folder for {JSON_NAME} and {LOG_NAME} (default {DEFAULT_OUT}); checked before any "
+        "phase runs and refused when it holds an earlier check's results, unless --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier check's results in --out (default: refuse such a folder)",
     )
     p.add_argument(
         "--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU"
@@ -735,7 +745,7 @@ def main(argv: list[str] | None = None, phases: list[Phase] | None = None) -> in
         return 0
     problem = environment_problem(args.allow_cpu)
     if problem is None:
-        problem = check_writable(args.out)
+        problem = check_writable(args.out, overwrite=args.overwrite)
     if problem is not None:
         print(f"gpu_check: error: {problem}", file=sys.stderr, flush=True)
         return 2
@@ -875,7 +885,10 @@ def _ensure_triton_cache() -> None:
     """Point TRITON_CACHE_DIR at a temporary folder when ~/.triton cannot be written."""
     if os.environ.get("TRITON_CACHE_DIR"):
         return
-    if check_writable(os.path.join(os.path.expanduser("~"), ".triton", "cache")) is not None:
+    if (
+        check_writable(os.path.join(os.path.expanduser("~"), ".triton", "cache"), flag="TRITON_CACHE_DIR")
+        is not None
+    ):
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cokit_triton_cache_")
         print(f"{TAG} ~/.triton is not writable: TRITON_CACHE_DIR={os.environ['TRITON_CACHE_DIR']}")
 

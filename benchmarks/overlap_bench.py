@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from cokit.bench.timing import Budget
+from cokit.files import OutputError, prepare_out_file
 from cokit.files import atomic_write_text as atomic_write
 
 # where the CPU measurement lives (moved from cokit.overlap to the app layer; either works)
@@ -278,13 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--budget-s", type=float, default=240.0, help="stop adding points after this many seconds")
     p.add_argument(
-        "--out", default=os.path.join("benchmarks", "out", "overlap.json"), help="JSON output file"
+        "--out",
+        default=os.path.join("benchmarks", "out", "overlap.json"),
+        help="JSON output file; its folder is checked for writing before anything runs, and an "
+        "existing file (an earlier run's) is refused unless --overwrite",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    try:
+        out = prepare_out_file(args.out, overwrite=args.overwrite)
+    except OutputError as exc:
+        print(f"overlap_bench: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     report: dict = {}
     rows = run(report, quick=args.quick, budget_s=args.budget_s)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps({"summary": report["overlap"], "rows": rows}, indent=1, default=str))
     print(f"[overlap] wrote {out}")
     return 0

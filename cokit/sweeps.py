@@ -19,9 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cokit.files import atomic_write_bytes, atomic_write_text
+from cokit.files import atomic_savefig, atomic_write_text
 from cokit.overlap.sweep import SweepPoint, run_sweep
 from cokit.triton_kernels.gemm_config import GemmConfig
+
+#: the files ``cokit sweep`` writes into its folder (names and glob patterns): a folder
+#: holding any of them holds an earlier sweep's results
+OUTPUTS = ("sweep.csv", "sweep.json", "heatmap_*.png", "timeline_best.png")
 
 
 # ---------------------------------------------------------------------- records
@@ -58,9 +62,7 @@ def _figure(figsize: tuple[float, float]) -> Any:
 def _save(fig: Any, path: str | os.PathLike) -> Path:
     """Write a figure as PNG, atomically."""
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_savefig(fig, path, format="png", dpi=100)
 
 
 def _key(v: Any) -> tuple:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import io
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from itertools import accumulate
 from typing import Any
 
 from cokit.display import human_bytes, pyplot
+from cokit.files import atomic_savefig, atomic_write_text
 from cokit.train import RunResult
 
 CSV_FIELDS = (
@@ -159,8 +161,10 @@ def plot_runs(
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_savefig(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _jsonable(x: Any) -> Any:
@@ -173,15 +177,19 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def output_names(stem: str = "demo") -> tuple[str, str, str]:
+    """The files :func:`write_outputs` writes: ``<stem>.json``, ``.csv`` and ``.png``."""
+    return (f"{stem}.json", f"{stem}.csv", f"{stem}.png")
+
+
 def write_outputs(
     out_dir: str, info: dict[str, Any], results: Sequence[RunResult], stem: str = "demo", title: str = ""
 ) -> list[str]:
     """Write ``<stem>.json`` (info, summaries, every series), ``<stem>.csv`` and ``<stem>.png``
-    into ``out_dir``; return their paths."""
+    into ``out_dir``, each atomically (see :mod:`cokit.files`); return their paths."""
     from cokit import __version__
 
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, f"{stem}.{ext}") for ext in ("json", "csv", "png")]
+    paths = [os.path.join(out_dir, name) for name in output_names(stem)]
     doc = {
         "cokit_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -189,12 +197,12 @@ def write_outputs(
         "summary": [r.summary() for r in results],
         "methods": [r.to_dict() for r in results],
     }
-    with open(paths[0], "w") as f:
-        json.dump(_jsonable(doc), f, indent=1)
-    with open(paths[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(csv_rows(results))
+    atomic_write_text(paths[0], json.dumps(_jsonable(doc), indent=1))
+    buf = io.StringIO(newline="")
+    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS)
+    writer.writeheader()
+    writer.writerows(csv_rows(results))
+    atomic_write_text(paths[1], buf.getvalue())
     uniform = info.get("workload", {}).get("uniform_loss")
     plot_runs(paths[2], results, uniform, title=title)
     return paths

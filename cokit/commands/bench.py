@@ -50,7 +50,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument(
         "--out",
         default=None,
-        help="folder for gpu_check.json and gpu_check.log (default benchmarks/out/gpu_check)",
+        help="folder for gpu_check.json and gpu_check.log (default benchmarks/out/gpu_check); "
+        "checked before any phase runs and refused when it holds an earlier check's results",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier check's results in --out (default: refuse such a folder)",
     )
     g.add_argument(
         "--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU"
@@ -60,7 +66,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     m = sub.add_parser("gemm", help="cokit.bench.gemm_bench: GEMM correctness, TFLOP/s, occupancy sweep")
     m.add_argument("--quick", action="store_true", help="fewer shapes and sweep points")
-    m.add_argument("--out", default=None, help="JSON output file (default benchmarks/out/gemm.json)")
+    m.add_argument(
+        "--out",
+        default=None,
+        help="JSON output file (default benchmarks/out/gemm.json); an existing one is refused",
+    )
+    m.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     m.add_argument("--cache-dir", default=None, help="tuning cache directory (default $COKIT_CACHE_DIR)")
     m.set_defaults(func=lambda args: _run_module("gemm_bench", args))
     return p
@@ -73,13 +84,17 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     """``cokit bench validate``: bad arguments are one-line errors; then run the study."""
+    from cokit.files import prepare_out_dir
     from cokit.validation.study import config_from_args, run_from_args
 
     cfg = None
     if not args.list_methods:
         try:
             cfg = config_from_args(args)
-        except ValueError as exc:
+            # checked before any run; no refusal of an existing folder: the study resumes
+            # from the finished runs it holds (runs/*.json) by design
+            prepare_out_dir(cfg.out_dir, (), overwrite=True)
+        except ValueError as exc:  # OutputError is one
             raise CliError(str(exc)) from None
     return run_from_args(args, cfg)
 
@@ -99,4 +114,6 @@ def _run_module(module: str, args: argparse.Namespace) -> int:
         argv.append("--allow-cpu")
     if getattr(args, "only", None):
         argv += ["--only", *args.only]
+    if getattr(args, "overwrite", False):
+        argv.append("--overwrite")
     return int(mod.main(argv) or 0)

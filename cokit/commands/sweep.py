@@ -21,8 +21,12 @@ communication) override the base --config. On CPU these knobs and --priority cha
 
 Writes <out>/sweep.csv, <out>/sweep.json and PNGs: speedup heatmaps over num_warps x
 smem_bytes and reserved SMs x message size (when those vary), over chunks x message size per
-collective, and a timeline bar chart of the best point. Under torchrun the current ranks are
-used; otherwise --world-size ranks are spawned on this machine (gloo on CPU, NCCL/RCCL on GPUs).
+collective, and a timeline bar chart of the best point, each written atomically. --out is
+created and checked for writing before anything runs; a folder that already holds a sweep's
+results (sweep.csv, sweep.json, heatmap_*.png, timeline_best.png) is refused unless
+--overwrite is given, which replaces them and removes the earlier plots this sweep does not
+draw. Under torchrun the current ranks are used; otherwise --world-size ranks are spawned on
+this machine (gloo on CPU, NCCL/RCCL on GPUs).
 """
 
 from __future__ import annotations
@@ -108,7 +112,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dtype", default=None, help="fp16, bf16 or fp32 (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per point (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="discarded rounds per point (default 1)")
-    p.add_argument("--out", default="sweep_out", help="output directory (default ./sweep_out)")
+    p.add_argument(
+        "--out",
+        default="sweep_out",
+        help="output directory (default ./sweep_out); refused when it holds an earlier sweep's "
+        "results, unless --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier sweep's results in --out (default: refuse such a folder)",
+    )
     p.add_argument("--no-plots", action="store_true", help="write CSV/JSON only")
     p.set_defaults(func=run)
     return p
@@ -159,10 +173,11 @@ def run(args: argparse.Namespace) -> int:
     """Build the grid, run it on the ranks, write the records and plots, print a table."""
     import torch
 
+    from cokit.files import remove_stale_outputs
     from cokit.launch import in_torchrun
     from cokit.overlap.schedules import _config_backend
     from cokit.overlap.sweep import SWEEP_COLLECTIVES, check_point, sweep_points
-    from cokit.sweeps import default_plots, sweep_main, write_csv, write_json
+    from cokit.sweeps import OUTPUTS, default_plots, sweep_main, write_csv, write_json
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm_config import parse_config_spec, parse_dtype
 
@@ -246,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
     lead = not in_torchrun() or int(os.environ["RANK"]) == 0  # only rank 0 prints and writes
+    if lead:  # before anything runs: an unusable --out fails now, not after the sweep
+        _prepare_out(args.out, args.overwrite)
     if lead:
         print(
             f"cokit sweep: {len(points)} point(s) x {args.warmup}+{args.repeats} rounds on {world} rank(s), "
@@ -291,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
     files = [csv_path, json_path]
     if not args.no_plots:
         files += default_plots(rows, out)
+    if args.overwrite:  # the folder holds this sweep's results only
+        remove_stale_outputs(out, OUTPUTS, files)
     print(f"done in {time.time() - t0:.1f} s; wrote:")
     for f in files:
         print(f"  {f}")
@@ -299,6 +318,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(errors)} point(s) failed; see the 'error' column", file=sys.stderr)
         return 1
     return 0
+
+
+def _prepare_out(out: str, overwrite: bool) -> None:
+    """Create ``--out`` and prove it writable; refuse an earlier sweep's results unless
+    ``--overwrite`` (one-line errors)."""
+    from cokit.files import OutputError, prepare_out_dir
+    from cokit.sweeps import OUTPUTS
+
+    try:
+        prepare_out_dir(out, OUTPUTS, overwrite=overwrite)
+    except OutputError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _print_rows(rows: list[dict]) -> None:

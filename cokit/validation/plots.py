@@ -8,6 +8,7 @@ from itertools import accumulate
 from typing import Any
 
 from cokit.display import pyplot
+from cokit.files import atomic_savefig
 
 _DEMO = re.compile(r"demo-compact-k(\d+)-c(\d+)")
 
@@ -86,7 +87,7 @@ def plot_curves(
         ax.set_title(f"held-out loss vs {kind}\n{title}", fontsize=9)
         fig.tight_layout()
         name = f"{workload}_heldout_vs_{kind}.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=100)
+        atomic_savefig(fig, os.path.join(out_dir, name), dpi=100)
         plt.close(fig)
         paths.append(name)
     return paths
@@ -162,6 +163,6 @@ def plot_pareto(
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     name = f"{workload}_pareto.png"
-    fig.savefig(os.path.join(out_dir, name), dpi=100)
+    atomic_savefig(fig, os.path.join(out_dir, name), dpi=100)
     plt.close(fig)
     return name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import statistics
 from typing import Any
 
 from cokit.display import human_bytes
+from cokit.files import atomic_write_text
 
 SUMMARY_FIELDS = (
     "final_train_loss",
@@ -208,25 +210,23 @@ def write_report(
             files.append(plot_pareto(out_dir, wl.name, chosen, pareto[wl.name], uniform, _title(info, wl)))
     md_parts.append(_footnotes(info))
     md = "\n\n".join(md_parts) + "\n"
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out_dir, "table.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=TABLE_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for rows in tables.values():
-            w.writerows(
-                {**r, "failed_lrs": " ".join(f"{x:g}" for x in r.get("failed_lrs", []))} for r in rows
-            )
-    with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=RUN_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for recs in records.values():
-            for r in sorted(recs, key=lambda r: (r["method"], r["lr"], r["seed"])):
-                w.writerow({**r, **r.get("summary", {})})
+    atomic_write_text(os.path.join(out_dir, "table.md"), md)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=TABLE_FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for rows in tables.values():
+        w.writerows({**r, "failed_lrs": " ".join(f"{x:g}" for x in r.get("failed_lrs", []))} for r in rows)
+    atomic_write_text(os.path.join(out_dir, "table.csv"), buf.getvalue())
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=RUN_FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for recs in records.values():
+        for r in sorted(recs, key=lambda r: (r["method"], r["lr"], r["seed"])):
+            w.writerow({**r, **r.get("summary", {})})
+    atomic_write_text(os.path.join(out_dir, "runs.csv"), buf.getvalue())
     files = ["table.md", "table.csv", "runs.csv", "study.json", *files]
     doc = {**info, "tables": tables, "pareto_front": pareto, "files": files, "table_markdown": md}
-    with open(os.path.join(out_dir, "study.json"), "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    atomic_write_text(os.path.join(out_dir, "study.json"), json.dumps(doc, indent=1, default=str))
     return doc
 
 
