@@ -6,6 +6,7 @@ all-reduce of their buffer (prime dimensions, tiny 1-D tensors, 0-D scalars) go 
 produces gradients), into *compressed* buckets of at most ``cap_bytes`` of fp32 buffer each.
 Each compressed bucket travels as its codec's wire tensors, one all-gather each; a codec that
 is not ``bucketed`` (``reference``) gets one bucket per tensor, like the DeMo reference.
+Empty tensors (a zero dimension) have nothing to send and are in no bucket.
 """
 
 from __future__ import annotations
@@ -77,10 +78,14 @@ def make_buckets(
     dense: dict[int, list[int]] = {}
     compressed: dict[int, list[int]] = {}
     for i in reversed(range(len(shapes))):
+        if math.prod(shapes[i]) == 0:
+            continue  # empty: nothing to send, nothing to update
         g = groups[i]
         chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
-        to_dense = all_dense or len(shapes[i]) == 0 or (
-            dense_fallback and sends_dense(shapes[i], chunk, k, codec, value_dtype, world_size)
+        to_dense = (
+            all_dense
+            or len(shapes[i]) == 0
+            or (dense_fallback and sends_dense(shapes[i], chunk, k, codec, value_dtype, world_size))
         )
         (dense if to_dense else compressed).setdefault(g, []).append(i)
 

@@ -10,22 +10,35 @@ payload codec (:mod:`cokit.compress.payload`: ``compact``, ``sign`` or any regis
 that is ``bucketed``). Every rank then sums the gathered coefficients in rank order, divides
 by the world size and inverse-transforms: the gradient DDP hands to the optimizer is the average of the
 ranks' decompressed gradients, bit-identical on every rank. Tensors whose payload would not
-be smaller than a dense all-reduce (biases, norms) are all-reduced dense alongside.
-``warmup_steps`` dense iterations come first (like PowerSGD's ``start_powerSGD_iter``);
-the error buffers live in the state, keyed by bucket, and are rebuilt when DDP rebuilds its
-buckets (after its first iteration).
+be smaller than a dense all-reduce (biases, norms) are all-reduced dense alongside; empty
+tensors send nothing. ``warmup_steps`` dense iterations come first (like PowerSGD's
+``start_powerSGD_iter``); the error buffers live in the state, keyed by bucket, and are
+rebuilt when DDP rebuilds its buckets (after its first iteration).
+
+Non-finite gradients: each rank's "my bucket is not finite" flag travels in the bucket's
+dense all-reduce (``world_size`` extra elements; a bucket without dense tensors gets an
+all-reduce of just the flags), so every rank learns about every rank's bucket. Encoding
+works on copies of the error buffers, committed only once every bucket of the iteration is
+known finite on every rank (one extra copy of the buffers during backward, one tiny
+device-to-host copy per iteration). Otherwise no buffer changes on any rank and the
+bucket's gradient is NaN on every rank, as with plain DDP (GradScaler then skips the step on
+every rank); ``nonfinite="error"`` also raises (DDP reports the ``FloatingPointError`` from
+``backward()`` as a ``RuntimeError`` quoting it), ``"skip"`` counts it in ``skipped_steps``.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations to the real
 # types. Forward references below are strings.
 
 import dataclasses
+import math
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cokit.compress.buckets import sends_dense
+from cokit.compress.groups import check_process_group
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec
 from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
 from cokit.triton_kernels.dct import dct_decode_multi
@@ -38,8 +51,11 @@ __all__ = ["DCTTopKState", "dct_topk_hook"]
 class DCTTopKState:
     """Settings and error-feedback buffers of :func:`dct_topk_hook`.
 
-    ``comm_stats`` counts this rank's bytes per iteration (ring volumes) and the dense
-    all-reduce bytes of the same gradients.
+    ``comm_stats`` counts this rank's bytes per iteration (ring volumes, the non-finite flags
+    included) and the dense all-reduce bytes of the same gradients. ``nonfinite``: what a
+    non-finite gradient on any rank does (module docstring): ``"error"`` raises on every rank,
+    ``"skip"`` hands NaN gradients so that GradScaler skips the step; in both no error buffer
+    changes. ``skipped_steps`` counts the iterations skipped so.
     """
 
     process_group: Any = None
@@ -49,13 +65,18 @@ class DCTTopKState:
     value_dtype: torch.dtype = torch.bfloat16
     decay: float = 1.0
     warmup_steps: int = 0
+    nonfinite: str = "error"
     iteration: int = 0
+    skipped_steps: int = 0
     comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
     _layouts: dict = dataclasses.field(default_factory=dict, repr=False)  # bucket index -> _BucketLayout
     _sent: int = dataclasses.field(default=0, repr=False)  # this iteration, so far
     _dense: int = dataclasses.field(default=0, repr=False)
+    _round: "_Round | None" = dataclasses.field(default=None, repr=False, compare=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self):
+        check_process_group("DCTTopKState", self.process_group)
         for name in ("topk", "chunk"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -71,10 +92,15 @@ class DCTTopKState:
             raise TypeError(
                 f"DCTTopKState: value_dtype must be float16, bfloat16 or float32, got {self.value_dtype}"
             )
-        if not (isinstance(self.decay, (int, float)) and 0.0 <= self.decay <= 1.0):
-            raise ValueError(f"DCTTopKState: decay must be in [0, 1], got {self.decay!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"DCTTopKState: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        decay = self.decay
+        if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
+            raise ValueError(f"DCTTopKState: decay must be a number in [0, 1], got {decay!r}")
+        for name in ("warmup_steps", "iteration"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"DCTTopKState: {name} must be an integer >= 0, got {v!r}")
+        if self.nonfinite not in ("error", "skip"):
+            raise ValueError(f"DCTTopKState: nonfinite must be 'error' or 'skip', got {self.nonfinite!r}")
 
     def _count(self, sent: int, dense: int, last: bool) -> None:
         self._sent += sent
@@ -93,6 +119,60 @@ class DCTTopKState:
             self._layouts[index] = layout
         return layout
 
+    def _join_round(self, last: bool) -> "_Round":
+        """The iteration this bucket belongs to (a new one after the previous last bucket)."""
+        with self._lock:
+            if self._round is None or self._round.closed:
+                self._round = _Round()
+            self._round.launched += 1
+            self._round.closed = last
+            return self._round
+
+    def _bucket_done(self, rnd: "_Round", done: "_Done") -> None:
+        """Record an assembled bucket; the iteration's last one commits or drops the copies."""
+        with self._lock:
+            rnd.done.append(done)
+            complete = rnd.closed and len(rnd.done) == rnd.launched
+        if not complete:
+            return
+        flags = torch.stack([d.flags for d in rnd.done]).cpu()  # one small copy per iteration
+        bad = [(rnd.done[b].index, r) for b, r in flags.nonzero().tolist()]
+        if not bad:
+            for d in rnd.done:
+                if d.layout is not None:
+                    d.layout.deltas = d.work
+            return
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            return
+        (index, rank), more = min(bad), f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise FloatingPointError(
+            f"DCTTopKState: non-finite gradient in DDP bucket {index} on rank {rank}{more}; no error "
+            "buffer changed and the gradients are NaN. Fix the loss scale / data, or pass "
+            "nonfinite='skip' (with GradScaler) to skip such steps on every rank"
+        )
+
+
+@dataclasses.dataclass
+class _Done:
+    """An assembled bucket: its layout (None in warmup), the buffer copies it encoded into and
+    its all-reduced per-rank non-finite flags."""
+
+    index: int
+    layout: "_BucketLayout | None"
+    work: list
+    flags: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Round:
+    """One DDP iteration's buckets, so far (guarded by ``DCTTopKState._lock``: callbacks run on
+    the communication threads)."""
+
+    launched: int = 0
+    closed: bool = False  # its last bucket was launched
+    done: list = dataclasses.field(default_factory=list)
+
 
 @dataclasses.dataclass
 class _BucketLayout:
@@ -107,12 +187,13 @@ class _BucketLayout:
     @classmethod
     def build(cls, state: DCTTopKState, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
         codec_cls = get_codec(state.payload, owner="DCTTopKState")
+        live = [i for i, s in enumerate(shapes) if math.prod(s) > 0]  # empty tensors send nothing
         dense_idx = [
             i
-            for i, s in enumerate(shapes)
-            if sends_dense(s, state.chunk, state.topk, codec_cls, state.value_dtype, world)
+            for i in live
+            if sends_dense(shapes[i], state.chunk, state.topk, codec_cls, state.value_dtype, world)
         ]
-        sparse_idx = [i for i in range(len(shapes)) if i not in dense_idx]
+        sparse_idx = [i for i in live if i not in dense_idx]
         codec = None
         if sparse_idx:
             plan = payload_layout([shapes[i] for i in sparse_idx], state.chunk, state.topk)
@@ -125,36 +206,35 @@ def _world(state: DCTTopKState) -> int:
     return dist.get_world_size(state.process_group)
 
 
-def _dense_mean(state: DCTTopKState, tensor: torch.Tensor) -> torch.futures.Future:
-    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
-    world = _world(state)
-    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
-
-
 def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the average of every rank's DCT/top-k-compressed gradient (module doc)."""
     buffer = bucket.buffer()
     world = _world(state)
     dense_bytes = ring_allreduce_bytes(buffer.numel() * buffer.element_size(), world)
-    if state.iteration < state.warmup_steps:
-        state._count(dense_bytes, dense_bytes, bucket.is_last())
-        return _dense_mean(state, buffer)
-
+    rnd = state._join_round(bucket.is_last())
+    # This rank's flag, without a host sync: every rank's arrives summed with the dense part.
+    flags = torch.zeros(world, dtype=buffer.dtype, device=buffer.device)
+    flags[dist.get_rank(state.process_group)] = (~torch.isfinite(buffer)).any()
     grads = bucket.gradients()
-    layout = state._layout(bucket.index(), [tuple(g.shape) for g in grads], world, buffer.device)
-    dense_idx, sparse_idx, codec = layout.dense_idx, layout.sparse_idx, layout.codec
-    futures: list[torch.futures.Future] = []
-    sent = 0
+    warmup = state.iteration < state.warmup_steps
+    layout = (
+        None
+        if warmup
+        else state._layout(bucket.index(), [tuple(g.shape) for g in grads], world, buffer.device)
+    )
+    dense_idx = [] if layout is None else layout.dense_idx
+    codec = None if layout is None else layout.codec
+    dense_parts = [buffer] if layout is None else [grads[i].reshape(-1) for i in dense_idx]
+    flat = torch.cat([*dense_parts, flags])
+    sent = ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
+    futures = [_all_reduce_sum(state, flat)]
 
-    if dense_idx:
-        flat = torch.cat([grads[i].reshape(-1) for i in dense_idx])
-        sent += ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
-        futures.append(_dense_mean(state, flat))
-
-    if codec is not None:
+    work: list[torch.Tensor] = []
+    if layout is not None and codec is not None:
+        work = [d.clone() for d in layout.deltas]  # committed once the whole iteration is finite
         idx, vals = ef_encode(
-            layout.deltas,
-            [grads[i] for i in sparse_idx],
+            work,
+            [grads[i] for i in layout.sparse_idx],
             beta=state.decay,
             lr=1.0,
             chunk=state.chunk,
@@ -168,17 +248,27 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
 
     def assemble(fut: torch.futures.Future) -> torch.Tensor:
         results = [f.value() for f in fut.value()]
-        if dense_idx:
-            flat = results.pop(0)
-            for i, part in zip(dense_idx, flat.split([grads[i].numel() for i in dense_idx])):
+        reduced = results.pop(0)
+        mean, summed_flags = reduced[:-world].div_(world), reduced[-world:]
+        if layout is None:
+            buffer.copy_(mean)
+        else:
+            for i, part in zip(dense_idx, mean.split([grads[i].numel() for i in dense_idx])):
                 grads[i].copy_(part.view(grads[i].shape))
-        if codec is not None:
-            decoded = _average_decoded(codec, results, [layout.shapes[i] for i in sparse_idx], state.chunk)
-            for i, d in zip(sparse_idx, decoded):
-                grads[i].copy_(d)
+            if codec is not None:
+                shapes = [layout.shapes[i] for i in layout.sparse_idx]
+                for i, d in zip(layout.sparse_idx, _average_decoded(codec, results, shapes, state.chunk)):
+                    grads[i].copy_(d)
+        buffer.masked_fill_(summed_flags.ne(0).any(), float("nan"))  # non-finite on every rank
+        state._bucket_done(rnd, _Done(bucket.index(), layout, work, summed_flags.ne(0)))
         return buffer
 
     return torch.futures.collect_all(futures).then(assemble)
+
+
+def _all_reduce_sum(state: DCTTopKState, tensor: torch.Tensor) -> torch.futures.Future:
+    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _all_gather(state: DCTTopKState, tensor: torch.Tensor, world: int) -> torch.futures.Future:

@@ -27,14 +27,15 @@ import datetime
 import math
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 import torch
 
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.buckets import Bucket, make_buckets
-from cokit.compress.comm import Communicator, Pending, check_process_group
+from cokit.compress.comm import Communicator, Pending
+from cokit.compress.groups import check_process_group
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
@@ -44,9 +45,18 @@ __all__ = ["DeMo"]
 
 _NONFINITE = ("error", "skip")
 # Per-group settings that change what is sent or how the update is computed (checked across ranks).
-_GROUP_SETTINGS = ("lr", "weight_decay", "compression_decay", "compression_topk", "compression_chunk", "alpha")
-# Per-parameter status travelling in the step's flag exchange.
+_GROUP_SETTINGS = {
+    "lr": float,
+    "weight_decay": float,
+    "compression_decay": float,
+    "compression_topk": int,
+    "compression_chunk": int,
+    "alpha": float,
+}
+# Per-parameter status travelling in the step's flag exchange (the low 2 bits of a byte; the
+# other 6 carry part of the settings fingerprint: _add_fingerprint).
 _OK, _BAD, _NO_GRAD = 0, 1, 2
+_STATUS_MASK = 3
 
 
 class DeMo(torch.optim.Optimizer):
@@ -95,6 +105,18 @@ class DeMo(torch.optim.Optimizer):
             ``delta = decay * delta + lr * grad``, parameters unchanged, counted in
             ``skipped_syncs``). Decision changes are in ``policy_log``. Default: static.
             Policies that measure need ``overlap_backward=False``.
+
+    Every rank must use the same settings: the first step (and the first after
+    ``add_param_group``) compares every rank's parameters and every setting that changes what
+    is sent or how the update is computed (the per-group ones above; payload, value_dtype,
+    dense_fallback, bucket_cap_mb, full_sync_every, overlap_backward, nonfinite,
+    validate_payload, policy) before any other collective, and every step compares a crc of the
+    settings carried in the spare bits of its status bytes (no extra byte; all 32 bits from 6
+    parameters on), so that e.g. an LR scheduler stepped on one rank only is caught at the next
+    step. A difference raises ``ValueError`` on every rank, naming the setting, the group and
+    each rank's value, before anything changed. (With ``overlap_backward``, change
+    compression_topk / compression_chunk on every rank or on none: buckets are sent before the
+    step's check.) Parameters with no elements have nothing to send and are left alone.
 
     ``state_dict()`` holds each parameter's ``delta`` buffer: it differs per rank, so every
     rank saves and loads its own.
@@ -203,12 +225,12 @@ class DeMo(torch.optim.Optimizer):
         self._bucket_cache.clear()
         self._checked_layout = None  # the next step checks every rank's settings and layout again
         if self.overlap_backward:
-            self._hooks += [
-                p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.param_groups[-1]["params"]
-            ]
+            new = self.param_groups[-1]["params"]
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in new]
 
     @staticmethod
     def _check_group(group: dict[str, Any], index: int) -> None:
+        """Raise unless ``group`` (defaults filled in) holds valid settings and parameters."""
         where = f"DeMo param group {index}"
         _check_number(where, "lr", group["lr"], 0.0)
         _check_number(where, "weight_decay", group["weight_decay"], 0.0)
@@ -345,7 +367,9 @@ class DeMo(torch.optim.Optimizer):
             members = [[entries[i][2] for i in b.members] for b in buckets]
             self._hook_plan = (buckets, members, {id(q): b for b, ps in enumerate(members) for q in ps})
         buckets, members, bucket_of = self._hook_plan
-        where = bucket_of[id(p)]
+        where = bucket_of.get(id(p))
+        if where is None:  # an empty parameter: in no bucket, nothing to send
+            return
         if where in self._inflight:
             raise RuntimeError(
                 "DeMo(overlap_backward=True): a second backward reached a bucket that is already being "
@@ -363,6 +387,7 @@ class DeMo(torch.optim.Optimizer):
                     "DeMo(overlap_backward=True): every parameter needs a dense gradient each step"
                 )
         flags = torch.stack([~torch.isfinite(_grad(p)).all() for p in params]).to(torch.uint8)
+        _add_fingerprint(flags, self._settings_crc(), bucket.members)
         work = [self._delta(p).clone() for p in params]
         finish = self._launch(bucket, params, work)
         return _Inflight(finish, self.comm.all_gather(flags, "gradient status exchange"), work, params)
@@ -373,10 +398,13 @@ class DeMo(torch.optim.Optimizer):
             if b not in self._inflight:
                 self._inflight[b] = self._launch_copy(bucket, [entries[i][2] for i in bucket.members])
         inflight, self._inflight, self._ready = self._inflight, {}, set()
+        gathered = {b: run.flags.wait() for b, run in sorted(inflight.items())}
+        if any(_fingerprints_differ(flags) for flags in gathered.values()):
+            self._raise_settings_mismatch()
         bad = []
-        for b, run in sorted(inflight.items()):
-            flags = run.flags.wait()
-            bad += [(r, buckets[b].members[n]) for r, n in (flags != _OK).nonzero().tolist()]
+        for b, flags in gathered.items():
+            status = flags & _STATUS_MASK
+            bad += [(r, buckets[b].members[n]) for r, n in (status != _OK).nonzero().tolist()]
         if bad:
             self.comm.reset_counts()
             if self.nonfinite == "skip":
@@ -400,17 +428,41 @@ class DeMo(torch.optim.Optimizer):
         label = f"'{names[i]}'" if names else f"group {gi} param {i}"
         return f"{label} {tuple(p.shape)}"
 
+    def _settings(self) -> dict[str, Any]:
+        """Every setting that changes what is sent or how the update is computed (all ranks
+        must agree: :meth:`_check_layout` and every step's status exchange compare them)."""
+        return {
+            "payload": self.payload,
+            "value_dtype": str(self.value_dtype),
+            "dense_fallback": self.dense_fallback,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "full_sync_every": self.full_sync_every,
+            "overlap_backward": self.overlap_backward,
+            "nonfinite": self.nonfinite,
+            "validate_payload": self.validate_payload,
+            "policy": self.policy.describe(),
+            "groups": [
+                {k: _plain(g[k], kind) for k, kind in _GROUP_SETTINGS.items()} for g in self.param_groups
+            ],
+        }
+
+    def _settings_crc(self) -> int:
+        return zlib.crc32(repr(self._settings()).encode())
+
     def _check_layout(self, entries) -> None:
-        """First step: every rank must hold the same parameters and settings."""
-        settings = [(g["compression_chunk"], g["compression_topk"]) for g in self.param_groups]
+        """First step (and the first after ``add_param_group``), before any other collective:
+        every rank must hold the same parameters and settings. A difference raises on every
+        rank, naming it, before anything changed."""
+        settings = self._settings()
         desc = [(gi, tuple(p.shape), str(p.dtype)) for gi, _, p in entries]
-        key = repr((self.payload, str(self.value_dtype), self.dense_fallback, settings, desc)).encode()
+        key = repr((settings, desc)).encode()
         # On the parameters' device: NCCL/RCCL groups only move GPU tensors.
         mine = torch.tensor([zlib.crc32(key)], dtype=torch.int64, device=entries[0][2].device)
         seen = self.comm.all_gather(mine, "parameter layout check").wait().flatten().tolist()
         if len(set(seen)) > 1:
-            everyone = self.comm.gather_objects(desc)
-            for r, other in enumerate(everyone):
+            self.comm.reset_counts()
+            everyone = self.comm.gather_objects((settings, desc))
+            for r, (_, other) in enumerate(everyone):
                 for (gi, i, p), mine_d, theirs in zip(entries, desc, other):
                     if mine_d != theirs:
                         raise ValueError(
@@ -422,11 +474,13 @@ class DeMo(torch.optim.Optimizer):
                         f"DeMo: rank {r} has {len(other)} parameters, rank {self.comm.rank} has "
                         f"{len(desc)}: every rank must build the same model"
                     )
-            raise ValueError(
-                "DeMo: ranks were built with different settings (payload, value_dtype, "
-                "dense_fallback, compression_chunk or compression_topk)"
-            )
+            raise ValueError(_settings_message([s for s, _ in everyone]))
         self._checked_layout = tuple(seen)
+
+    def _raise_settings_mismatch(self) -> None:
+        """The step's settings fingerprints differ: gather every rank's settings and raise."""
+        self.comm.reset_counts()
+        raise ValueError(_settings_message(self.comm.gather_objects(self._settings())))
 
     def _exchange_status(self, entries) -> list[bool] | None:
         """Agree with every rank on which parameters step; None when the step is skipped."""
@@ -447,11 +501,15 @@ class DeMo(torch.optim.Optimizer):
         if with_grad:
             finite = torch.stack([torch.isfinite(_grad(entries[n][2])).all() for n in with_grad])
             flags[with_grad] = torch.where(finite, _OK, _BAD).to(torch.uint8)
+        _add_fingerprint(flags, self._settings_crc(), range(len(entries)))
         n_flags = len(entries)
         if self._driver.status_bytes:  # the previous step's times, for the network policy
             flags = torch.cat([flags, self._driver.measurement(flags.device)])
         gathered = self._wait(self.comm.all_gather(flags, "gradient status exchange")).cpu()
         everyone, measured = gathered[:, :n_flags], gathered[:, n_flags:]
+        if _fingerprints_differ(everyone):
+            self._raise_settings_mismatch()
+        everyone = everyone & _STATUS_MASK
         has_grad = everyone != _NO_GRAD
         mixed = (has_grad.any(0) & ~has_grad.all(0)).nonzero().flatten().tolist()
         if mixed:
@@ -604,6 +662,72 @@ def _split_like(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Te
 def _dense_decode(params: list[torch.Tensor], mean: torch.Tensor, lr: float, wd: float) -> None:
     for p, update in zip(params, _split_like(mean, params)):
         p.copy_(p.float() * (1.0 - lr * wd) - lr * update.sign())
+
+
+def _add_fingerprint(flags: torch.Tensor, crc: int, positions: Iterable[int]) -> None:
+    """OR the settings crc into the spare high 6 bits of the status bytes: the byte of entry
+    ``n`` (``flags[j]`` for ``positions[j] == n``) carries crc bits ``6n .. 6n+5``, so a step of
+    6 or more parameters carries all 32 bits at no extra byte (fewer parameters: ``6 * n``)."""
+    carry = [(j, n) for j, n in enumerate(positions) if 6 * n < 32]
+    if carry:
+        chunks = torch.tensor([((crc >> (6 * n)) & 63) << 2 for _, n in carry], dtype=torch.uint8)
+        chunks = chunks.to(flags.device, non_blocking=True)
+        where = [j for j, _ in carry]
+        if where == list(range(len(where))):  # the usual case: the first entries, a slice
+            flags[: len(where)].bitwise_or_(chunks)
+        else:
+            flags[where] |= chunks
+
+
+def _fingerprints_differ(gathered: torch.Tensor) -> bool:
+    """True when the ranks' rows of gathered status bytes carry different settings fingerprints."""
+    bits = gathered >> 2
+    return bool((bits != bits[:1]).any())
+
+
+def _plain(value: object, kind: type) -> object:
+    """A group setting as a plain ``kind`` (tensor learning rates included), so equal values
+    compare and print equal on every rank (lr=1 and lr=1.0 agree)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return kind(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _settings_message(everyone: list[dict[str, Any]]) -> str:
+    """The first setting the ranks disagree on, with each rank's value (the same text on every rank)."""
+    diff = _first_difference(everyone) or "their settings fingerprints differ"
+    return (
+        f"DeMo: the ranks disagree: {diff}; nothing changed. Every rank must use the same "
+        "settings and change them the same way (e.g. step an LR scheduler on every rank)"
+    )
+
+
+def _first_difference(everyone: list[dict[str, Any]]) -> str | None:
+    def differ(values: Sequence[object]) -> bool:
+        return len({repr(v) for v in values}) > 1
+
+    for key in everyone[0]:
+        if key != "groups" and differ(values := [s[key] for s in everyone]):
+            return f"setting {key!r} is " + _per_rank(values)
+    if differ(counts := [len(s["groups"]) for s in everyone]):
+        return "the number of param groups is " + _per_rank(counts)
+    for gi in range(len(everyone[0]["groups"])):
+        for key in _GROUP_SETTINGS:
+            if differ(values := [s["groups"][gi][key] for s in everyone]):
+                return f"param group {gi} setting {key!r} is " + _per_rank(values)
+    return None
+
+
+def _per_rank(values: Sequence[object]) -> str:
+    """``0.01 on ranks [0, 2], 0.02 on rank [1]`` (at most 8 ranks listed per value)."""
+    ranks: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        ranks.setdefault(repr(v), []).append(r)
+    parts = []
+    for v, rs in ranks.items():
+        listed = ", ".join(map(str, rs[:8])) + (f", ... ({len(rs)} ranks)" if len(rs) > 8 else "")
+        parts.append(f"{v} on rank{'s' if len(rs) > 1 else ''} [{listed}]")
+    return ", ".join(parts)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

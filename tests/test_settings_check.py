@@ -1,0 +1,281 @@
+"""DeMo: every rank must use the same settings; empty parameters; bad arguments (issue 16)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from distributed import run_gloo
+
+from cokit.compress import DeMo
+
+SHAPES = [(32, 48), (48,), (24, 32), (7,), (16, 3, 3, 3), (3,)]  # >= 6 tensors: a full 32-bit fingerprint
+
+
+def _params(shapes=SHAPES) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _set_grads(params, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def _snapshot(params, opt) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params] + [s["delta"].clone() for s in opt.state.values()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# One value per rank for each setting: (keyword, rank 0, rank 1, text naming it in the error).
+DIFFERENCES = [
+    ("lr", 0.01, 0.02, "param group 0 setting 'lr' is 0.01 on rank [0], 0.02 on rank [1]"),
+    ("weight_decay", 0.0, 0.1, "param group 0 setting 'weight_decay' is 0.0 on rank [0], 0.1 on rank [1]"),
+    ("compression_decay", 0.9, 0.99, "setting 'compression_decay' is 0.9 on rank [0], 0.99 on rank [1]"),
+    ("compression_topk", 4, 8, "setting 'compression_topk' is 4 on rank [0], 8 on rank [1]"),
+    ("compression_chunk", 16, 8, "setting 'compression_chunk' is 16 on rank [0], 8 on rank [1]"),
+    ("alpha", 1.0, 0.5, "setting 'alpha' is 1.0 on rank [0], 0.5 on rank [1]"),
+    ("payload", "compact", "sign", "setting 'payload' is 'compact' on rank [0], 'sign' on rank [1]"),
+    ("value_dtype", torch.bfloat16, torch.float16, "'value_dtype' is 'torch.bfloat16' on rank [0]"),
+    ("dense_fallback", True, False, "setting 'dense_fallback' is True on rank [0], False on rank [1]"),
+    ("bucket_cap_mb", 25.0, 0.001, "setting 'bucket_cap_mb' is 25.0 on rank [0], 0.001 on rank [1]"),
+    ("full_sync_every", None, 2, "setting 'full_sync_every' is None on rank [0], 2 on rank [1]"),
+    ("overlap_backward", False, True, "setting 'overlap_backward' is False on rank [0], True on rank [1]"),
+    ("nonfinite", "error", "skip", "setting 'nonfinite' is 'error' on rank [0], 'skip' on rank [1]"),
+    ("validate_payload", False, True, "setting 'validate_payload' is False on rank [0], True on rank [1]"),
+]
+
+
+def _first_step_differences(rank: int, world: int):
+    os.environ["TRITON_INTERPRET"] = "0"
+    out = {}
+    for key, v0, v1, _ in DIFFERENCES:
+        params = _params()
+        opt = DeMo(
+            params, **{"lr": 0.01, "compression_topk": 4, "compression_chunk": 16, key: (v0, v1)[rank]}
+        )
+        _set_grads(params, rank, 0)
+        if key == "nonfinite" and rank == 1:
+            params[0].grad[0, 0] = float("inf")  # "error" would raise, "skip" would skip
+        before = _snapshot(params, opt)
+        try:
+            opt.step()
+            out[key] = ("no error", True)
+        except ValueError as exc:
+            out[key] = (str(exc), _same(before, _snapshot(params, opt)) and not opt.state)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_every_setting_that_differs_at_the_first_step_fails_on_every_rank_naming_it():
+    results = run_gloo(2, _first_step_differences)
+    for key, _, _, text in DIFFERENCES:
+        messages = [r[key][0] for r in results]
+        assert messages[0] == messages[1], key  # the same error on every rank
+        assert text in messages[0] and "nothing changed" in messages[0], messages[0]
+        assert all(r[key][1] for r in results), f"{key}: a parameter or buffer changed"
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def _backward(model, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    model(x).square().mean().backward()
+
+
+def _scheduler_on_one_rank(rank: int, world: int, overlap: bool):
+    """Rank 1 steps an LR scheduler, rank 0 forgets: the second step must fail everywhere."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    torch.manual_seed(0)
+    model = _Net()
+    opt = DeMo(model.parameters(), lr=0.01, compression_topk=4, compression_chunk=8, overlap_backward=overlap)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.zero_grad()
+    _backward(model, rank, 0)
+    opt.step()
+    if rank == 1:
+        sched.step()
+    params = list(model.parameters())
+    before = _snapshot(params, opt)
+    opt.zero_grad()
+    try:
+        _backward(model, rank, 1)
+        opt.step()
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    return message, _same(before, _snapshot(params, opt)), opt.comm_stats.steps
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_learning_rate_that_diverges_at_a_later_step_fails_on_every_rank(overlap):
+    for message, unchanged, steps in run_gloo(2, _scheduler_on_one_rank, overlap):
+        assert "param group 0 setting 'lr' is 0.01 on rank [0], 0.005 on rank [1]" in message, message
+        assert unchanged and steps == 1
+
+
+def _overlap_on_one_rank(rank: int, world: int):
+    """overlap_backward on rank 1 only, with a real backward: rank 1 checks in its first hook,
+    rank 0 in step(); the check is the first collective of both."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    torch.manual_seed(0)
+    model = _Net()
+    opt = DeMo(model.parameters(), lr=0.01, overlap_backward=rank == 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        _backward(model, rank, 0)
+        opt.step()
+        message = "no error"
+    except (ValueError, RuntimeError) as exc:
+        message = str(exc)
+    return message, all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_overlap_backward_on_one_rank_only_fails_on_every_rank_without_a_hang():
+    for message, unchanged in run_gloo(2, _overlap_on_one_rank):
+        assert "setting 'overlap_backward' is False on rank [0], True on rank [1]" in message, message
+        assert unchanged
+
+
+def _added_groups(rank: int, world: int, overlap: bool):
+    os.environ["TRITON_INTERPRET"] = "0"
+    torch.manual_seed(0)
+    model, extra = _Net(), torch.nn.Linear(16, 32)
+    opt = DeMo(model.parameters(), lr=0.01, compression_topk=4, compression_chunk=8, overlap_backward=overlap)
+    _backward(model, rank, 0)
+    opt.step()
+    opt.zero_grad()
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.02})  # the same on every rank: fine
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    ((model(x).sum() + extra(x).sum()) / 100).backward()
+    opt.step()
+    trained = [p.detach().clone() for p in extra.parameters()]
+    opt.zero_grad()
+    late = torch.nn.Linear(4, 4)
+    opt.add_param_group({"params": late.parameters(), "lr": 0.03 if rank == 0 else 0.04})
+    before = _snapshot([p for g in opt.param_groups for p in g["params"]], opt)
+    try:  # overlap_backward: the check runs in the first hook, during backward
+        ((model(x).sum() + extra(x).sum() + late(torch.ones(2, 4)).sum()) / 100).backward()
+        opt.step()
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    unchanged = _same(before, _snapshot([p for g in opt.param_groups for p in g["params"]], opt))
+    return trained, message, unchanged
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_settings_are_checked_again_after_add_param_group(overlap):
+    results = run_gloo(2, _added_groups, overlap)
+    for trained, message, unchanged in results:
+        assert all(torch.equal(a, b) for a, b in zip(trained, results[0][0]))  # ranks agree
+        assert "param group 2 setting 'lr' is 0.03 on rank [0], 0.04 on rank [1]" in message, message
+        assert unchanged
+    assert not torch.equal(results[0][0][0], torch.nn.Linear(16, 32).weight)  # the new group stepped
+
+
+# ----------------------------------------------------------------------------- empty parameters
+
+
+def _with_an_empty_param(rank: int, world: int, payload: str, overlap: bool):
+    os.environ["TRITON_INTERPRET"] = "0"
+    runs = {}
+    for with_empty in (False, True):
+        params = _params(SHAPES[:3])
+        empty = torch.nn.Parameter(torch.zeros(0, 5))
+        opt = DeMo(
+            [*params, empty] if with_empty else params,
+            lr=0.01,
+            compression_topk=4,
+            compression_chunk=16,
+            payload=payload,
+            overlap_backward=overlap,
+        )
+        for step in range(2):
+            _set_grads(params, rank, step)
+            empty.grad = torch.zeros(0, 5)
+            opt.step()
+        runs[with_empty] = (
+            [p.detach().clone() for p in params],
+            opt.comm_stats.step_sent_bytes,
+            empty in opt.state,
+            tuple(empty.shape),
+        )
+    return runs
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "payload, overlap", [("compact", False), ("sign", False), ("reference", False), ("compact", True)]
+)
+def test_an_empty_parameter_sends_nothing_and_changes_nothing(payload, overlap):
+    world = 2
+    results = run_gloo(world, _with_an_empty_param, payload, overlap)
+    for runs in results:
+        plain, with_empty = runs[False], runs[True]
+        assert all(torch.equal(a, b) for a, b in zip(plain[0], with_empty[0]))  # same steps
+        assert all(torch.equal(a, b) for a, b in zip(with_empty[0], results[0][True][0]))
+        # its status byte is all it adds (overlap: it is in no bucket, so not even that)
+        assert with_empty[1] - plain[1] == (0 if overlap else (world - 1) * 1)
+        assert not with_empty[2] and with_empty[3] == (0, 5)
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            {"process_group": "x"},
+            TypeError,
+            "process_group must be None .* or a torch.distributed ProcessGroup",
+        ),
+        ({"bucket_cap_mb": True}, ValueError, "bucket_cap_mb must be a positive number"),
+        ({"overlap_backward": "yes"}, TypeError, "overlap_backward must be True or False"),
+        ({"validate_payload": 1}, TypeError, "validate_payload must be True or False"),
+        ({"dense_fallback": "auto"}, TypeError, "dense_fallback must be True, False or None"),
+        ({"lr": True}, ValueError, "lr must be a finite number"),
+    ],
+)
+def test_bad_arguments_are_rejected(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DeMo(_params(SHAPES[:1]), **kwargs)
+
+
+def test_a_bad_param_group_is_not_added():
+    opt = DeMo(_params(SHAPES[:1]), lr=0.01)
+    extra = torch.nn.Parameter(torch.zeros(4))
+    for group, match in (
+        ({"params": [extra], "lr": -1.0}, "param group 1: lr must be a finite number >= 0.0"),
+        ({"params": [extra], "compression_topk": 0}, "compression_topk must be a positive integer"),
+        ({"params": (p for p in [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])}, "float32"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=match):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": (p for p in [extra]), "lr": 0.5})  # a generator is read once
+    assert opt.param_groups[1]["params"] == [extra] and opt.param_groups[1]["lr"] == 0.5
