@@ -74,8 +74,10 @@ def _changing_link(rank: int, world: int):
     _slow_link(opt.comm, delay)
     phases = {}
     for step in range(1, 25):
-        delay[0] = 0.15 if 5 <= step <= 14 else 0.0  # a slow stretch, then fast again
-        time.sleep(0.03)  # "compute": keeps the step time well above the fast link's waits
+        delay[0] = 0.25 if 5 <= step <= 14 else 0.0  # a slow stretch, then fast again
+        # "compute": long enough that a fast link's waits (and a loaded machine's scheduling
+        # noise: 3 ranks on 2 cores) stay far under headroom * target of the step
+        time.sleep(0.15)
         _one_step(model, opt, rank, step)
         phases[step] = (opt._driver.decision.describe(), opt.comm_stats.step_sent_bytes)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
