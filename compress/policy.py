@@ -134,9 +134,12 @@ class BandwidthTargetPolicy(NetworkPolicy):
     optimizer's own k, k/2, k/4, ... down to ``min_topk_scale``, then the ``sign`` payload at
     that k (if ``allow_sign``). It starts on the optimizer's own settings. After a step whose
     exposed fraction is above ``target`` it moves one rung down; when the fraction predicted
-    for the rung above (from the bytes that rung sent when last seen, else twice the bytes)
-    is below ``headroom * target``, it moves one rung up. After a move it holds for
-    ``patience`` steps so that each rung is measured. With ``deadline_s``, a step after one
+    for the rung above is below ``headroom * target``, it moves one rung up. The prediction
+    is what that rung was measured to expose when it last ran, if that was within
+    ``memory_steps`` steps (links are not bytes-linear: drops, windows), else the current
+    exposure scaled by the bytes ratio (the rung's last bytes, or twice the bytes), so that
+    a link that got faster is tried again. After a move it holds for ``patience`` steps so
+    that each rung is measured. With ``deadline_s``, a step after one
     whose exposed communication exceeded the deadline skips its sync (at most ``max_skips``
     in a row): its update stays in the error buffers and goes out with the next sync.
     """
@@ -152,6 +155,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
         patience: int = 2,
         deadline_s: float | None = None,
         max_skips: int = 1,
+        memory_steps: int = 20,
     ):
         if not (_is_number(target) and 0 < target < 1):
             raise ValueError(f"BandwidthTargetPolicy: target must be in (0, 1), got {target!r}")
@@ -161,7 +165,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
             )
         if not (_is_number(headroom) and 0 < headroom < 1):
             raise ValueError(f"BandwidthTargetPolicy: headroom must be in (0, 1), got {headroom!r}")
-        for name, value in (("patience", patience), ("max_skips", max_skips)):
+        for name, value in (("patience", patience), ("max_skips", max_skips), ("memory_steps", memory_steps)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 raise ValueError(f"BandwidthTargetPolicy: {name} must be an integer >= 0, got {value!r}")
         if deadline_s is not None and not (_is_number(deadline_s) and deadline_s > 0):
@@ -177,12 +181,13 @@ class BandwidthTargetPolicy(NetworkPolicy):
         self.patience = patience
         self.deadline_s = None if deadline_s is None else float(deadline_s)
         self.max_skips = max_skips
+        self.memory_steps = memory_steps
         self.ladder = self._ladder()
         self.level = 1 if self.allow_dense else 0  # the optimizer's own settings
         self._hold = 0
         self._skips = 0
         self._late = False  # the last synced step overran deadline_s
-        self._bytes: dict[int, int] = {}  # rung -> bytes it sent when last measured
+        self._seen: dict[int, tuple[int, float, int]] = {}  # rung -> (bytes, exposed_s, step) last measured
 
     def _ladder(self) -> list[Decision]:
         rungs = [Decision(dense=True)] if self.allow_dense else []
@@ -198,7 +203,8 @@ class BandwidthTargetPolicy(NetworkPolicy):
         return (
             f"BandwidthTargetPolicy(target={self.target:g}, min_topk_scale={self.min_topk_scale:g}, "
             f"allow_sign={self.allow_sign}, allow_dense={self.allow_dense}, headroom={self.headroom:g}, "
-            f"patience={self.patience}, deadline_s={self.deadline_s}, max_skips={self.max_skips})"
+            f"patience={self.patience}, deadline_s={self.deadline_s}, max_skips={self.max_skips}, "
+            f"memory_steps={self.memory_steps})"
         )
 
     def decide(self, observation: Observation | None) -> Decision:
@@ -206,7 +212,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
             return self.ladder[self.level]
         if observation.synced:  # a skipped step measures nothing about the link
             self._skips = 0
-            self._bytes[self.level] = observation.sent_bytes
+            self._seen[self.level] = (observation.sent_bytes, observation.exposed_s, observation.step)
             self._late = self.deadline_s is not None and observation.exposed_s > self.deadline_s
             self._adapt(observation)
         if self._late and self._skips < self.max_skips:
@@ -224,15 +230,19 @@ class BandwidthTargetPolicy(NetworkPolicy):
             self._move(-1)
 
     def _predicted_fraction(self, obs: Observation) -> float:
-        """Exposed fraction expected one rung up, taking communication as bytes-bound."""
+        """Exposed fraction expected one rung up: as measured there recently, else bytes-scaled."""
         up = self.level - 1
-        if self.ladder[up].dense:
-            more = obs.dense_bytes
+        seen = self._seen.get(up)
+        if seen is not None and obs.step - seen[2] <= self.memory_steps:
+            exposed = seen[1]
         else:
-            more = self._bytes.get(up, 2 * obs.sent_bytes)
-        if obs.sent_bytes <= 0:
-            return math.inf
-        exposed = obs.exposed_s * more / obs.sent_bytes
+            if obs.sent_bytes <= 0:
+                return math.inf
+            if self.ladder[up].dense:
+                more = obs.dense_bytes
+            else:
+                more = seen[0] if seen is not None else 2 * obs.sent_bytes
+            exposed = obs.exposed_s * more / obs.sent_bytes
         return exposed / max(obs.step_s - obs.exposed_s + exposed, 1e-12)
 
     def _move(self, by: int) -> None:
@@ -245,7 +255,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
             "hold": self._hold,
             "skips": self._skips,
             "late": self._late,
-            "bytes": dict(self._bytes),
+            "seen": {k: list(v) for k, v in self._seen.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,7 +269,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
         self._hold = int(state.get("hold", 0))
         self._skips = int(state.get("skips", 0))
         self._late = bool(state.get("late", False))
-        self._bytes = {int(k): int(v) for k, v in state.get("bytes", {}).items()}
+        self._seen = {int(k): (int(b), float(e), int(s)) for k, (b, e, s) in state.get("seen", {}).items()}
 
 
 def _is_number(v: object) -> bool:

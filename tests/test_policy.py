@@ -62,11 +62,23 @@ def test_a_fast_link_climbs_back_up_and_goes_dense_only_when_dense_fits():
 
 
 def test_climbing_uses_the_bytes_a_rung_sent_when_it_was_last_measured():
-    policy = BandwidthTargetPolicy(target=0.2, patience=0, allow_dense=False)
+    policy = BandwidthTargetPolicy(target=0.2, patience=0, allow_dense=False, memory_steps=0)
     policy.decide(_obs(1, 0.5, sent=10_000))  # k x1 sent 10 kB and was too slow: down to k x0.5
     assert policy.level == 1
     # at k x0.5 the exposed share is 10%: k x1 (10 kB, 2x) predicts ~18%, above 0.7 * 20%
     assert policy.decide(_obs(2, 0.1, sent=5_000)).describe() == "k x0.5"
+
+
+def test_a_rung_measured_too_slow_recently_is_not_retried_until_its_memory_expires():
+    # a lossy link: k x1 exposed 0.4 s although k x0.5 (half the bytes) exposes only 0.01 s
+    policy = BandwidthTargetPolicy(target=0.2, patience=0, allow_dense=False, memory_steps=10)
+    policy.decide(_obs(1, 0.4, sent=10_000))
+    assert policy.level == 1
+    # bytes alone (2 x 0.01 s) would predict 2% and climb; the measurement (0.4 s) says no
+    held = [policy.decide(_obs(s, 0.01, sent=5_000)).describe() for s in range(2, 12)]
+    assert held == ["k x0.5"] * 10
+    # 11 steps after k x1 was measured its memory has expired: tried again from bytes
+    assert policy.decide(_obs(12, 0.01, sent=5_000)).describe() == "k x1"
 
 
 def test_deadline_skips_syncs_then_sends_again():
@@ -108,6 +120,7 @@ def test_same_observations_give_the_same_decisions_and_state_round_trips():
         ({"deadline_s": 0}, "deadline_s"),
         ({"deadline_s": float("inf")}, "deadline_s"),
         ({"max_skips": 1.5}, "max_skips"),
+        ({"memory_steps": -2}, "memory_steps"),
     ],
 )
 def test_bad_settings_are_rejected(kwargs, match):
