@@ -132,11 +132,12 @@ class BandwidthTargetPolicy(NetworkPolicy):
 
     The settings form a ladder from most to fewest bytes: dense (if ``allow_dense``), the
     optimizer's own k, k/2, k/4, ... down to ``min_topk_scale``, then the ``sign`` payload at
-    that k (if ``allow_sign``). It starts on the optimizer's own settings. After a step whose
-    exposed fraction is above ``target`` it moves one rung down; when the fraction predicted
+    that k (if ``allow_sign``). It starts on the optimizer's own settings. When the exposed
+    fraction, averaged over the rung's last 3 steps, is above ``target`` it moves one rung down; when the fraction predicted
     for the rung above is below ``headroom * target``, it moves one rung up. The prediction
-    is what that rung was measured to expose when it last ran, if that was within
-    ``memory_steps`` steps (links are not bytes-linear: drops, windows), else the current
+    is what that rung was measured to expose when it last ran (a decaying max over its recent
+    steps), if that was within ``memory_steps`` steps (links are not bytes-linear: drops,
+    windows), else the current
     exposure scaled by the bytes ratio (the rung's last bytes, or twice the bytes), so that
     a link that got faster is tried again. After a move it holds for ``patience`` steps so
     that each rung is measured. With ``deadline_s``, a step after one
@@ -187,6 +188,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
         self._hold = 0
         self._skips = 0
         self._late = False  # the last synced step overran deadline_s
+        self._recent: list[float] = []  # exposed fractions on the current rung since the last move
         self._seen: dict[int, tuple[int, float, int]] = {}  # rung -> (bytes, exposed_s, step) last measured
 
     def _ladder(self) -> list[Decision]:
@@ -212,7 +214,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
             return self.ladder[self.level]
         if observation.synced:  # a skipped step measures nothing about the link
             self._skips = 0
-            self._seen[self.level] = (observation.sent_bytes, observation.exposed_s, observation.step)
+            self._remember(observation)
             self._late = self.deadline_s is not None and observation.exposed_s > self.deadline_s
             self._adapt(observation)
         if self._late and self._skips < self.max_skips:
@@ -221,13 +223,25 @@ class BandwidthTargetPolicy(NetworkPolicy):
         return self.ladder[self.level]
 
     def _adapt(self, obs: Observation) -> None:
-        """Move one rung down when over target, one up when the rung above fits."""
+        """Move one rung down when over target (on average over the rung's last few steps: one
+        retransmission must not move it), one up when the rung above fits."""
+        self._recent = [*self._recent, obs.exposed_fraction][-_WINDOW:]
         if self._hold > 0:
             self._hold -= 1
-        elif obs.exposed_fraction > self.target and self.level < len(self.ladder) - 1:
+        elif sum(self._recent) / len(self._recent) > self.target and self.level < len(self.ladder) - 1:
             self._move(+1)
         elif self.level > 0 and self._predicted_fraction(obs) < self.headroom * self.target:
             self._move(-1)
+
+    def _remember(self, obs: Observation) -> None:
+        """Record the current rung's bytes and exposure. The exposure kept is a decaying max
+        (``max(new, 0.8 * previous)`` while the previous one is fresh): one lucky step on a
+        lossy link must not make a rung look safe to climb back to."""
+        exposed = obs.exposed_s
+        prev = self._seen.get(self.level)
+        if prev is not None and obs.step - prev[2] <= self.memory_steps:
+            exposed = max(exposed, _DECAY * prev[1])
+        self._seen[self.level] = (obs.sent_bytes, exposed, obs.step)
 
     def _predicted_fraction(self, obs: Observation) -> float:
         """Exposed fraction expected one rung up: as measured there recently, else bytes-scaled."""
@@ -248,6 +262,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
     def _move(self, by: int) -> None:
         self.level += by
         self._hold = self.patience
+        self._recent = []
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -256,6 +271,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
             "skips": self._skips,
             "late": self._late,
             "seen": {k: list(v) for k, v in self._seen.items()},
+            "recent": list(self._recent),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -270,6 +286,11 @@ class BandwidthTargetPolicy(NetworkPolicy):
         self._skips = int(state.get("skips", 0))
         self._late = bool(state.get("late", False))
         self._seen = {int(k): (int(b), float(e), int(s)) for k, (b, e, s) in state.get("seen", {}).items()}
+        self._recent = [float(f) for f in state.get("recent", [])]
+
+
+_DECAY = 0.8  # per observation, of a rung's remembered worst exposure
+_WINDOW = 3  # steps averaged before moving down
 
 
 def _is_number(v: object) -> bool:

@@ -82,7 +82,7 @@ def test_a_rung_measured_too_slow_recently_is_not_retried_until_its_memory_expir
 
 
 def test_deadline_skips_syncs_then_sends_again():
-    policy = BandwidthTargetPolicy(target=0.5, deadline_s=2.0, max_skips=2, allow_dense=False, patience=0)
+    policy = BandwidthTargetPolicy(target=0.3, deadline_s=2.0, max_skips=2, allow_dense=False, patience=0)
     assert policy.decide(_obs(1, 0.1, step_s=1.0)) == Decision()
     late = policy.decide(_obs(2, 3.0, step_s=4.0))  # over the deadline and over target
     assert late.skip_sync
