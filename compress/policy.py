@@ -139,8 +139,10 @@ class BandwidthTargetPolicy(NetworkPolicy):
     steps), if that was within ``memory_steps`` steps (links are not bytes-linear: drops,
     windows), else the current
     exposure scaled by the bytes ratio (the rung's last bytes, or twice the bytes), so that
-    a link that got faster is tried again. After a move it holds for ``patience`` steps so
-    that each rung is measured. With ``deadline_s``, a step after one
+    a link that got faster is tried again. After a move down it holds for ``patience`` steps
+    so that the rung is measured. A climb that fails at once (a probe) costs one step and
+    doubles how long that rung's measurement is trusted (up to 1000 steps); a climb that holds
+    for 6 steps resets it. With ``deadline_s``, a step after one
     whose exposed communication exceeded the deadline skips its sync (at most ``max_skips``
     in a row): its update stays in the error buffers and goes out with the next sync.
     """
@@ -190,6 +192,9 @@ class BandwidthTargetPolicy(NetworkPolicy):
         self._late = False  # the last synced step overran deadline_s
         self._recent: list[float] = []  # exposed fractions on the current rung since the last move
         self._seen: dict[int, tuple[int, float, int]] = {}  # rung -> (bytes, exposed_s, step) last measured
+        self._memory: dict[int, int] = {}  # rung -> how long its measurement holds, after failed probes
+        self._probe: int | None = None  # the rung just climbed to, until it proves itself
+        self._since_move = 0
 
     def _ladder(self) -> list[Decision]:
         rungs = [Decision(dense=True)] if self.allow_dense else []
@@ -226,6 +231,10 @@ class BandwidthTargetPolicy(NetworkPolicy):
         """Move one rung down when over target (on average over the rung's last few steps: one
         retransmission must not move it), one up when the rung above fits."""
         self._recent = [*self._recent, obs.exposed_fraction][-_WINDOW:]
+        self._since_move += 1
+        if self._probe is not None and self._since_move > 2 * _WINDOW:  # the climb held
+            self._memory.pop(self._probe, None)
+            self._probe = None
         if self._hold > 0:
             self._hold -= 1
         elif sum(self._recent) / len(self._recent) > self.target and self.level < len(self.ladder) - 1:
@@ -247,7 +256,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
         """Exposed fraction expected one rung up: as measured there recently, else bytes-scaled."""
         up = self.level - 1
         seen = self._seen.get(up)
-        if seen is not None and obs.step - seen[2] <= self.memory_steps:
+        if seen is not None and obs.step - seen[2] <= self._memory.get(up, self.memory_steps):
             exposed = seen[1]
         else:
             if obs.sent_bytes <= 0:
@@ -260,9 +269,17 @@ class BandwidthTargetPolicy(NetworkPolicy):
         return exposed / max(obs.step_s - obs.exposed_s + exposed, 1e-12)
 
     def _move(self, by: int) -> None:
+        """Down (``by=+1``): hold ``patience`` steps to measure the new rung; if the rung left
+        was a probe that failed at once, trust its measurement twice as long next time
+        (exponential backoff, so a link that cannot carry it is probed ever more rarely).
+        Up: measured from the next step on, so a failed probe costs one step."""
+        if by > 0 and self._probe == self.level:
+            self._memory[self.level] = min(2 * self._memory.get(self.level, self.memory_steps), _MAX_MEMORY)
+        self._probe = self.level + by if by < 0 else None
         self.level += by
-        self._hold = self.patience
+        self._hold = self.patience if by > 0 else 0
         self._recent = []
+        self._since_move = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -272,6 +289,9 @@ class BandwidthTargetPolicy(NetworkPolicy):
             "late": self._late,
             "seen": {k: list(v) for k, v in self._seen.items()},
             "recent": list(self._recent),
+            "memory": dict(self._memory),
+            "probe": self._probe,
+            "since_move": self._since_move,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,10 +307,15 @@ class BandwidthTargetPolicy(NetworkPolicy):
         self._late = bool(state.get("late", False))
         self._seen = {int(k): (int(b), float(e), int(s)) for k, (b, e, s) in state.get("seen", {}).items()}
         self._recent = [float(f) for f in state.get("recent", [])]
+        self._memory = {int(k): int(v) for k, v in state.get("memory", {}).items()}
+        probe = state.get("probe")
+        self._probe = None if probe is None else int(probe)
+        self._since_move = int(state.get("since_move", 0))
 
 
 _DECAY = 0.8  # per observation, of a rung's remembered worst exposure
 _WINDOW = 3  # steps averaged before moving down
+_MAX_MEMORY = 1000  # steps: the longest a failed probe's measurement is trusted
 
 
 def _is_number(v: object) -> bool:

@@ -134,3 +134,17 @@ def test_a_state_from_other_settings_is_rejected():
         BandwidthTargetPolicy().load_state_dict(state)
     with pytest.raises(ValueError, match="keeps no state"):
         StaticPolicy().load_state_dict({"level": 1})
+
+
+def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
+    # the current rung hides its exposure (overlap), so bytes predict dense fits; it never does
+    policy = BandwidthTargetPolicy(target=0.2, patience=0, memory_steps=5)
+    probes = []
+    for step in range(1, 120):
+        on_dense = policy.level == 0
+        decision = policy.decide(_obs(step, 0.9 if on_dense else 0.001, sent=1000, dense=32000))
+        if decision.dense:
+            probes.append(step)
+    assert all(b - a > 1 for a, b in zip(probes, probes[1:]))  # each failed probe costs one step
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(gaps) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), probes
