@@ -78,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--json", default=None, help="also write all ranks' results to this JSON file")
     args = p.parse_args(argv)
+    if args.json:  # an unwritable --json fails now, not after the measurement
+        from cokit.files import OutputError, prepare_out_file
+
+        try:
+            prepare_out_file(args.json, overwrite=True, flag="--json")
+        except OutputError as exc:
+            p.error(str(exc))
     per_rank = cpu_gloo_measurement(args.size, args.numel, args.repeats, args.warmup, args.chunks)
     for res in per_rank[0]:
         print(res["text"])
@@ -90,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"compute slowdown {m['compute_slowdown']:.3f}"
             )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                [[{k: v for k, v in r.items() if k != "text"} for r in rr] for rr in per_rank], f, indent=1
-            )
+        from cokit.files import atomic_write_text
+
+        doc = [[{k: v for k, v in r.items() if k != "text"} for r in rr] for rr in per_rank]
+        atomic_write_text(args.json, json.dumps(doc, indent=1))
     return 0
 
 

@@ -3,16 +3,22 @@
 The one launcher of cokit (``cokit demo``/``sweep``/``bench``, notebooks, benchmarks, tests):
 under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) the group comes from the
 environment; otherwise ``world_size`` processes are spawned on this machine (gloo on CPU,
-NCCL/RCCL with one GPU per rank), each with the usual torchrun variables set.
+NCCL/RCCL with one GPU per rank), each with the usual torchrun variables set. Spawned ranks
+never outlive the process that spawned them: on Linux each asks the kernel for SIGKILL when
+its parent dies (``PR_SET_PDEATHSIG``), and SIGTERM to the parent terminates them first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import queue as queue_module
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -49,9 +55,38 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies; exit now if the
+    parent (``parent_pid``) is already gone. Elsewhere: nothing (no such kernel feature).
+
+    The parent is the *thread* that started this process: :func:`spawn` blocks in it."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # it died before the request took effect
+        os._exit(1)
+
+
 def _entry(
-    rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable, args: tuple, queue
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    threads: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    child_setup: Callable[[int], None] | None = None,
+    master_addr: str = "127.0.0.1",
+    parent_pid: int | None = None,
 ) -> None:
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     import torch.distributed as dist
 
     os.environ.update(
@@ -60,12 +95,14 @@ def _entry(
             "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(port),
         }
     )
     torch.set_num_threads(threads)
     try:
+        if child_setup is not None:  # e.g. enter this rank's network namespace
+            child_setup(rank)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method="env://")
@@ -77,6 +114,62 @@ def _entry(
             dist.destroy_process_group()
     except BaseException:  # reported to the parent
         queue.put((rank, False, traceback.format_exc()))
+
+
+class _Terminated(BaseException):
+    """SIGTERM reached :func:`spawn`'s parent process: stop its ranks, then die of it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While inside, SIGTERM raises :class:`_Terminated` (once) in the main thread, so the
+    caller's cleanup runs; on the way out the previous handler is restored and, if SIGTERM
+    came, applied (the default one ends this process with SIGTERM, as it would have)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+    came: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not came:  # a second SIGTERM must not interrupt the cleanup of the first
+            came.append(signum)
+            raise _Terminated(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    if came:
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+def _reap(procs: list, grace: float) -> None:
+    """Join ``procs`` within ``grace`` seconds, then terminate (SIGTERM) what is left and,
+    after 5 s more, kill it."""
+    started = [p for p in procs if p.pid is not None]
+    deadline = time.monotonic() + grace
+    for p in started:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for stop in ("terminate", "kill"):
+        alive = [p for p in started if p.is_alive()]
+        if not alive:
+            return
+        for p in alive:
+            getattr(p, stop)()
+        deadline = time.monotonic() + 5.0
+        for p in alive:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 @contextlib.contextmanager
@@ -105,13 +198,20 @@ def spawn(
     backend: str = "gloo",
     timeout: float = 900.0,
     env: Mapping[str, str | None] | None = None,
+    master_addr: str = "127.0.0.1",
+    child_setup: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """Spawn ``world_size`` ranks on ``backend``, run ``fn(rank, world_size, *args)`` on each
     (a module-level function), return the results in rank order.
 
     ``env`` sets (or with None removes) variables in the children from their start. A rank
     that raises, dies or outlives ``timeout`` seconds raises ``RuntimeError``/``TimeoutError``
-    here with its traceback. Each rank gets ``cpu_count // world_size`` threads.
+    here with its traceback. Each rank gets ``cpu_count // world_size`` threads. The ranks
+    die with this process (SIGKILL on Linux, from the kernel) and SIGTERM to it terminates
+    them first; call from the thread that stays in this call (the main one for SIGTERM).
+    ``master_addr`` is rank 0's address (the TCP store); ``child_setup(rank)``, a module-level
+    function (or a partial of one), runs in each child before the group is created (e.g. to
+    enter the rank's network namespace, :mod:`cokit.netbed`); its errors fail that rank.
     """
     import torch.multiprocessing as mp
 
@@ -125,15 +225,30 @@ def spawn(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, backend, threads, fn, args, queue), daemon=True)
+        ctx.Process(
+            target=_entry,
+            args=(r, world_size, port, backend, threads, fn, args, queue, child_setup, master_addr),
+            kwargs={"parent_pid": os.getpid()},
+            daemon=True,
+        )
         for r in range(world_size)
     ]
-    with _child_env(env or {}):
-        for p in procs:
-            p.start()
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    with _sigterm_raises():
+        _wait_for_ranks(procs, queue, results, timeout, env)
+    return [results[r] for r in range(world_size)]
+
+
+def _wait_for_ranks(
+    procs: list, queue, results: dict[int, Any], timeout: float, env: Mapping[str, str | None] | None
+) -> None:
+    """Start ``procs`` and collect each rank's result into ``results``; always reap them."""
+    world_size = len(procs)
     try:
+        with _child_env(env or {}):
+            for p in procs:
+                p.start()
+        deadline = time.monotonic() + timeout
         while len(results) < world_size:
             try:
                 rank, ok, value = queue.get(timeout=1.0)
@@ -149,13 +264,13 @@ def spawn(
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == world_size else 1)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    return [results[r] for r in range(world_size)]
+    except _Terminated:
+        _reap(procs, grace=0.0)
+        raise
+    except BaseException:
+        _reap(procs, grace=1.0)
+        raise
+    _reap(procs, grace=30.0)
 
 
 def run(

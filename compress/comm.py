@@ -1,68 +1,173 @@
 """Asynchronous collectives with byte accounting and timeouts that name their owner.
 
-Every collective is launched with ``async_op=True`` and returns a :class:`Pending`; waiting
-on it with a timeout turns "a rank never joined" into an error naming the owner (e.g. the
-optimizer) instead of a hang. Byte counts are per rank, ring algorithm volumes
-(:mod:`cokit.compress.stats`). Without an initialized process group (or world size 1) the
-collectives are local copies and count zero bytes.
+Every collective is launched asynchronously and returns a :class:`Pending`; waiting on it
+with a timeout turns "a rank never joined" into an error naming the owner (e.g. the
+optimizer) instead of a hang. On gloo the timeout is also the collective's own, so the
+abandoned work ends with it and the process can exit at once. A collective that times out
+or fails leaves the group unusable (a retried collective would pair with another rank's
+next one), so the group is aborted and every later collective on it raises
+:class:`ProcessGroupAborted` at once: recover by restarting every rank from its last
+checkpoint. Byte counts are per rank, ring algorithm volumes (:mod:`cokit.compress.stats`).
+Without an initialized process group (or world size 1) the collectives are local copies
+and count zero bytes.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
+import weakref
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
 
+__all__ = ["CollectiveTimeout", "Communicator", "Pending", "ProcessGroupAborted", "parse_timeout"]
+
+RESTART_HINT = (
+    "The step cannot be retried in place: restart every rank from the last checkpoint "
+    "(each rank's model and optimizer state_dict()), e.g. under torchrun --max-restarts"
+)
+
+# Process groups aborted after a failed collective -> the error that aborted them.
+_ABORTED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+# The work of failed collectives, held until exit so that its last reference (and its
+# tensors') is dropped by a Python thread: dropped by gloo's worker thread while the
+# interpreter finalizes, it takes the GIL and std::terminate()s the process (SIGABRT).
+_FAILED_WORK: list[Any] = []
+# A collective that carries its own timeout ends with it; waiting this much longer for it
+# (rather than abandoning it at the same instant) lets it end on its thread first.
+_GRACE = datetime.timedelta(seconds=10)
+
 
 class CollectiveTimeout(RuntimeError):
-    """A collective did not complete in time (some rank did not take part)."""
+    """A collective did not complete in time (some rank did not take part) or failed."""
+
+
+class ProcessGroupAborted(CollectiveTimeout):
+    """A collective was asked of a process group aborted after an earlier failure."""
+
+
+def parse_timeout(timeout: object, owner: str = "cokit") -> datetime.timedelta | None:
+    """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; ``None`` for no limit.
+
+    ``None`` and ``float('inf')`` mean no limit of cokit's own (the process group's timeout,
+    ``init_process_group(timeout=...)``, still ends a collective). Zero, negative, NaN and
+    ``bool`` values raise ``ValueError``; other types ``TypeError``.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool):
+        raise ValueError(f"{owner}: timeout must be a number of seconds > 0, got {timeout!r} (a bool)")
+    if isinstance(timeout, datetime.timedelta):
+        if timeout <= datetime.timedelta(0):
+            raise ValueError(f"{owner}: timeout must be > 0 seconds, got {timeout}")
+        return timeout
+    if isinstance(timeout, numbers.Real):
+        seconds = float(timeout)
+        if math.isnan(seconds):
+            raise ValueError(f"{owner}: timeout must be > 0 seconds (inf for no limit), got nan")
+        if seconds == math.inf:
+            return None
+        if not seconds > 0:
+            raise ValueError(f"{owner}: timeout must be > 0 seconds (inf for no limit), got {timeout}")
+        try:
+            return datetime.timedelta(seconds=seconds)
+        except OverflowError:
+            raise ValueError(
+                f"{owner}: timeout of {timeout} s is too large; pass float('inf') for no limit"
+            ) from None
+    raise TypeError(
+        f"{owner}: timeout must be seconds (a number, inf for no limit) or a timedelta, "
+        f"got {type(timeout).__name__}"
+    )
+
+
+def _abort(group: Any) -> str:
+    """Abort ``group`` so that no work on it outlives the error; say how it went."""
+    abort = getattr(group, "abort", None)  # ProcessGroup.abort: torch >= 2.4 (gloo: no-op-safe)
+    if abort is None:
+        return "this torch cannot abort it; it is marked unusable"
+    try:
+        abort()
+    except Exception as exc:  # best effort: the caller raises the real error
+        return f"aborting it failed ({type(exc).__name__}: {exc}); it is marked unusable"
+    return "it was aborted"
 
 
 class Pending:
     """A launched collective: ``wait()`` returns its result tensor."""
 
-    def __init__(self, work, result: torch.Tensor, owner: str, what: str, timeout: datetime.timedelta | None):
+    def __init__(
+        self,
+        work,
+        result: torch.Tensor,
+        owner: str,
+        what: str,
+        timeout: datetime.timedelta | None,
+        group: Any = None,
+        op_timeout: bool = False,
+        source: torch.Tensor | None = None,
+    ):
         self._work, self._result = work, result
         self._owner, self._what, self._timeout = owner, what, timeout
+        self._group = group
+        self._op_timeout = op_timeout  # the collective itself ends at `timeout`
+        self._source = source  # the input tensor, when it is not the result
 
     def wait(self) -> torch.Tensor:
+        """The result, once every rank took part; ``CollectiveTimeout`` (group aborted) if not."""
         if self._work is not None:
+            limit = self._timeout
+            if limit is not None and self._op_timeout:
+                limit += _GRACE
             try:
-                done = self._work.wait(self._timeout) if self._timeout is not None else self._work.wait()
+                done = self._work.wait(limit) if limit is not None else self._work.wait()
             except RuntimeError as exc:
-                raise CollectiveTimeout(self._message(f"failed: {exc}")) from exc
+                self._fail(exc, timed_out="timed out" in str(exc).lower())
             if done is False:
-                raise CollectiveTimeout(self._message("did not complete"))
+                self._fail(None, timed_out=True)
             self._work = None
         return self._result
 
-    def _message(self, what_happened: str) -> str:
+    def _fail(self, cause: BaseException | None, timed_out: bool) -> NoReturn:
+        if self._work is not None:
+            _FAILED_WORK.append((self._work, self._result, self._source))
+        self._work = None
         limit = f" within {self._timeout.total_seconds():g} s" if self._timeout is not None else ""
-        return (
-            f"{self._owner}: the {self._what} {what_happened}{limit}. Every rank must call the same "
-            f"steps with the same parameters; a rank that crashed, skipped a step or diverged in "
-            f"control flow leaves the others waiting. Raise `timeout=` if steps are just slow."
-        )
+        happened = f"did not complete{limit}"
+        if cause is not None:
+            happened += f" ({cause})" if timed_out else f": it failed ({cause})"
+        first = f"{self._owner}: the {self._what} {happened}"
+        if self._group is not None and self._group not in _ABORTED:
+            _ABORTED[self._group] = first
+            fate = _abort(self._group)
+        else:
+            fate = "it was aborted"
+        raise CollectiveTimeout(
+            f"{first}. Every rank must call the same steps with the same parameters; a rank "
+            f"that crashed, froze, skipped a step or diverged in control flow leaves the others "
+            f"waiting. {RESTART_HINT}; the process group is unusable ({fate}). Raise "
+            f"`timeout=` if steps are just slow."
+        ) from cause
 
 
 class Communicator:
-    """Collectives on one process group for one owner, with running byte counts."""
+    """Collectives on one process group for one owner, with running byte counts.
+
+    ``timeout``: seconds or a ``timedelta`` each collective may take (``None``/``inf``: no
+    limit of its own, the process group's timeout applies).
+    """
 
     def __init__(
         self, process_group=None, owner: str = "cokit", timeout: float | datetime.timedelta | None = None
     ):
         self.group = process_group
         self.owner = owner
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            if not timeout > 0:
-                raise ValueError(f"{owner}: timeout must be > 0 seconds, got {timeout}")
-            timeout = datetime.timedelta(seconds=float(timeout))
-        elif timeout is not None and not isinstance(timeout, datetime.timedelta):
-            raise TypeError(f"{owner}: timeout must be seconds or a timedelta, got {type(timeout).__name__}")
-        self.timeout = timeout
+        self.timeout = parse_timeout(timeout, owner)
         self.sent = 0
         self.received = 0
 
@@ -82,48 +187,91 @@ class Communicator:
             return 0
         return dist.get_rank(self.group)
 
+    @property
+    def aborted(self) -> bool:
+        """True once a collective on this process group failed (the group is unusable)."""
+        return self.distributed and self._process_group() in _ABORTED
+
     def reset_counts(self) -> tuple[int, int]:
         """Return ``(sent, received)`` since the last reset and start again from zero."""
         counts = (self.sent, self.received)
         self.sent = self.received = 0
         return counts
 
+    def _process_group(self) -> Any:
+        if self.group is not None:
+            return self.group
+        return dist.distributed_c10d._get_default_group()
+
+    def _usable_group(self, what: str) -> Any:
+        """The process group, or ``ProcessGroupAborted`` if an earlier collective failed."""
+        group = self._process_group()
+        if group in _ABORTED:
+            raise ProcessGroupAborted(
+                f"{self.owner}: cannot start the {what}: this process group was aborted after "
+                f"an earlier collective failed ({_ABORTED[group]}). {RESTART_HINT}."
+            )
+        return group
+
+    def _options(self, options: Any, group: Any, tensor: torch.Tensor) -> tuple[Any, bool]:
+        """Async options, and whether they carry the timeout: it becomes the collective's own
+        (so gloo's work ends with it) except on NCCL, whose watchdog would tear the process
+        down instead of letting :class:`Pending` raise."""
+        options.asyncOp = True
+        own = self.timeout is not None and not (tensor.is_cuda and "nccl" in str(dist.get_backend(group)))
+        if own:
+            options.timeout = self.timeout
+        return options, own
+
     def all_gather(self, tensor: torch.Tensor, what: str) -> Pending:
         """Start an all-gather of a flat tensor; ``wait()`` gives ``(world_size, numel)``."""
         world = self.world_size
         if not self.distributed:
             return Pending(None, tensor.reshape(1, -1).clone(), self.owner, what, None)
+        group = self._usable_group(what)
+        flat = tensor.reshape(-1)
         out = tensor.new_empty(world * tensor.numel())
-        work = dist.all_gather_single(out, tensor.reshape(-1), group=self.group, async_op=True)
+        opts, own = self._options(dist.distributed_c10d.AllgatherOptions(), group, flat)
+        launch = getattr(group, "all_gather_single", None) or group._allgather_base  # torch < 2.12
+        work = launch(out, flat, opts)
         nbytes = ring_allgather_bytes(tensor.numel() * tensor.element_size(), world)
         self.sent += nbytes
         self.received += nbytes
-        return Pending(work, out.view(world, -1), self.owner, what, self.timeout)
+        return Pending(work, out.view(world, -1), self.owner, what, self.timeout, group, own, flat)
 
     def all_reduce_mean(self, tensor: torch.Tensor, what: str) -> Pending:
         """Start an in-place all-reduce; ``wait()`` gives the mean over ranks (same tensor)."""
         if not self.distributed:
             return Pending(None, tensor, self.owner, what, None)
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        group = self._usable_group(what)
+        opts, own = self._options(dist.distributed_c10d.AllreduceOptions(), group, tensor)
+        opts.reduceOp = dist.ReduceOp.SUM
+        work = group.allreduce([tensor], opts)
         nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
         self.sent += nbytes
         self.received += nbytes
-        return _Scaled(work, tensor, 1.0 / self.world_size, self.owner, what, self.timeout)
+        return _Scaled(work, tensor, 1.0 / self.world_size, self.owner, what, self.timeout, group, own)
 
     def gather_objects(self, obj: object) -> list:
         """All-gather picklable objects (rare and small: error reports; not counted)."""
         if not self.distributed:
             return [obj]
+        group = self._usable_group("object all-gather")
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            Pending(None, torch.empty(0), self.owner, "object all-gather", None, group)._fail(exc, False)
         return out
 
 
 class _Scaled(Pending):
     """A pending all-reduce whose sum is scaled once, on first wait (sum -> mean)."""
 
-    def __init__(self, work, result, scale: float, owner: str, what: str, timeout):
-        super().__init__(work, result, owner, what, timeout)
+    def __init__(
+        self, work, result, scale: float, owner: str, what: str, timeout, group=None, op_timeout=False
+    ):
+        super().__init__(work, result, owner, what, timeout, group, op_timeout)
         self._scale: float | None = scale
 
     def wait(self) -> torch.Tensor:

@@ -9,7 +9,9 @@ A character-level transformer learns to continue Python source (the standard lib
 and held-out text. Progress lines come from rank 0; at the end a table gives each method's
 final train and held-out loss, bytes sent per step and rank, compression ratio and time per
 step, and ``demo.json``, ``demo.csv`` (one row per method and step) and ``demo.png``
-(loss vs step, loss vs bytes sent) land in ``--out``.
+(loss vs step, loss vs bytes sent) land in ``--out``, each written atomically. ``--out`` is
+created and checked for writing before training starts; a folder holding an earlier run's
+results is refused unless ``--overwrite`` is given (a second run never replaces them silently).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ DEFAULTS = {
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``cokit demo``."""
     from cokit.compress.payload import codec_names
-    from cokit.train import SCHEDULES
+    from cokit.train import DEFAULT_TIMEOUT_S, SCHEDULES
     from cokit.workloads.model import MODEL_PRESETS
 
     d = DEFAULTS
@@ -141,7 +143,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help=f"corpus size in characters (default {d['max_chars']})",
     )
     p.add_argument(
-        "--out", default=os.path.join("results", "demo"), help="output folder (default results/demo)"
+        "--out",
+        default=os.path.join("results", "demo"),
+        help="output folder (default results/demo); created and checked for writing before training "
+        "starts. A folder that already holds demo.json, demo.csv or demo.png is refused (nothing "
+        "is trained) unless --overwrite is given",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results of an earlier run in --out (default: refuse such a folder)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds a collective may wait for the other ranks before the run stops with "
+        f"CollectiveTimeout (default {DEFAULT_TIMEOUT_S:g}: above the slowest CPU step, so a frozen or dead rank "
+        "stops the others in minutes, not gloo's 30; inf: no limit but the process group's own)",
     )
     p.add_argument(
         "--triton-interpret",
@@ -190,6 +210,10 @@ def _resolve(args: argparse.Namespace) -> tuple[int, str, bool, list[str], int]:
         _check(math.isfinite(v) and v > 0, f"--{flag.replace('_', '-')} must be a positive number, got {v}")
     _check(0.0 <= args.warmup < 1.0, f"--warmup must be in [0, 1), got {args.warmup}")
     _check(
+        args.timeout > 0,  # NaN fails too
+        f"--timeout must be a number of seconds > 0 (inf for no limit), got {args.timeout}",
+    )
+    _check(
         math.isfinite(args.weight_decay) and args.weight_decay >= 0,
         f"--weight-decay must be >= 0, got {args.weight_decay}",
     )
@@ -201,10 +225,6 @@ def _resolve(args: argparse.Namespace) -> tuple[int, str, bool, list[str], int]:
     for flag in ("d_model", "layers", "heads", "seq_len"):
         v = getattr(args, flag)
         _check(v is None or v >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    _check(
-        not os.path.exists(args.out) or os.path.isdir(args.out),
-        f"--out {args.out} exists and is not a folder",
-    )
 
     gpus = torch_gpus()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world  # ranks on this node
@@ -257,6 +277,7 @@ def _specs(args: argparse.Namespace, methods: list[str]) -> list:
             },
             schedule=args.schedule,
             warmup=args.warmup,
+            timeout=args.timeout,
         ),
         "adamw": MethodSpec(
             "adamw",
@@ -265,6 +286,7 @@ def _specs(args: argparse.Namespace, methods: list[str]) -> list:
             label="adamw",
             schedule=args.schedule,
             warmup=args.warmup,
+            timeout=args.timeout,
         ),
     }
     return [specs[m] for m in methods]
@@ -288,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
         workload.check_world(world)
     except ValueError as exc:
         raise CliError(f"{exc}; raise --max-chars") from None
+    if rank0:  # only rank 0 writes; the folder is checked before any training
+        _prepare_out(args)
     n_params = workload.build_model(args.seed).num_params()
     m = cfg.model
     backend = backend_for(device)
@@ -350,6 +374,18 @@ def run(args: argparse.Namespace) -> int:
     paths = write_outputs(args.out, info, results, stem="demo", title=title)
     print(f"\ntotal {elapsed:.0f} s; wrote {', '.join(paths)}")
     return 0
+
+
+def _prepare_out(args: argparse.Namespace) -> None:
+    """Create ``--out`` and prove it writable; refuse an earlier run's results unless
+    ``--overwrite`` (one-line errors)."""
+    from cokit.files import OutputError, prepare_out_dir
+    from cokit.train_report import output_names
+
+    try:
+        prepare_out_dir(args.out, output_names("demo"), overwrite=args.overwrite)
+    except OutputError as exc:
+        raise CliError(str(exc)) from None
 
 
 def torch_gpus() -> int:
