@@ -27,6 +27,7 @@ APP = (
     "cokit.display",
     "cokit.train_report",
     "cokit.launch",
+    "cokit.netbed",
     "cokit.sweeps",
     "cokit.cpu_demo",
     "cokit.files",
