@@ -27,12 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cokit.compress.comm import Communicator
+from cokit.compress.comm import Communicator, parse_timeout
 from cokit.compress.stats import dense_allreduce_bytes
 from cokit.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
 
 Log = Callable[[str], None]
 SCHEDULES = ("constant", "cosine")
+# Seconds a collective may take before CollectiveTimeout: above the slowest CPU step, far
+# below gloo's own 30 min, so a frozen or dead rank stops the others in minutes.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class Workload(Protocol):
@@ -63,6 +66,8 @@ class MethodSpec:
     ``compression_topk``, ``compression_chunk``, ``compression_decay``, ``payload``, ...; for
     ``"adamw"``: ``betas``, ``eps``). ``label`` names the run in tables and plots.
     ``schedule`` (``"constant"`` or ``"cosine"``) and ``warmup`` shape the learning rate.
+    ``timeout``: seconds each collective of the method may take before ``CollectiveTimeout``
+    (``inf`` or ``None``: no limit but the process group's own).
     """
 
     name: str
@@ -72,10 +77,12 @@ class MethodSpec:
     label: str | None = None
     schedule: str = "constant"
     warmup: float = 0.0
+    timeout: float | None = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        parse_timeout(self.timeout, f"method {self.display!r}")
 
     def lr_factor(self, step: int, steps: int) -> float:
         """Multiplier of ``lr`` at ``step`` (1-based) of ``steps``: linear warm-up over the
@@ -144,10 +151,12 @@ class DenseAllReduce(Method):
         params: list[nn.Parameter],
         optimizer: torch.optim.Optimizer,
         group: dist.ProcessGroup | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.optimizer = optimizer
-        self.comm = Communicator(group, owner=f"{type(optimizer).__name__} (dense all-reduce)")
+        owner = f"{type(optimizer).__name__} (dense all-reduce)"
+        self.comm = Communicator(group, owner=owner, timeout=timeout)
         self.bytes_per_step = dense_allreduce_bytes(self.params, self.comm.world_size)
         self._flat: torch.Tensor | None = None
 
@@ -178,14 +187,14 @@ class DenseAllReduce(Method):
 def _build_adamw(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> Method:
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, **spec.options)
-    return DenseAllReduce(params, opt, group)
+    return DenseAllReduce(params, opt, group, timeout=spec.timeout)
 
 
 @register_method("sgd")
 def _build_sgd(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> Method:
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay, **spec.options)
-    return DenseAllReduce(params, opt, group)
+    return DenseAllReduce(params, opt, group, timeout=spec.timeout)
 
 
 class DeMoMethod(Method):
@@ -199,7 +208,7 @@ class DeMoMethod(Method):
             lr=spec.lr,
             weight_decay=spec.weight_decay,
             process_group=group,
-            **spec.options,
+            **{"timeout": spec.timeout, **spec.options},  # an explicit options["timeout"] wins
         )
 
     def step(self) -> tuple[int, int]:
@@ -355,6 +364,8 @@ def run_method(
     eval_every: int = 25,
     group: dist.ProcessGroup | None = None,
     log: Log | None = None,
+    time_budget_s: float | None = None,
+    on_start: Callable[[Method], None] | None = None,
 ) -> RunResult:
     """Train a fresh model (init from ``seed``) for ``steps`` steps with ``spec`` on every rank.
 
@@ -362,10 +373,15 @@ def run_method(
     ``workload.train_batch(seed, step, rank, world_size)``; held-out loss is computed over
     ``workload.heldout_batches()`` (split across ranks, summed) at step 0, every ``eval_every``
     steps and at the end. ``log`` (used on rank 0 only) receives one progress line per
-    evaluation. The result is complete on every rank.
+    evaluation. ``time_budget_s`` ends the run at the first evaluation after that much wall
+    time (the ranks' mean, so all stop together). ``on_start(method)`` runs on every rank
+    once the method is built, just before the clock starts (e.g. to wrap its communicator).
+    The result is complete on every rank.
     """
     if steps < 1 or eval_every < 1:
         raise ValueError("steps and eval_every must be >= 1")
+    if time_budget_s is not None and not (math.isfinite(time_budget_s) and time_budget_s > 0):
+        raise ValueError(f"time_budget_s must be a positive number of seconds, got {time_budget_s!r}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(seed)
     model = workload.build_model(seed)
@@ -383,18 +399,21 @@ def run_method(
     pending: list[float] = []  # local train losses not yet averaged over ranks
     say = log if (log is not None and rank == 0) else None
 
-    def checkpoint(step: int) -> None:
-        """Average pending train losses over ranks and evaluate held-out loss (one collective)."""
+    def checkpoint(step: int) -> bool:
+        """Average pending train losses over ranks and evaluate held-out loss (one collective);
+        True when the time budget is spent."""
+        clock = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         buf = torch.cat(
             [
                 torch.tensor(pending, dtype=torch.float64, device=device),
                 _heldout_sum(workload, model, heldout, rank, world),
+                clock,
             ]
         )
         dist.all_reduce(buf, group=group)
         buf = buf.cpu() / world
-        result.train_loss.extend(buf[:-1].tolist())
-        heldout_loss = float(buf[-1]) * world / len(heldout)
+        result.train_loss.extend(buf[:-2].tolist())
+        heldout_loss = float(buf[-2]) * world / len(heldout)
         result.evals.append((step, heldout_loss))
         pending.clear()
         if say is not None:
@@ -405,7 +424,10 @@ def run_method(
                 f"[{spec.display}] step {step:>{len(str(steps))}}/{steps}  train {train}  "
                 f"held-out {heldout_loss:.3f}  {elapsed:6.1f} s"
             )
+        return time_budget_s is not None and float(buf[-1]) >= time_budget_s
 
+    if on_start is not None:
+        on_start(method)
     start = time.perf_counter()
     checkpoint(0)
     for step in range(1, steps + 1):
@@ -427,8 +449,10 @@ def run_method(
         result.opt_s.append(t2 - t1)
         result.wall_s.append(t2 - start)
         if step % eval_every == 0 or step == steps:
-            checkpoint(step)
+            spent = checkpoint(step)
             result.wall_s[-1] = time.perf_counter() - start
+            if spent:
+                break
     result.max_replica_diff = _max_replica_diff(model, group)
     return result
 

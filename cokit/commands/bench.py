@@ -3,6 +3,7 @@
     cokit bench validate [--quick]     # DeMo vs AdamW vs SGD vs PowerSGD: curves, bytes, cost
     cokit bench gpu-check [--quick]    # cokit.bench.gpu_check: kernels vs torch, speed (needs a GPU)
     cokit bench gemm [--quick]         # cokit.bench.gemm_bench: GEMM correctness, TFLOP/s, occupancy
+    cokit bench resilience [--quick]   # cokit.bench.resilience: training on shaped links (netns + tc)
 
 ``validate`` writes its JSON, tables and plots to benchmarks/results/validation/ (full mode)
 or benchmarks/out/validation-quick/ (--quick); see ``cokit bench validate --help``.
@@ -22,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register ``cokit bench`` and its subcommands."""
     p = subparsers.add_parser(
         "bench",
-        help="run a benchmark: validate, gpu-check, gemm",
+        help="run a benchmark: validate, gpu-check, gemm, resilience",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -74,6 +75,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     m.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     m.add_argument("--cache-dir", default=None, help="tuning cache directory (default $COKIT_CACHE_DIR)")
     m.set_defaults(func=lambda args: _run_module("gemm_bench", args))
+
+    from cokit.bench import resilience
+
+    r = sub.add_parser(
+        "resilience",
+        help="cokit.bench.resilience: AdamW vs DeMo static vs DeMo adaptive on shaped links",
+        description=resilience.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    resilience.add_arguments(r)
+    r.set_defaults(func=resilience.run)
     return p
 
 
