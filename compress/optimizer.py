@@ -89,7 +89,8 @@ class DeMo(torch.optim.Optimizer):
             anything is sent; ``"skip"`` skips the step on every rank (counted in
             ``skipped_steps``).
         timeout: seconds (or timedelta) to wait for a collective before raising an error that
-            names this optimizer (default: the process group's timeout).
+            names this optimizer (default None or ``inf``: the process group's timeout). After
+            a timeout the process group is aborted: restart every rank from its checkpoint.
         validate_payload: check every received index against its tile before decoding.
         overlap_backward: encode each bucket and launch its collective from post-accumulate-grad
             hooks, as soon as backward has produced all of its gradients, so communication
