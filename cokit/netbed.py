@@ -210,6 +210,11 @@ def _netns_names() -> list[str]:
     return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
 
 
+def _add_veth(ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
+    """A veth pair with end ``dev_a`` in namespace ``ns_a`` and ``dev_b`` in ``ns_b``."""
+    _run("ip", "link", "add", dev_a, "netns", ns_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -352,21 +357,7 @@ class Testbed:
             self._netns(name)
         if self.hub_namespace is None:
             a, b = self.rank_namespaces
-            _run(
-                "ip",
-                "link",
-                "add",
-                INTERFACE,
-                "netns",
-                a,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                INTERFACE,
-                "netns",
-                b,
-            )
+            _add_veth(a, INTERFACE, b, INTERFACE)
             self.links = [(a, INTERFACE), (b, INTERFACE)]
         else:
             hub = self.hub_namespace
@@ -375,21 +366,7 @@ class Testbed:
             _run("ip", "-n", hub, "link", "set", "br0", "up")
             for r, name in enumerate(self.rank_namespaces):
                 port = f"p{r}"
-                _run(
-                    "ip",
-                    "link",
-                    "add",
-                    INTERFACE,
-                    "netns",
-                    name,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    port,
-                    "netns",
-                    hub,
-                )
+                _add_veth(name, INTERFACE, hub, port)
                 _run("ip", "-n", hub, "link", "set", port, "master", "br0")
                 _run("ip", "-n", hub, "link", "set", port, "up")
                 self.links += [(name, INTERFACE), (hub, port)]

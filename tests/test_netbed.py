@@ -71,6 +71,13 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+def _assert_like_loopback(results, loopback_result) -> None:
+    """Every rank ends with loopback's parameters (bitwise) and byte counts."""
+    for rank, ((params, _, comm), (ref, _, ref_comm)) in enumerate(zip(results, loopback_result)):
+        assert _same(params, ref), f"rank {rank}: parameters differ from loopback"
+        assert comm == ref_comm
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.usefixtures("namespaces")
@@ -79,9 +86,7 @@ def test_lossy_10mbit_link_gives_loopback_parameters(loopback_result):
         results = bed.spawn(_train, STEPS, STEP_SLEEP_S, timeout=300)
         stats = bed.stats
     assert _ours() == []
-    for rank, ((params, _, comm), (ref, _, ref_comm)) in enumerate(zip(results, loopback_result)):
-        assert _same(params, ref), f"rank {rank}: parameters differ from loopback"
-        assert comm == ref_comm
+    _assert_like_loopback(results, loopback_result)
     # The traffic went through the shaped links (both ends), and the small queue dropped packets.
     assert len(stats) == 2
     assert min(s["bytes"] for s in stats.values()) >= loopback_result[0][2]["total_sent_bytes"]
@@ -96,9 +101,7 @@ def test_partition_stalls_training_and_changes_nothing(loopback_result):
         results = bed.spawn(_train, STEPS, STEP_SLEEP_S, timeout=300)
         partitions = bed.partitions
     assert _ours() == []
-    for rank, ((params, _, comm), (ref, _, ref_comm)) in enumerate(zip(results, loopback_result)):
-        assert _same(params, ref), f"rank {rank}: parameters differ from loopback"
-        assert comm == ref_comm
+    _assert_like_loopback(results, loopback_result)
     ((signalled, down, up),) = partitions
     p = netbed.PROFILES["partition-5s"].partition
     assert down - signalled >= p.at_s - 0.05 and up - down >= p.for_s - 0.05
