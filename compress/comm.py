@@ -7,7 +7,8 @@ abandoned work ends with it and the process can exit at once. A collective that 
 or fails leaves the group unusable (a retried collective would pair with another rank's
 next one), so the group is aborted and every later collective on it raises
 :class:`ProcessGroupAborted` at once: recover by restarting every rank from its last
-checkpoint. Byte counts are per rank, ring algorithm volumes (:mod:`cokit.compress.stats`).
+checkpoint. Byte counts are per rank, ring algorithm volumes (:mod:`cokit.compress.stats`);
+each collective is also timed (:mod:`cokit.compress.timing`: launch, completion, waits).
 Without an initialized process group (or world size 1) the collectives are local copies
 and count zero bytes.
 """
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.timing import CollectiveTiming, StepTimer, StepTiming
 
 __all__ = ["CollectiveTimeout", "Communicator", "Pending", "ProcessGroupAborted", "parse_timeout"]
 
@@ -111,8 +113,11 @@ class Pending:
         group: Any = None,
         op_timeout: bool = False,
         source: torch.Tensor | None = None,
+        timer: StepTimer | None = None,
+        record: CollectiveTiming | None = None,
     ):
         self._work, self._result = work, result
+        self._timer, self._record = timer, record
         self._owner, self._what, self._timeout = owner, what, timeout
         self._group = group
         self._op_timeout = op_timeout  # the collective itself ends at `timeout`
@@ -124,12 +129,16 @@ class Pending:
             limit = self._timeout
             if limit is not None and self._op_timeout:
                 limit += _GRACE
+            device = self._result.device
+            start = self._timer.mark(device) if self._timer is not None else None
             try:
                 done = self._work.wait(limit) if limit is not None else self._work.wait()
             except RuntimeError as exc:
                 self._fail(exc, timed_out="timed out" in str(exc).lower())
             if done is False:
                 self._fail(None, timed_out=True)
+            if self._timer is not None and self._record is not None:
+                self._timer.waited(self._record, start, self._timer.mark(device))
             self._work = None
         return self._result
 
@@ -170,6 +179,7 @@ class Communicator:
         self.timeout = parse_timeout(timeout, owner)
         self.sent = 0
         self.received = 0
+        self.timer = StepTimer()
 
     @property
     def distributed(self) -> bool:
@@ -193,10 +203,26 @@ class Communicator:
         return self.distributed and self._process_group() in _ABORTED
 
     def reset_counts(self) -> tuple[int, int]:
-        """Return ``(sent, received)`` since the last reset and start again from zero."""
+        """Return ``(sent, received)`` since the last reset and start again from zero (the
+        timing marks too: a step that raised drops them)."""
         counts = (self.sent, self.received)
         self.sent = self.received = 0
+        self.timer.discard()
         return counts
+
+    def take_step(self) -> tuple[int, int, StepTiming]:
+        """Close a step: ``(sent, received, timing)`` since the last reset; start again."""
+        counts = (self.sent, self.received)
+        self.sent = self.received = 0
+        return (*counts, self.timer.take())
+
+    def _count(self, what: str, nbytes: int, work: Any, start: Any) -> CollectiveTiming:
+        """Count and time a collective launched at ``start`` (its record goes to its Pending)."""
+        self.sent += nbytes
+        self.received += nbytes
+        record = self.timer.launched(what, nbytes, nbytes, start)
+        self.timer.watch(record, work)
+        return record
 
     def _process_group(self) -> Any:
         if self.group is not None:
@@ -233,11 +259,13 @@ class Communicator:
         out = tensor.new_empty(world * tensor.numel())
         opts, own = self._options(dist.distributed_c10d.AllgatherOptions(), group, flat)
         launch = getattr(group, "all_gather_single", None) or group._allgather_base  # torch < 2.12
+        start = self.timer.mark(tensor.device)
         work = launch(out, flat, opts)
         nbytes = ring_allgather_bytes(tensor.numel() * tensor.element_size(), world)
-        self.sent += nbytes
-        self.received += nbytes
-        return Pending(work, out.view(world, -1), self.owner, what, self.timeout, group, own, flat)
+        record = self._count(what, nbytes, work, start)
+        return Pending(
+            work, out.view(world, -1), self.owner, what, self.timeout, group, own, flat, self.timer, record
+        )
 
     def all_reduce_mean(self, tensor: torch.Tensor, what: str) -> Pending:
         """Start an in-place all-reduce; ``wait()`` gives the mean over ranks (same tensor)."""
@@ -246,11 +274,22 @@ class Communicator:
         group = self._usable_group(what)
         opts, own = self._options(dist.distributed_c10d.AllreduceOptions(), group, tensor)
         opts.reduceOp = dist.ReduceOp.SUM
+        start = self.timer.mark(tensor.device)
         work = group.allreduce([tensor], opts)
         nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
-        self.sent += nbytes
-        self.received += nbytes
-        return _Scaled(work, tensor, 1.0 / self.world_size, self.owner, what, self.timeout, group, own)
+        record = self._count(what, nbytes, work, start)
+        return _Scaled(
+            work,
+            tensor,
+            1.0 / self.world_size,
+            self.owner,
+            what,
+            self.timeout,
+            group,
+            own,
+            self.timer,
+            record,
+        )
 
     def gather_objects(self, obj: object) -> list:
         """All-gather picklable objects (rare and small: error reports; not counted)."""
@@ -269,9 +308,19 @@ class _Scaled(Pending):
     """A pending all-reduce whose sum is scaled once, on first wait (sum -> mean)."""
 
     def __init__(
-        self, work, result, scale: float, owner: str, what: str, timeout, group=None, op_timeout=False
+        self,
+        work,
+        result,
+        scale: float,
+        owner: str,
+        what: str,
+        timeout,
+        group=None,
+        op_timeout=False,
+        timer: StepTimer | None = None,
+        record: CollectiveTiming | None = None,
     ):
-        super().__init__(work, result, owner, what, timeout, group, op_timeout)
+        super().__init__(work, result, owner, what, timeout, group, op_timeout, None, timer, record)
         self._scale: float | None = scale
 
     def wait(self) -> torch.Tensor:

@@ -41,6 +41,7 @@ from cokit.compress.buckets import sends_dense
 from cokit.compress.groups import check_process_group
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec
 from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.timing import CollectiveTiming, StepTimer
 from cokit.triton_kernels.dct import dct_decode_multi
 from cokit.triton_kernels.error_feedback import ef_encode, payload_layout
 
@@ -52,7 +53,11 @@ class DCTTopKState:
     """Settings and error-feedback buffers of :func:`dct_topk_hook`.
 
     ``comm_stats`` counts this rank's bytes per iteration (ring volumes, the non-finite flags
-    included) and the dense all-reduce bytes of the same gradients. ``nonfinite``: what a
+    included) and the dense all-reduce bytes of the same gradients, and times it
+    (:mod:`cokit.compress.timing`): encode and decode of every bucket, each collective, and
+    as exposed time the wait from the last bucket's launch (backward's end) to the last
+    bucket's assembly, which DDP blocks on. It is recorded when an iteration's last bucket
+    is assembled. ``nonfinite``: what a
     non-finite gradient on any rank does (module docstring): ``"error"`` raises on every rank,
     ``"skip"`` hands NaN gradients so that GradScaler skips the step; in both no error buffer
     changes. ``skipped_steps`` counts the iterations skipped so.
@@ -70,8 +75,7 @@ class DCTTopKState:
     skipped_steps: int = 0
     comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
     _layouts: dict = dataclasses.field(default_factory=dict, repr=False)  # bucket index -> _BucketLayout
-    _sent: int = dataclasses.field(default=0, repr=False)  # this iteration, so far
-    _dense: int = dataclasses.field(default=0, repr=False)
+    _timer: StepTimer = dataclasses.field(default_factory=StepTimer, repr=False, compare=False)
     _round: "_Round | None" = dataclasses.field(default=None, repr=False, compare=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -102,13 +106,14 @@ class DCTTopKState:
         if self.nonfinite not in ("error", "skip"):
             raise ValueError(f"DCTTopKState: nonfinite must be 'error' or 'skip', got {self.nonfinite!r}")
 
-    def _count(self, sent: int, dense: int, last: bool) -> None:
-        self._sent += sent
-        self._dense += dense
-        if last:
-            self.comm_stats.record(self._sent, self._sent, self._dense)
-            self._sent = self._dense = 0
-            self.iteration += 1
+    def _count(self, rnd: "_Round", sent: int, dense: int, last: bool, device) -> None:
+        """Count a launched bucket's bytes; the iteration's last bucket ends backward."""
+        with self._lock:
+            rnd.sent += sent
+            rnd.dense += dense
+            if last:
+                rnd.launch_end = self._timer.mark(device)
+                self.iteration += 1
 
     def _layout(self, index: int, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
         """The bucket's split and error buffers, made on first use and again when DDP rebuilds
@@ -135,6 +140,11 @@ class DCTTopKState:
             complete = rnd.closed and len(rnd.done) == rnd.launched
         if not complete:
             return
+        if rnd.launch_end is not None:
+            self._timer.blocked(rnd.launch_end, self._timer.mark(done.flags.device))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        group = _world(self)
+        self.comm_stats.record(rnd.sent, rnd.sent, rnd.dense, self._timer.take(), world, group)
         flags = torch.stack([d.flags for d in rnd.done]).cpu()  # one small copy per iteration
         bad = [(rnd.done[b].index, r) for b, r in flags.nonzero().tolist()]
         if not bad:
@@ -172,6 +182,9 @@ class _Round:
     launched: int = 0
     closed: bool = False  # its last bucket was launched
     done: list = dataclasses.field(default_factory=list)
+    sent: int = 0  # bytes of its buckets, so far
+    dense: int = 0  # what a dense all-reduce of them would send
+    launch_end: Any = None  # a timing mark: its last bucket was launched (backward ended)
 
 
 @dataclasses.dataclass
@@ -226,55 +239,74 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     codec = None if layout is None else layout.codec
     dense_parts = [buffer] if layout is None else [grads[i].reshape(-1) for i in dense_idx]
     flat = torch.cat([*dense_parts, flags])
-    sent = ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
-    futures = [_all_reduce_sum(state, flat)]
+    timer, device = state._timer, buffer.device
+    records = [_all_reduce_sum(state, flat)]
 
     work: list[torch.Tensor] = []
     if layout is not None and codec is not None:
-        work = [d.clone() for d in layout.deltas]  # committed once the whole iteration is finite
-        idx, vals = ef_encode(
-            work,
-            [grads[i] for i in layout.sparse_idx],
-            beta=state.decay,
-            lr=1.0,
-            chunk=state.chunk,
-            k=state.topk,
-            value_dtype=codec.encode_dtype,
-        )
-        for wire in codec.to_wire(idx, vals):
-            futures.append(_all_gather(state, wire.reshape(-1), world))
-            sent += ring_allgather_bytes(wire.numel() * wire.element_size(), world)
-    state._count(sent, dense_bytes, bucket.is_last())
+        with timer.span("encode", device):
+            work = [d.clone() for d in layout.deltas]  # committed once the whole iteration is finite
+            idx, vals = ef_encode(
+                work,
+                [grads[i] for i in layout.sparse_idx],
+                beta=state.decay,
+                lr=1.0,
+                chunk=state.chunk,
+                k=state.topk,
+                value_dtype=codec.encode_dtype,
+            )
+            wires = codec.to_wire(idx, vals)
+        records += [_all_gather(state, wire.reshape(-1), world) for wire in wires]
+    state._count(rnd, sum(r.sent_bytes for r, _ in records), dense_bytes, bucket.is_last(), device)
 
     def assemble(fut: torch.futures.Future) -> torch.Tensor:
-        results = [f.value() for f in fut.value()]
-        reduced = results.pop(0)
-        mean, summed_flags = reduced[:-world].div_(world), reduced[-world:]
-        if layout is None:
-            buffer.copy_(mean)
-        else:
-            for i, part in zip(dense_idx, mean.split([grads[i].numel() for i in dense_idx])):
-                grads[i].copy_(part.view(grads[i].shape))
-            if codec is not None:
-                shapes = [layout.shapes[i] for i in layout.sparse_idx]
-                for i, d in zip(layout.sparse_idx, _average_decoded(codec, results, shapes, state.chunk)):
-                    grads[i].copy_(d)
-        buffer.masked_fill_(summed_flags.ne(0).any(), float("nan"))  # non-finite on every rank
+        if device.type == "cuda":  # the stream got here once they completed (CPU: callbacks)
+            arrived = timer.mark(device)
+            for record, _ in records:
+                timer.completed_at(record, arrived)
+        with timer.span("decode", device):
+            results = [f.value() for f in fut.value()]
+            reduced = results.pop(0)
+            mean, summed_flags = reduced[:-world].div_(world), reduced[-world:]
+            if layout is None:
+                buffer.copy_(mean)
+            else:
+                for i, part in zip(dense_idx, mean.split([grads[i].numel() for i in dense_idx])):
+                    grads[i].copy_(part.view(grads[i].shape))
+                if codec is not None:
+                    shapes = [layout.shapes[i] for i in layout.sparse_idx]
+                    for i, d in zip(layout.sparse_idx, _average_decoded(codec, results, shapes, state.chunk)):
+                        grads[i].copy_(d)
+            buffer.masked_fill_(summed_flags.ne(0).any(), float("nan"))  # non-finite on every rank
         state._bucket_done(rnd, _Done(bucket.index(), layout, work, summed_flags.ne(0)))
         return buffer
 
-    return torch.futures.collect_all(futures).then(assemble)
+    return torch.futures.collect_all([f for _, f in records]).then(assemble)
 
 
-def _all_reduce_sum(state: DCTTopKState, tensor: torch.Tensor) -> torch.futures.Future:
+def _all_reduce_sum(
+    state: DCTTopKState, tensor: torch.Tensor
+) -> tuple[CollectiveTiming, torch.futures.Future]:
+    """Start a sum all-reduce: its timing record and the future of the sum."""
+    nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), _world(state))
+    start = state._timer.mark(tensor.device)
     work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    record = state._timer.launched("dense all-reduce", nbytes, nbytes, start)
+    state._timer.watch(record, work)
+    return record, work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _all_gather(state: DCTTopKState, tensor: torch.Tensor, world: int) -> torch.futures.Future:
+def _all_gather(
+    state: DCTTopKState, tensor: torch.Tensor, world: int
+) -> tuple[CollectiveTiming, torch.futures.Future]:
+    """Start an all-gather: its timing record and the future of the ``(world, n)`` result."""
     gathered = tensor.new_empty(world * tensor.numel())
+    nbytes = ring_allgather_bytes(tensor.numel() * tensor.element_size(), world)
+    start = state._timer.mark(tensor.device)
     work = dist.all_gather_single(gathered, tensor, group=state.process_group, async_op=True)
-    return work.get_future().then(lambda _: gathered.view(world, -1))
+    record = state._timer.launched("payload all-gather", nbytes, nbytes, start)
+    state._timer.watch(record, work)
+    return record, work.get_future().then(lambda _: gathered.view(world, -1))
 
 
 def _average_decoded(

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.buckets import Bucket, make_buckets
@@ -287,8 +288,7 @@ class DeMo(torch.optim.Optimizer):
         self._steps = int(extra.get("steps", 0))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self.skipped_syncs = int(extra.get("skipped_syncs", 0))
-        stats = {k: v for k, v in extra.get("comm_stats", {}).items() if k != "ratio"}
-        self.comm_stats = CommStats(**stats)
+        self.comm_stats = CommStats.from_dict(extra.get("comm_stats", {}))
 
     # ------------------------------------------------------------------ step
     @overload
@@ -420,8 +420,9 @@ class DeMo(torch.optim.Optimizer):
         return entries
 
     def _record(self, dense: int, synced: bool) -> None:
-        sent, received = self.comm.reset_counts()
-        self.comm_stats.record(sent, received, dense)
+        sent, received, timing = self.comm.take_step()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.comm_stats.record(sent, received, dense, timing, world, self.comm.world_size)
         self._driver.step_done(sent, dense, synced)
 
     def _name(self, gi: int, i: int, p: torch.Tensor) -> str:
@@ -588,36 +589,47 @@ class DeMo(torch.optim.Optimizer):
         chunk, k = group["compression_chunk"], bucket.topk
         deltas = [self._delta(p) for p in params] if deltas is None else deltas
         grads = [_grad(p) for p in params]
+        timer, device = self.comm.timer, params[0].device
 
         if bucket.dense:
-            send = torch.cat([_dense_encode(d, g, beta, lr, alpha) for d, g in zip(deltas, grads)])
+            with timer.span("encode", device):
+                send = torch.cat([_dense_encode(d, g, beta, lr, alpha) for d, g in zip(deltas, grads)])
             pending = self.comm.all_reduce_mean(send, "dense all-reduce")
-            return lambda: _dense_decode(params, self._wait(pending), lr, wd)
+
+            def finish_dense() -> None:
+                mean = self._wait(pending)
+                with timer.span("decode", device):
+                    _dense_decode(params, mean, lr, wd)
+
+            return finish_dense
 
         codec = bucket.codec
         if codec is None or k is None:
             raise RuntimeError("DeMo: internal error: a compressed bucket has no payload codec or k")
-        idx, vals = ef_encode(
-            deltas, grads, beta=beta, lr=lr, chunk=chunk, k=k, alpha=alpha, value_dtype=codec.encode_dtype
-        )
+        with timer.span("encode", device):
+            idx, vals = ef_encode(
+                deltas, grads, beta=beta, lr=lr, chunk=chunk, k=k, alpha=alpha, value_dtype=codec.encode_dtype
+            )
+            wires = codec.to_wire(idx, vals)
         gathers = [
-            self.comm.all_gather(tensor, f"{wire.name} all-gather")
-            for wire, tensor in zip(codec.wire, codec.to_wire(idx, vals))
+            self.comm.all_gather(tensor, f"{wire.name} all-gather") for wire, tensor in zip(codec.wire, wires)
         ]
 
         def finish() -> None:
-            indices, values = codec.from_wire([self._wait(g) for g in gathers])
-            ef_decode(
-                params,
-                indices,
-                values,
-                lr=lr,
-                chunk=chunk,
-                k=k,
-                weight_decay=wd,
-                use_sign=True,
-                validate=self.validate_payload,
-            )
+            gathered = [self._wait(g) for g in gathers]
+            with timer.span("decode", device):
+                indices, values = codec.from_wire(gathered)
+                ef_decode(
+                    params,
+                    indices,
+                    values,
+                    lr=lr,
+                    chunk=chunk,
+                    k=k,
+                    weight_decay=wd,
+                    use_sign=True,
+                    validate=self.validate_payload,
+                )
 
         return finish
 

@@ -84,7 +84,12 @@ class _DelayedPending(Pending):
         result = self._inner.wait()
         if not self._done:
             self._done = True
+            timer, record = self._comm.timer, self._inner._record
+            start = timer.mark()
             self._comm._sleep_until(self._ready_at)
+            if record is not None:  # the simulated wait is exposed; it completes at ready_at
+                timer.waited(record, start, timer.mark())
+                timer.completed_at(record, self._ready_at)
         return result
 
 

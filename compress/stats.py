@@ -7,7 +7,10 @@ all-gather of ``n`` bytes per rank sends ``(W-1) * n`` and receives ``(W-1) * n`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from cokit.compress.timing import StepTiming, empty_timing
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
@@ -29,10 +32,16 @@ def ring_allgather_bytes(nbytes_per_rank: int, world_size: int) -> int:
 
 @dataclass
 class CommStats:
-    """What one rank sent and received: last step and running totals.
+    """What one rank sent and received, and how long it took: last step and running totals.
 
     ``step_dense_bytes`` is what a dense ring all-reduce of the same gradients (in their own
     dtype) would have sent this step; ``ratio`` is ``total_dense_bytes / total_sent_bytes``.
+    The timing fields (:mod:`cokit.compress.timing`: ``encode_s``, ``decode_s``, ``exposed_s``
+    and ``comm_s``, per step and in total, and ``step_collectives``: one dict per collective)
+    are current on CPU. On CUDA the last step's are read from its events when first asked for
+    (through :meth:`settle`, :meth:`as_dict` or the ``step_*_s`` properties), so that a step
+    never waits on the GPU; :meth:`record` settles the previous step first.
+    ``world_size`` is the global world, ``group_size`` the size of the group exchanged over.
     """
 
     steps: int = 0
@@ -42,6 +51,14 @@ class CommStats:
     total_sent_bytes: int = 0
     total_received_bytes: int = 0
     total_dense_bytes: int = 0
+    world_size: int = 1
+    group_size: int = 1
+    total_encode_s: float = 0.0
+    total_decode_s: float = 0.0
+    total_exposed_s: float = 0.0
+    total_comm_s: float = 0.0
+    _pending: StepTiming | None = field(default=None, repr=False, compare=False)
+    _step: dict[str, Any] = field(default_factory=empty_timing, repr=False, compare=False)
 
     @property
     def ratio(self) -> float:
@@ -50,14 +67,85 @@ class CommStats:
             return float("inf") if self.total_dense_bytes else 1.0
         return self.total_dense_bytes / self.total_sent_bytes
 
-    def record(self, sent: int, received: int, dense: int) -> None:
-        """Close one step with its byte counts."""
+    def record(
+        self,
+        sent: int,
+        received: int,
+        dense: int,
+        timing: StepTiming | None = None,
+        world_size: int | None = None,
+        group_size: int | None = None,
+    ) -> None:
+        """Close one step with its byte counts and (optionally) its timing marks."""
+        self.settle()
         self.steps += 1
         self.step_sent_bytes, self.step_received_bytes, self.step_dense_bytes = sent, received, dense
         self.total_sent_bytes += sent
         self.total_received_bytes += received
         self.total_dense_bytes += dense
+        if world_size is not None:
+            self.world_size = world_size
+        if group_size is not None:
+            self.group_size = group_size
+        self._step = empty_timing()
+        self._pending = timing
+        if timing is not None and timing.ready():
+            self.settle()
 
-    def as_dict(self) -> dict:
-        """Plain dict (JSON-ready), including ``ratio``."""
-        return {**asdict(self), "ratio": self.ratio}
+    def settle(self) -> None:
+        """Turn the last step's timing marks into seconds (waits on its CUDA events, if any)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        self._step = pending.resolve()
+        self.total_encode_s += self._step["encode_s"]
+        self.total_decode_s += self._step["decode_s"]
+        self.total_exposed_s += self._step["exposed_s"]
+        self.total_comm_s += self._step["comm_s"]
+
+    def _timing(self, key: str) -> Any:
+        self.settle()
+        return self._step[key]
+
+    @property
+    def step_encode_s(self) -> float:
+        """Seconds spent encoding payloads in the last step."""
+        return self._timing("encode_s")
+
+    @property
+    def step_decode_s(self) -> float:
+        """Seconds spent decoding payloads in the last step."""
+        return self._timing("decode_s")
+
+    @property
+    def step_exposed_s(self) -> float:
+        """Seconds this rank was blocked waiting on collectives in the last step."""
+        return self._timing("exposed_s")
+
+    @property
+    def step_comm_s(self) -> float:
+        """Seconds the last step's collectives ran (union of their intervals)."""
+        return self._timing("comm_s")
+
+    @property
+    def step_collectives(self) -> list[dict[str, Any]]:
+        """The last step's collectives: what, bytes sent/received, ``comm_s``, ``exposed_s``."""
+        return self._timing("collectives")
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready): every field, ``ratio`` and the last step's timing."""
+        self.settle()
+        out: dict[str, Any] = {
+            f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")
+        }
+        out["ratio"] = self.ratio
+        for key in ("encode_s", "decode_s", "exposed_s", "comm_s"):
+            out[f"step_{key}"] = self._step[key]
+        out["step_collectives"] = [dict(c) for c in self._step["collectives"]]
+        return out
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> CommStats:
+        """Totals from :meth:`as_dict` output (older checkpoints without timing load too)."""
+        names = {f.name for f in fields(cls) if not f.name.startswith("_")}
+        return cls(**{k: v for k, v in saved.items() if k in names})

@@ -33,12 +33,15 @@ on gloo's work threads while the GEMM runs on the calling thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.timing import CollectiveTiming, StepTimer
 from cokit.triton_kernels._checks import check_int
 from cokit.triton_kernels.backend import cached_device_limits, kernel_path
 from cokit.triton_kernels.gemm import PRECISIONS, gemm
@@ -89,6 +92,39 @@ def split_sizes(n: int, chunks: int) -> list[tuple[int, int]]:
     return out
 
 
+def _records_step(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A phase that communicates is one step of the schedule's ``comm_stats``: its
+    collectives' bytes and timing (exposed = blocked in their waits)."""
+
+    @functools.wraps(method)
+    def run(self: _Schedule, *args: Any, **kwargs: Any) -> Any:
+        self.timer.discard()
+        out = method(self, *args, **kwargs)
+        timing = self.timer.take()
+        sent = sum(c.sent_bytes for c in timing.collectives)
+        received = sum(c.received_bytes for c in timing.collectives)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.comm_stats.record(sent, received, sent, timing, world, self.world_size)
+        return out
+
+    return run
+
+
+class _TimedWork:
+    """A launched communication whose ``wait()`` records how long the caller was blocked."""
+
+    def __init__(self, handle: Any, record: CollectiveTiming, timer: StepTimer, device: torch.device):
+        self.handle, self.record, self.timer, self.device = handle, record, timer, device
+
+    def wait(self, after: Callable[[], None] | None = None) -> None:
+        """Wait for the handle (then ``after``, e.g. joining the comm stream), timed."""
+        start = self.timer.mark(self.device)
+        wait_handle(self.handle)
+        if after is not None:
+            after()
+        self.timer.waited(self.record, start, self.timer.mark(self.device))
+
+
 def _config_backend(device: torch.device) -> str:
     path = kernel_path(device)
     return path if path in ("cuda", "hip") else "interpreter"
@@ -113,6 +149,9 @@ class _Schedule:
         needs_group: bool,
     ) -> None:
         self.device = device
+        self.timer = StepTimer()
+        #: bytes and timing of the last run (sequential, overlapped or communication alone)
+        self.comm_stats = CommStats()
         self.priority = resolve_priority(priority, device)
         self.requested_priority = priority
         self.group = group.group if isinstance(group, CommGroup) else group
@@ -156,6 +195,14 @@ class _Schedule:
     def measure(self, *, repeats: int = 5, warmup: int = 1, **kwargs: Any) -> OverlapResult:
         """Time this schedule (see :func:`cokit.overlap.measure.measure`)."""
         return measure(self, repeats=repeats, warmup=warmup, **kwargs)
+
+    def _timed(self, what: str, nbytes: int, launch: Callable[[], Any]) -> _TimedWork:
+        """Launch a communication (``launch()`` returns its handle), counting and timing it."""
+        start = self.timer.mark(self.device)
+        handle = launch()
+        record = self.timer.launched(what, nbytes, nbytes, start)
+        self.timer.watch(record, handle)
+        return _TimedWork(handle, record, self.timer, self.device)
 
     # -- the four phases (defined by subclasses)
     def run_compute(self) -> Any:
@@ -273,25 +320,36 @@ class GemmCollective(_Schedule):
         perm = self.a.reshape(W, C, m, self.K).transpose(0, 1).reshape(C, W * m, self.K)  # one copy
         return list(perm.unbind(0))
 
-    def _launch(self, buf: torch.Tensor, out: torch.Tensor | None) -> Any:
+    def _launch(self, buf: torch.Tensor, out: torch.Tensor | None) -> _TimedWork:
+        nbytes = buf.numel() * buf.element_size()
         if self.collective == "all_reduce":
-            return dist.all_reduce(buf, group=self.group, async_op=True)
-        return _reduce_scatter_single(out, buf, group=self.group, async_op=True)
+            return self._timed(
+                "all_reduce",
+                ring_allreduce_bytes(nbytes, self.world_size),
+                lambda: dist.all_reduce(buf, group=self.group, async_op=True),
+            )
+        return self._timed(
+            "reduce_scatter",
+            ring_allreduce_bytes(nbytes, self.world_size) // 2,  # half a ring all-reduce
+            lambda: _reduce_scatter_single(out, buf, group=self.group, async_op=True),
+        )
 
     def _out_rows(self) -> int:
         return self.M if self.collective == "all_reduce" else self.M // self.world_size
 
     # ---------------------------------------------------------------- phases
+    @_records_step
     def run_sequential(self) -> torch.Tensor:
         """One GEMM, then one blocking collective: the reference result."""
         y = self._gemm(self.a)
         if self.collective == "all_reduce":
-            dist.all_reduce(y, group=self.group)
+            self._launch(y, None).wait()
             return y
         out = torch.empty((self._out_rows(), self.N), dtype=y.dtype, device=y.device)
-        _reduce_scatter_single(out, y, group=self.group)
+        self._launch(y, out).wait()
         return out
 
+    @_records_step
     def run_overlapped(self, probe: Probe = NULL_PROBE) -> torch.Tensor:
         """GEMM chunk i, then its collective asynchronously while chunk i+1 computes."""
         works = []
@@ -317,6 +375,7 @@ class GemmCollective(_Schedule):
         """The chunked GEMMs alone (what the overlapped run computes)."""
         return [self._gemm(a_i) for a_i in self._inputs]
 
+    @_records_step
     def run_communicate(self) -> None:
         """The chunked collectives alone, on zero buffers of the chunk shapes."""
         if self._scratch is None:
@@ -422,8 +481,11 @@ class AllGatherGemm(_Schedule):
         rows, cols = (W * (e - s), self.K) if self.operand == "a" else (W * self.K, e - s)
         return torch.empty((rows, cols), dtype=self.shard.dtype, device=self.device)
 
-    def _launch(self, buf: torch.Tensor, piece: torch.Tensor) -> Any:
-        return _all_gather_single(buf, piece, group=self.group, async_op=True)
+    def _launch(self, buf: torch.Tensor, piece: torch.Tensor) -> _TimedWork:
+        nbytes = ring_allgather_bytes(piece.numel() * piece.element_size(), self.world_size)
+        return self._timed(
+            "all_gather", nbytes, lambda: _all_gather_single(buf, piece, group=self.group, async_op=True)
+        )
 
     def _gemm_chunk(self, gathered: torch.Tensor, s: int, e: int, out: torch.Tensor) -> None:
         """The GEMM of one gathered chunk, written to its rows/columns of ``out``."""
@@ -445,16 +507,18 @@ class AllGatherGemm(_Schedule):
         out.view(self.M, W, n)[:, :, s:e].copy_(y.view(self.M, W, width))
 
     # ---------------------------------------------------------------- phases
+    @_records_step
     def run_sequential(self) -> torch.Tensor:
         """One blocking all-gather of the whole shard, then one GEMM: the reference result."""
         full = self._gather_buffer(0, self.shard.shape[0] if self.operand == "a" else self.shard.shape[1])
-        _all_gather_single(full, self.shard.contiguous(), group=self.group)
+        self._launch(full, self.shard.contiguous()).wait()
         if self.operand == "a":
             return gemm(full, self.other, config=self.config, precision=self.precision)
         W, n = self.world_size, self.N // self.world_size
         b = full.view(W, self.K, n).permute(1, 0, 2).reshape(self.K, W * n)
         return gemm(self.other, b, config=self.config, precision=self.precision)
 
+    @_records_step
     def run_overlapped(self, probe: Probe = NULL_PROBE) -> torch.Tensor:
         """Launch every chunk's gather, then GEMM chunk i once gather i is done."""
         out = torch.empty(self.out_shape, dtype=self.shard.dtype, device=self.device)
@@ -465,7 +529,7 @@ class AllGatherGemm(_Schedule):
             bufs.append(buf)
             works.append(self._launch(buf, piece))
         for (s, e), buf, work in zip(self.ranges, bufs, works):
-            wait_handle(work)
+            work.wait()
             with probe.span():
                 self._gemm_chunk(buf, s, e, out)
         return out
@@ -483,6 +547,7 @@ class AllGatherGemm(_Schedule):
             self._gemm_chunk(buf, s, e, out)
         return out
 
+    @_records_step
     def run_communicate(self) -> None:
         """The chunked gathers alone."""
         bufs = self._ensure_scratch()
@@ -543,29 +608,35 @@ class Overlap(_Schedule):
         )
         self.info.update(schedule="overlap", emulated=self.emulated)
 
-    def _start_comm(self) -> Any:
+    def _start_comm(self) -> _TimedWork:
+        """Start ``communicate`` on the comm stream (bytes: its ``nbytes``, if it says)."""
         self.stream.wait_for_current()
-        with self.stream:
-            return self.communicate()
+
+        def launch() -> Any:
+            with self.stream:
+                return self.communicate()
+
+        return self._timed(self.comm_label, int(getattr(self.communicate, "nbytes", 0)), launch)
 
     def run_compute(self) -> Any:
         return self.compute()
 
+    @_records_step
     def run_communicate(self) -> None:
-        wait_handle(self._start_comm())
-        self.stream.join()
+        self._start_comm().wait(self.stream.join)
 
+    @_records_step
     def run_sequential(self) -> Any:
         out = self.compute()
-        self.run_communicate()
+        self._start_comm().wait(self.stream.join)
         return out
 
+    @_records_step
     def run_overlapped(self, probe: Probe = NULL_PROBE) -> Any:
         handle = self._start_comm()
         with probe.span():
             out = self.compute()
-        wait_handle(handle)
-        self.stream.join()
+        handle.wait(self.stream.join)
         return out
 
     def __call__(self) -> Any:

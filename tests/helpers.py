@@ -28,3 +28,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or poisoned elements)"
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def byte_counts(stats: dict) -> dict:
+    """``CommStats.as_dict()`` without its timing (seconds differ between equal runs)."""
+    return {k: v for k, v in stats.items() if not k.endswith("_s") and k != "step_collectives"}

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from distributed import run_gloo
+from helpers import byte_counts
 
 from cokit.compress import DeMo
 from cokit.compress.hooks import DCTTopKState
@@ -260,14 +261,20 @@ def _user_codec_run(rank: int, world: int):
             dense_fallback=False,
         )
         _steps(model, opt, x, y, 2)
-        out[payload] = ([p.detach().clone() for p in model.parameters()], opt.comm_stats.as_dict())
+        out[payload] = (
+            [p.detach().clone() for p in model.parameters()],
+            byte_counts(opt.comm_stats.as_dict()),
+        )
 
         torch.manual_seed(0)
         net = DDP(_Net())
         state = DCTTopKState(topk=4, chunk=8, payload=payload, value_dtype=torch.float32)
         net.register_comm_hook(state, dct_topk_hook)
         _steps(net, torch.optim.SGD(net.parameters(), lr=0.05), x, y, 2)
-        out[payload + " hook"] = ([p.detach().clone() for p in net.parameters()], state.comm_stats.as_dict())
+        out[payload + " hook"] = (
+            [p.detach().clone() for p in net.parameters()],
+            byte_counts(state.comm_stats.as_dict()),
+        )
     out["shapes"] = [tuple(p.shape) for p in _Net().parameters()]
     return out
 

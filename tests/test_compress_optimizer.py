@@ -10,6 +10,7 @@ import demo_simulation as sim
 import pytest
 import torch
 from distributed import run_gloo
+from helpers import byte_counts
 
 from cokit.compress import DeMo
 from cokit.compress.comm import CollectiveTimeout
@@ -149,7 +150,7 @@ def _determinism_and_checkpoint(rank: int, world: int, payload: str):
         "params": uninterrupted,
         "same_after_resume": same_after_resume,
         "deltas_fp32": deltas_fp32,
-        "stats": opt.comm_stats.as_dict(),
+        "stats": byte_counts(opt.comm_stats.as_dict()),
         "first_step_bytes": first_step_bytes,
         "shapes": [tuple(p.shape) for p in model.parameters()],
     }
@@ -222,7 +223,12 @@ def _regression(rank: int, world: int):
     net.register_comm_hook(state, dct_topk_hook)
     sgd = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
     hook_losses = _train(net, sgd, x, y, 150)
-    return losses, hook_losses, [p.detach().clone() for p in net.parameters()], state.comm_stats.as_dict()
+    return (
+        losses,
+        hook_losses,
+        [p.detach().clone() for p in net.parameters()],
+        byte_counts(state.comm_stats.as_dict()),
+    )
 
 
 @pytest.mark.distributed

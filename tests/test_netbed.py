@@ -12,6 +12,7 @@ import torch
 
 from cokit import netbed
 from cokit.compress import DeMo
+from tests.helpers import byte_counts
 
 STEPS, STEP_SLEEP_S = 6, 0.4
 slow_distributed = [pytest.mark.slow, pytest.mark.distributed]
@@ -58,7 +59,11 @@ def _train(rank: int, world: int, steps: int, sleep_s: float):
         torch.nn.functional.mse_loss(model(x), y).backward()
         time.sleep(sleep_s)
         opt.step()
-    return [p.detach().clone() for p in model.parameters()], time.time(), opt.comm_stats.as_dict()
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        time.time(),
+        byte_counts(opt.comm_stats.as_dict()),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import torch
 from cokit.compress import DeMo
 from cokit.compress.policy import BandwidthTargetPolicy, Decision, NetworkPolicy, Observation
 from tests.distributed import run_gloo
+from tests.helpers import byte_counts
 
 
 class _Fixed(NetworkPolicy):
@@ -125,7 +126,16 @@ def _fixed(rank: int, world: int, decision: Decision):
         torch.nn.functional.mse_loss(probe(x), y).backward()
         grads = [p.grad for p in probe.parameters()]
     new_deltas = [opt._delta(p).clone() for p in model.parameters()]
-    return flat, opt.comm_stats.as_dict(), opt.skipped_syncs, before, after, deltas, new_deltas, grads
+    return (
+        flat,
+        byte_counts(opt.comm_stats.as_dict()),
+        opt.skipped_syncs,
+        before,
+        after,
+        deltas,
+        new_deltas,
+        grads,
+    )
 
 
 @pytest.mark.distributed

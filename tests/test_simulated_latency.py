@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from distributed import run_gloo
+from helpers import byte_counts
 
 from cokit.compress import DeMo
 from cokit.compress.comm import Communicator
@@ -47,7 +48,7 @@ def _train(rank: int, steps: int, latency: tuple[float, float, int] | None, over
     params = [p.detach().clone() for p in model.parameters()]
     delays = None if comm is None else list(comm.delays)
     added = None if comm is None else comm.added_s
-    return params, opt.comm_stats.as_dict(), delays, added
+    return params, byte_counts(opt.comm_stats.as_dict()), delays, added
 
 
 def _runs(rank: int, world: int, steps: int):
