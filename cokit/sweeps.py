@@ -1,11 +1,15 @@
 """The application side of overlap sweeps (``cokit sweep``, notebook 01).
 
 :func:`sweep_main` runs :func:`cokit.overlap.sweep.run_sweep` on local ranks (spawned) or on
-torchrun's ranks; :func:`write_csv` / :func:`write_json` record the rows (atomically); the
-plots are speedup heatmaps (:func:`plot_heatmap`: over num_warps x smem_bytes, reserved SMs x
-message size, chunks x message size) and a timeline-style bar chart of one point
-(:func:`plot_timeline`). Figures are drawn on :class:`matplotlib.figure.Figure` objects, so
-writing them never touches pyplot's backend (inline plots in a notebook keep working).
+torchrun's ranks, printing a progress line per point (:class:`SweepProgress`, rank 0);
+:func:`write_csv` / :func:`write_json` record the rows (atomically); the plots are speedup
+heatmaps (:func:`plot_heatmap`: over num_warps x smem_bytes, reserved SMs x message size,
+chunks x message size; each cell shows the median and the IQR over repeats) and a
+timeline-style bar chart of one point (:func:`plot_timeline`). Rows flagged as noise (they
+break the physical bounds of overlap, see :func:`cokit.overlap.sweep.bound_violations`) are
+marked in every plot and never drawn as the best point. Figures are drawn on
+:class:`matplotlib.figure.Figure` objects, so writing them never touches pyplot's backend
+(inline plots in a notebook keep working); ``*_figure`` functions return them unsaved.
 """
 
 from __future__ import annotations
@@ -15,17 +19,82 @@ import io
 import json
 import os
 import statistics
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from cokit.files import atomic_savefig, atomic_write_text
-from cokit.overlap.sweep import SweepPoint, run_sweep
+from cokit.overlap.sweep import SweepPoint, best_row, bound_violations, run_sweep
 from cokit.triton_kernels.gemm_config import GemmConfig
 
 #: the files ``cokit sweep`` writes into its folder (names and glob patterns): a folder
 #: holding any of them holds an earlier sweep's results
 OUTPUTS = ("sweep.csv", "sweep.json", "heatmap_*.png", "timeline_best.png")
+
+
+#: what the ``noise`` column means (written into sweep.json's metadata)
+NOISE_RULE = (
+    "a row is flagged as noise (column 'noise' holds the reasons) when its median overlapped time "
+    "T_ovl is below compute alone or communication alone, i.e. its speedup exceeds the ideal bound "
+    "(T_comp + T_comm) / max(T_comp, T_comm); flagged rows are never chosen as best"
+)
+
+
+# ---------------------------------------------------------------------- progress
+def describe_point(row: dict[str, Any]) -> str:
+    """A short name of a row's setting: collective, size, chunks and the config knobs."""
+    knobs = " ".join(
+        f"{k}={'none' if row.get(k) is None else row.get(k)}"
+        for k in ("num_warps", "smem_bytes", "num_sms")
+        if k in row
+    )
+    extra = f" comm_sms={row['comm_sms']}" if row.get("comm_sms") is not None else ""
+    return (
+        f"{row.get('collective')} size={row.get('size')} chunks={row.get('chunks')} {knobs} "
+        f"prio={row.get('priority')}{extra}"
+    )
+
+
+class SweepProgress:
+    """The ``progress`` callback of :func:`cokit.overlap.sweep.run_sweep`: one line per
+    finished point, ``[n/N] <setting> ... x.xx ms (eta 12 s)``, flushed at once.
+
+    The time is the point's median overlapped time and its speedup; a point flagged as noise
+    or failed says so on its line. ``clock`` (seconds, monotonic) is injectable for tests.
+    """
+
+    def __init__(
+        self, total: int, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if total < 1:
+            raise ValueError(f"total={total!r} is invalid; allowed: an integer >= 1")
+        self.total = total
+        self.stream = stream
+        self.clock = clock
+        self.start = clock()
+
+    def line(self, i: int, row: dict[str, Any]) -> str:
+        """The progress line of point ``i`` (from 0) that just finished."""
+        n = i + 1
+        elapsed = self.clock() - self.start
+        if row.get("error"):
+            result = f"error: {row['error']}"
+        else:
+            t = row.get("overlapped_ms")
+            result = "-" if t is None else f"{float(t):.2f} ms"
+            if row.get("speedup") is not None:
+                result += f", speedup {float(row['speedup']):.3f}"
+            if row.get("noise"):
+                result += f" [NOISE: {row['noise']}]"
+        left = self.total - n
+        when = f"eta {elapsed / n * left:.0f} s" if left else f"total {elapsed:.0f} s"
+        return f"[{n}/{self.total}] {describe_point(row)} ... {result} ({when})"
+
+    def __call__(self, i: int, row: dict[str, Any]) -> None:
+        stream = self.stream if self.stream is not None else sys.stdout
+        print(self.line(i, row), file=stream, flush=True)
 
 
 # ---------------------------------------------------------------------- records
@@ -59,14 +128,113 @@ def _figure(figsize: tuple[float, float]) -> Any:
     return Figure(figsize=figsize)
 
 
-def _save(fig: Any, path: str | os.PathLike) -> Path:
-    """Write a figure as PNG, atomically."""
-    fig.tight_layout()
-    return atomic_savefig(fig, path, format="png", dpi=100)
-
-
 def _key(v: Any) -> tuple:
     return (0, v) if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, str(v))
+
+
+def _is_noise(r: dict[str, Any]) -> bool:
+    return bool(r.get("noise")) or bool(bound_violations(r))
+
+
+def _cell_key(r: dict[str, Any], axis: str) -> Any:
+    v = r.get(axis)
+    return str(v) if v is None else v
+
+
+def heatmap_figure(
+    rows: Sequence[dict[str, Any]],
+    x: str,
+    y: str,
+    *,
+    value: str = "speedup",
+    title: str | None = None,
+) -> Any:
+    """The heatmap of ``value`` over the ``x`` and ``y`` fields of ``rows`` (a Figure).
+
+    Each cell shows the median of its rows (several when other axes vary) and, below it,
+    the IQR over repeats (``<value>_iqr``; the largest of the cell's rows). Rows flagged as
+    noise are left out of a cell's value; a cell with only such rows shows their median in
+    red, outlined and marked ``noise``, and a cell with some marks their count. Rows with
+    errors are skipped. One title (``title`` or a default; CPU / EMULATED tags appended).
+    """
+    ok = [r for r in rows if not r.get("error") and r.get(value) is not None]
+    if not ok:
+        raise ValueError(f"no successful rows with {value!r} to plot")
+    xs = sorted({_cell_key(r, x) for r in ok}, key=_key)
+    ys = sorted({_cell_key(r, y) for r in ok}, key=_key)
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in ok:
+        cells.setdefault((_cell_key(r, x), _cell_key(r, y)), []).append(r)
+
+    def summary(members: list[dict[str, Any]]) -> tuple[float, float | None, int, bool]:
+        clean = [r for r in members if not _is_noise(r)]
+        use = clean or members
+        iqrs = [float(r[f"{value}_iqr"]) for r in use if r.get(f"{value}_iqr") is not None]
+        med = statistics.median(float(r[value]) for r in use)
+        return med, (max(iqrs) if iqrs else None), len(members) - len(clean), not clean
+
+    stats = {k: summary(v) for k, v in cells.items()}
+    nan = float("nan")
+    grid = [[stats[(vx, vy)][0] if (vx, vy) in stats else nan for vx in xs] for vy in ys]
+    fig = _figure((max(5.5, 1.8 + 1.3 * len(xs)), max(3.4, 1.8 + 0.8 * len(ys))))
+    ax = fig.subplots()
+    im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(xs)), [str(v) for v in xs], rotation=30)
+    ax.set_yticks(range(len(ys)), [str(v) for v in ys])
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    n_noise = 0
+    for j, vy in enumerate(ys):
+        for i, vx in enumerate(xs):
+            if (vx, vy) not in stats:
+                continue
+            med, iqr, noisy, only_noise = stats[(vx, vy)]
+            n_noise += noisy
+            text = f"{med:.2f}" + ("" if iqr is None else f"\nIQR {iqr:.2f}")
+            weight = "normal"
+            if only_noise:
+                text += "\nNOISE"
+                weight = "bold"
+                ax.add_patch(_cell_outline(i, j))
+            elif noisy:
+                text += f"\n(+{noisy} noise)"
+            ax.text(
+                i,
+                j,
+                text,
+                ha="center",
+                va="center",
+                color="white",
+                fontsize=7,
+                weight=weight,
+                bbox={"facecolor": "black", "alpha": 0.55, "edgecolor": "none", "pad": 1.5},
+            )
+    label = title or f"{value} over {x} x {y}"
+    if any(r.get("emulated") for r in ok):
+        label += " [EMULATED comm]"
+    if any(str(r.get("device", "")).startswith("cpu") for r in ok):
+        label += " [CPU]"
+    ax.set_title(label, fontsize=9)
+    notes = ["cell: median; IQR over repeats"]
+    if any(len(v) > 1 for v in cells.values()):
+        notes[0] += " (several rows per cell: median over the other axes, largest IQR)"
+    if n_noise:
+        notes.append(
+            f"{n_noise} row(s) flagged as noise (T_ovl below a part alone) are left out; "
+            "hatched red = only noise"
+        )
+    fig.text(0.01, 0.01, "\n".join(notes), fontsize=6.5, ha="left", va="bottom", color="dimgray")
+    fig.colorbar(im, ax=ax, label=value)
+    fig.tight_layout(rect=(0, 0.035 * len(notes) + 0.01, 1, 1))
+    return fig
+
+
+def _cell_outline(i: int, j: int) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(
+        (i - 0.5, j - 0.5), 1, 1, fill=False, hatch="//", edgecolor="red", linewidth=2, alpha=0.6
+    )
 
 
 def plot_heatmap(
@@ -78,48 +246,15 @@ def plot_heatmap(
     value: str = "speedup",
     title: str | None = None,
 ) -> Path:
-    """A heatmap of ``value`` over the ``x`` and ``y`` fields of ``rows`` (PNG). Cells with
-    several rows (other axes varying) show their median; rows with errors are skipped."""
-    ok = [r for r in rows if not r.get("error") and r.get(value) is not None]
-    if not ok:
-        raise ValueError(f"no successful rows with {value!r} to plot")
-    xs = sorted({str(r.get(x)) if r.get(x) is None else r.get(x) for r in ok}, key=_key)
-    ys = sorted({str(r.get(y)) if r.get(y) is None else r.get(y) for r in ok}, key=_key)
-    cells: dict[tuple, list[float]] = {}
-    for r in ok:
-        kx = str(r.get(x)) if r.get(x) is None else r.get(x)
-        ky = str(r.get(y)) if r.get(y) is None else r.get(y)
-        cells.setdefault((kx, ky), []).append(float(r[value]))
-    grid = [
-        [statistics.median(cells[(vx, vy)]) if (vx, vy) in cells else float("nan") for vx in xs] for vy in ys
-    ]
-    fig = _figure((max(5.0, 1.6 + 1.1 * len(xs)), max(3.0, 1.4 + 0.7 * len(ys))))
-    ax = fig.subplots()
-    im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
-    ax.set_xticks(range(len(xs)), [str(v) for v in xs], rotation=30)
-    ax.set_yticks(range(len(ys)), [str(v) for v in ys])
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    for j, row in enumerate(grid):
-        for i, v in enumerate(row):
-            if v == v:
-                ax.text(i, j, f"{v:.2f}", ha="center", va="center", color="white", fontsize=8)
-    emulated = any(r.get("emulated") for r in ok)
-    label = title or f"{value} over {x} x {y}"
-    if emulated:
-        label += " [EMULATED comm]"
-    if any(str(r.get("device", "")).startswith("cpu") for r in ok):
-        label += " [CPU]"
-    ax.set_title(
-        label + ("\n(median over other axes)" if any(len(v) > 1 for v in cells.values()) else ""), fontsize=9
-    )
-    fig.colorbar(im, ax=ax, label=value)
-    return _save(fig, path)
+    """:func:`heatmap_figure` written as PNG (atomically)."""
+    fig = heatmap_figure(rows, x, y, value=value, title=title)
+    return atomic_savefig(fig, path, format="png", dpi=100)
 
 
-def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path:
-    """Timeline-style bars of one row: compute and communication alone, back to back
-    (T_seq), overlapped (measured, with compute under overlap), and the ideal."""
+def timeline_figure(row: dict[str, Any], *, title: str | None = None) -> Any:
+    """Timeline-style bars of one row (a Figure): compute and communication alone, back to
+    back (T_seq), overlapped (measured, with compute under overlap), and the ideal. A row
+    that breaks the physical bounds is titled NOISE in red, with the reasons."""
     need = ("compute_ms", "communicate_ms", "overlapped_ms")
     if any(row.get(k) is None for k in need):
         raise ValueError(
@@ -128,7 +263,7 @@ def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | 
     tc, tm, to = row["compute_ms"], row["communicate_ms"], row["overlapped_ms"]
     tu = row.get("compute_under_overlap_ms") or tc
     comm_name = "EMULATED comm" if row.get("emulated") else "communication"
-    fig = _figure((9, 3.2))
+    fig = _figure((9, 3.4))
     ax = fig.subplots()
     lanes: list[tuple[str, list[tuple[float, float, str, str | None]]]] = [
         (
@@ -178,14 +313,24 @@ def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | 
     )
     if str(row.get("device", "")).startswith("cpu"):
         desc += " [CPU]"
-    ax.set_title(desc, fontsize=8)
-    return _save(fig, path)
+    reasons = row.get("noise") or "; ".join(bound_violations(row))
+    if reasons:
+        desc = f"NOISE (not a real result): {reasons}\n{desc}"
+    ax.set_title(desc, fontsize=8, color="red" if reasons else "black")
+    fig.tight_layout()
+    return fig
+
+
+def plot_timeline(row: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path:
+    """:func:`timeline_figure` written as PNG (atomically)."""
+    return atomic_savefig(timeline_figure(row, title=title), path, format="png", dpi=100)
 
 
 def default_plots(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> list[Path]:
     """The plots that mean something for these rows: num_warps x smem_bytes and reserved
     SMs x message size when those axes vary, chunks x message size per collective, and the
-    timeline of the best point (rank 0's rows)."""
+    timeline of the best point within the physical bounds (:func:`best_row`; none when
+    every point is noise), all from rank 0's rows."""
     out_dir = Path(out_dir)
     rows = [r for r in rows if r.get("rank", 0) == 0 and not r.get("error")]
     if not rows:
@@ -211,8 +356,9 @@ def default_plots(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) ->
                 title=f"speedup, {col}: chunks x message bytes",
             )
         )
-    best = max(rows, key=lambda r: r.get("speedup") or 0.0)
-    paths.append(plot_timeline(best, out_dir / "timeline_best.png"))
+    best = best_row(rows)
+    if best is not None:
+        paths.append(plot_timeline(best, out_dir / "timeline_best.png"))
     return paths
 
 
@@ -234,8 +380,32 @@ def _sweep_worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str,
         for p in spec["points"]
     ]
     return run_sweep(
-        points, device=device, dtype=spec["dtype"], repeats=spec["repeats"], warmup=spec["warmup"]
+        points,
+        device=device,
+        dtype=spec["dtype"],
+        repeats=spec["repeats"],
+        warmup=spec["warmup"],
+        progress=point_callbacks(rank, len(points), spec),
     )
+
+
+def point_callbacks(
+    rank: int, total: int, spec: dict[str, Any]
+) -> Callable[[int, dict[str, Any]], None] | None:
+    """What runs on each rank as each point finishes: the progress line on rank 0 when
+    ``spec["progress"]``. Per-point sinks (e.g. a telemetry monitor per rank) join here;
+    None when there is nothing to call."""
+    calls: list[Callable[[int, dict[str, Any]], None]] = []
+    if spec.get("progress") and rank == 0:
+        calls.append(SweepProgress(total))
+    if not calls:
+        return None
+
+    def done(i: int, row: dict[str, Any]) -> None:
+        for call in calls:
+            call(i, row)
+
+    return done
 
 
 def sweep_main(
@@ -247,20 +417,21 @@ def sweep_main(
     repeats: int = 3,
     warmup: int = 1,
     device: str | None = None,
+    progress: bool = False,
 ) -> list[dict[str, Any]] | None:
     """Run the points on ``world_size`` local ranks (spawned, which inherit this process's
     environment, TRITON_INTERPRET included; in-process for 1 rank) or, under torchrun, on the
     ranks torchrun started (``world_size`` ignored). Returns every rank's rows in rank order;
-    under torchrun they are gathered on rank 0 and the other ranks get ``None``."""
+    under torchrun they are gathered on rank 0 and the other ranks get ``None``. With
+    ``progress``, rank 0 prints a :class:`SweepProgress` line as each point finishes."""
     from cokit.launch import in_torchrun, run
 
-    if world_size == 1 and not in_torchrun():
-        return run_sweep(points, device=device, dtype=dtype, repeats=repeats, warmup=warmup)
     spec: dict[str, Any] = {
         "device": "cuda" if backend == "nccl" else "cpu",
         "dtype": dtype,
         "repeats": repeats,
         "warmup": warmup,
+        "progress": progress,
         "points": [
             {
                 "collective": p.collective,
@@ -273,5 +444,14 @@ def sweep_main(
             for p in points
         ],
     }
+    if world_size == 1 and not in_torchrun():
+        return run_sweep(
+            points,
+            device=device,
+            dtype=dtype,
+            repeats=repeats,
+            warmup=warmup,
+            progress=point_callbacks(0, len(points), spec),
+        )
     per_rank = run(world_size, _sweep_worker, spec, device=spec["device"])
     return None if per_rank is None else [row for rows in per_rank for row in rows]

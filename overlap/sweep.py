@@ -10,13 +10,23 @@ A point's GEMM is square, ``size x size x size``; its message is the ``size x si
 one-GPU copy of :class:`cokit.overlap.emulate.EmulatedComm` of that many bytes). On CPU the
 occupancy knobs of the config (num_warps, smem_bytes, num_sms) do not change anything (the
 GEMM runs on torch or the interpreter): they are recorded, and rows say so.
+
+Every row also carries the GEMM config's occupancy (``blocks_per_sm``, ``limiter``,
+``smem_per_block``, ``reserved_sms``, and ``occupancy_source`` saying where they come from):
+on a GPU from the compiled kernel and the live device's limits (:mod:`cokit.triton_kernels.
+compile_cache`), on CPU ``None`` (no SM is occupied there; ``reserved_sms`` too). And every
+measured row is checked against the physical bounds of overlap (:func:`bound_violations`):
+``T_ovl`` can be no shorter than compute alone or communication alone, so the speedup can be
+no larger than the ideal ``(T_comp + T_comm) / max(T_comp, T_comm)``. A row that breaks them
+is timing noise: its ``noise`` column says why, and :func:`best_row` never picks it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,9 +34,15 @@ import torch
 from cokit.triton_kernels.gemm_config import GemmConfig, parse_dtype
 
 __all__ = [
+    "CPU_OCCUPANCY",
+    "OCCUPANCY_FIELDS",
     "SWEEP_COLLECTIVES",
     "SweepPoint",
+    "best_row",
+    "bound_violations",
     "check_point",
+    "flag_noise",
+    "point_occupancy",
     "run_sweep",
     "sweep_points",
 ]
@@ -37,6 +53,9 @@ CPU_NOTE = (
     "priority are recorded but have no effect on the torch/gloo path; only size, chunks and the "
     "collective change what runs"
 )
+#: the occupancy columns of a row (the names of telemetry's ``kernels`` entries)
+OCCUPANCY_FIELDS = ("blocks_per_sm", "limiter", "smem_per_block", "reserved_sms")
+CPU_OCCUPANCY = "none: CPU run (the GEMM runs torch code; there is no SM to occupy)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +203,76 @@ def _workload(point: SweepPoint, device: torch.device, dtype: torch.dtype, group
     return ov
 
 
+def bound_violations(row: dict[str, Any]) -> list[str]:
+    """Why a measured row breaks the physical bounds of overlap (empty when it does not, or
+    when it has no times): ``T_ovl`` below compute alone or communication alone, or a
+    speedup above the ideal bound ``(T_comp + T_comm) / max(T_comp, T_comm)``. The times are
+    the row's medians (``compute_ms``, ``communicate_ms``, ``overlapped_ms``)."""
+    try:
+        tc, tm, to = (float(row[k]) for k in ("compute_ms", "communicate_ms", "overlapped_ms"))
+    except (KeyError, TypeError, ValueError):
+        return []
+    if not all(math.isfinite(v) and v > 0 for v in (tc, tm, to)):
+        return []
+    out = []
+    bound = (tc + tm) / max(tc, tm)
+    speedup = row.get("speedup")
+    speedup = (tc + tm) / to if speedup is None else float(speedup)
+    if speedup > bound:
+        out.append(f"speedup {speedup:.3f} above the ideal bound {bound:.3f}")
+    if to < tc:
+        out.append(f"T_ovl {to:.3f} ms below compute alone {tc:.3f} ms")
+    if to < tm:
+        out.append(f"T_ovl {to:.3f} ms below communication alone {tm:.3f} ms")
+    return out
+
+
+def flag_noise(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Set every row's ``noise`` column: the reasons of :func:`bound_violations` joined by
+    '; ', or '' for a physical row (rows change in place; returned as a list)."""
+    out = list(rows)
+    for r in out:
+        r["noise"] = "; ".join(bound_violations(r))
+    return out
+
+
+def best_row(rows: Iterable[dict[str, Any]], key: str = "speedup") -> dict[str, Any] | None:
+    """The row with the largest ``key`` among those that ran and respect the physical
+    bounds (checked here, whatever their ``noise`` column says); None when there is none."""
+    ok = [
+        r
+        for r in rows
+        if not r.get("error") and r.get(key) is not None and not r.get("noise") and not bound_violations(r)
+    ]
+    return max(ok, key=lambda r: float(r[key])) if ok else None
+
+
+def point_occupancy(config: GemmConfig, limits: Any, dtype: torch.dtype | str) -> dict[str, Any]:
+    """The occupancy columns of a config: from the compiled kernel (compile cache) and the
+    live GPU's ``limits``; with ``limits=None`` (CPU) every column is None and
+    ``occupancy_source`` says so. A config whose kernel cannot be read gives None columns
+    and the reason in ``occupancy_source``."""
+    from cokit.triton_kernels.compile_cache import gemm_occupancy_cached
+
+    from .guard import reserved_sms
+
+    if limits is None:
+        return {**dict.fromkeys(OCCUPANCY_FIELDS), "occupancy_source": CPU_OCCUPANCY}
+    row: dict[str, Any] = {**dict.fromkeys(OCCUPANCY_FIELDS), "reserved_sms": reserved_sms(config, limits)}
+    try:
+        occ, facts, _ = gemm_occupancy_cached(config, None, dtype)
+    except Exception as exc:  # recorded in the row; the sweep still measures the point
+        row["occupancy_source"] = f"none: {type(exc).__name__}: {exc}"[:200]
+        return row
+    row.update(
+        blocks_per_sm=occ.blocks_per_sm,
+        limiter=occ.limiting,
+        smem_per_block=occ.shared_bytes,
+        occupancy_source=f"compiled kernel ({facts.registers} regs/thread) on {limits.name}",
+    )
+    return row
+
+
 def run_sweep(
     points: Iterable[SweepPoint],
     *,
@@ -192,18 +281,19 @@ def run_sweep(
     repeats: int = 3,
     warmup: int = 1,
     group: Any = None,
-    progress: Any = None,
+    progress: Callable[[int, dict[str, Any]], Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Measure every point; one flat row each (times, metrics, config fields, notes).
+    """Measure every point; one flat row each (times, metrics, config fields, occupancy,
+    ``noise`` flags, notes).
 
     Collective points need ``torch.distributed`` initialized (all ranks call with the same
     points). A point that fails (e.g. a config that does not fit) gives a row with ``error``.
+    ``progress(i, row)`` is called as each point finishes (``i`` counts from 0).
     """
     import torch.distributed as dist
 
     from cokit.triton_kernels.backend import cached_device_limits
 
-    from .guard import reserved_sms
     from .streams import _device
 
     device = _device(device)
@@ -213,6 +303,7 @@ def run_sweep(
     for p in points:
         check_point(p, world)
     limits = cached_device_limits(device) if device.type == "cuda" else None
+    occupancies: dict[GemmConfig, dict[str, Any]] = {}
     rows = []
     for i, p in enumerate(points):
         row: dict[str, Any] = {**p.fields(), "dtype": str(dt).removeprefix("torch."), "device": str(device)}
@@ -229,7 +320,10 @@ def run_sweep(
             if dist.is_available() and dist.is_initialized() and world > 1:
                 raise  # ranks would fall out of step: stop everywhere
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        row["reserved_sms"] = reserved_sms(p.config, limits) if limits is not None else 0
+        if p.config not in occupancies:
+            occupancies[p.config] = point_occupancy(p.config, limits, dt)
+        row.update(occupancies[p.config])
+        row["noise"] = "; ".join(bound_violations(row))
         rows.append(row)
         if progress is not None:
             progress(i, row)

@@ -1,16 +1,20 @@
-"""Occupancy calculator vs hand-computed cases (the arithmetic is written out), and the
-``cokit occupancy`` argument checks (the compiling runs are in test_gemm_compile.py)."""
+"""Occupancy calculator vs hand-computed cases (the arithmetic is written out), the
+``cokit occupancy`` argument checks and config expansion, and the compile cache (its keys,
+files and bad entries; real compiles are in test_gemm_compile.py and test_cli.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
 
 from cokit.cli import CliError
 from cokit.commands import occupancy as occupancy_cmd
+from cokit.triton_kernels import compile_cache as cc
 from cokit.triton_kernels.backend import arch_limits
+from cokit.triton_kernels.gemm_config import GemmConfig
 from cokit.triton_kernels.occupancy import occupancy, smem_for_blocks
 
 SM80, SM90 = arch_limits("sm_80"), arch_limits("sm_90")
@@ -169,3 +173,158 @@ def test_cli_errors_are_one_line(argv, match, monkeypatch):
     with pytest.raises(CliError, match=match) as info:
         _cli(argv)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------- many configs per call
+def test_repeated_configs_are_all_kept_and_grids_expand():
+    a, b = "BLOCK_M=64,BLOCK_N=64,BLOCK_K=32", "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64"
+    configs = occupancy_cmd.expand_configs([a, b], None)
+    assert [(c.BLOCK_M, c.BLOCK_K) for c in configs] == [(64, 32), (128, 64)]
+    configs = occupancy_cmd.expand_configs([a, b], ["num_warps=4,8", "smem_bytes=none,96k"])
+    assert len(configs) == 8
+    assert [(c.BLOCK_M, c.num_warps, c.smem_bytes) for c in configs[:4]] == [
+        (64, 4, None),
+        (64, 4, 98304),
+        (64, 8, None),
+        (64, 8, 98304),
+    ]
+    # duplicates (a grid value equal to the base's) appear once, in first-seen order
+    assert len(occupancy_cmd.expand_configs([a, a], ["num_warps=4,4"])) == 1
+    assert len(occupancy_cmd.expand_configs(None, None)) == 1  # the defaults
+    for grid, match in (
+        (["num_warps"], "not KEY=V1,V2"),
+        (["num_warps="], "not KEY=V1,V2"),
+        (["blocks=1,2"], "unknown config key 'blocks'"),
+        (["num_warps=4,x"], "num_warps='x' is invalid"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            occupancy_cmd.expand_configs([a], grid)
+
+
+def test_cli_checks_every_config_before_compiling(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    argv = ["--target", "sm_90", "--config", "BLOCK_M=64", "--config", "BLOCK_M=96"]
+    with pytest.raises(CliError, match=r"--config BLOCK_M=96.*BLOCK_M=96 is invalid"):
+        _cli(argv)
+    with pytest.raises(CliError, match="--grid 'num_warps' is not KEY=V1,V2"):
+        _cli(["--target", "sm_90", "--grid", "num_warps"])
+
+
+# ---------------------------------------------------------------------- compile cache
+FACTS = cc.KernelFacts("_gemm_kernel", "sm_90", 8, 98304, 116, 0)
+
+
+class _Builder:
+    def __init__(self, facts=FACTS):
+        self.calls = 0
+        self.facts = facts
+
+    def __call__(self):
+        self.calls += 1
+        return self.facts
+
+
+def test_compile_cache_builds_once_then_reads_disk(tmp_path):
+    key = cc.gemm_cache_key(GemmConfig(), "sm_90", "bf16")
+    build = _Builder()
+    facts, hit = cc.CompileCache(tmp_path).get_or_build(key, build)
+    assert (facts, hit, build.calls) == (FACTS, False, 1)
+    files = list((tmp_path / "compile").glob("*.json"))
+    assert len(files) == 1 and not list((tmp_path / "compile").glob(".*"))  # no temp file left
+    doc = json.loads(files[0].read_text())
+    assert doc["schema"] == cc.SCHEMA and doc["key"] == key and doc["facts"]["registers"] == 116
+    # a new cache object (a second process): read from disk, no build
+    facts, hit = cc.CompileCache(tmp_path).get_or_build(key, build)
+    assert (facts, hit, build.calls) == (FACTS, True, 1)
+    # disabled: always builds, never writes
+    off = tmp_path / "off"
+    facts, hit = cc.CompileCache(off, enabled=False).get_or_build(key, build)
+    assert (hit, build.calls) == (False, 2) and not off.exists()
+
+
+def test_compile_cache_dir_follows_cokit_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("COKIT_CACHE_DIR", str(tmp_path / "c"))
+    assert cc.CompileCache().dir == tmp_path / "c" / "compile"
+
+
+def test_compile_cache_key_covers_what_changes_the_build(monkeypatch):
+    base = GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    key = cc.gemm_cache_key(base, "sm_90", "bf16")
+    assert key["triton"] and key["backend"] == "cuda" and key["arch"] == "90" and key["target"] == "sm_90"
+    assert key["source"] == cc.kernel_source_hash() and len(key["source"]) == 64
+    digest = cc.CompileCache.digest
+    others = [
+        cc.gemm_cache_key(base, "sm_80", "bf16"),
+        cc.gemm_cache_key(base, "gfx942", "bf16"),
+        cc.gemm_cache_key(base, "sm_90", "fp16"),
+        cc.gemm_cache_key(base, "sm_90", "fp32", precision="tf32"),
+        cc.gemm_cache_key(base.replace(num_warps=4), "sm_90", "bf16"),
+        cc.gemm_cache_key(base.replace(num_stages=4), "sm_90", "bf16"),
+        cc.gemm_cache_key(base.replace(persistent=True, num_sms=100), "sm_90", "bf16"),
+    ]
+    assert len({digest(k) for k in [key, *others]}) == 1 + len(others)
+    # smem_bytes changes the launch footprint, not the binary: same build
+    assert cc.gemm_cache_key(base.replace(smem_bytes=115840), "sm_90", "bf16") == key
+    monkeypatch.setattr(cc, "TRITON_VERSION_STRING", "0.0.0-other")
+    assert digest(cc.gemm_cache_key(base, "sm_90", "bf16")) != digest(key)
+    monkeypatch.undo()
+    monkeypatch.setattr(cc, "kernel_source_hash", lambda: "f" * 64)
+    assert digest(cc.gemm_cache_key(base, "sm_90", "bf16")) != digest(key)
+
+
+def test_compile_cache_rebuilds_bad_entries(tmp_path):
+    key = cc.gemm_cache_key(GemmConfig(), "sm_90", "bf16")
+    cache = cc.CompileCache(tmp_path)
+    path = cache.path(key)
+    path.parent.mkdir(parents=True)
+    for bad in (
+        "{not json",
+        json.dumps({"schema": "other/9", "key": key, "facts": FACTS.to_dict()}),
+        json.dumps({"schema": cc.SCHEMA, "key": {**key, "dtype": "fp16"}, "facts": FACTS.to_dict()}),
+        json.dumps({"schema": cc.SCHEMA, "key": key, "facts": {**FACTS.to_dict(), "registers": "116"}}),
+        json.dumps({"schema": cc.SCHEMA, "key": key, "facts": {"name": "k"}}),
+    ):
+        path.write_text(bad)
+        build = _Builder()
+        with pytest.warns(UserWarning, match="compile cache entry"):
+            facts, hit = cc.CompileCache(tmp_path).get_or_build(key, build)
+        assert (facts, hit, build.calls) == (FACTS, False, 1)
+        assert json.loads(path.read_text())["facts"] == FACTS.to_dict()  # replaced
+
+
+def test_compile_cache_unwritable_folder_warns_and_keeps_facts_in_memory(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cache = cc.CompileCache(blocker)  # <file>/compile cannot be created
+    key = cc.gemm_cache_key(GemmConfig(), "sm_90", "bf16")
+    build = _Builder()
+    with pytest.warns(UserWarning, match="could not write the compile cache"):
+        assert cache.get_or_build(key, build) == (FACTS, False)
+    assert cache.get_or_build(key, build) == (FACTS, True) and build.calls == 1
+
+
+def test_shaped_occupancy_applies_smem_bytes_like_with_shared_memory():
+    # the numbers of test_sm90_bf16_128x128x64_3_stages and the shaping test above
+    assert cc.shaped_occupancy(FACTS, None, SM90).blocks_per_sm == 2
+    occ = cc.shaped_occupancy(FACTS, 115840, SM90)
+    assert occ.blocks_per_sm == 1 and occ.shared_bytes == 115840 and occ.limited_by == ("shared memory",)
+    with pytest.raises(
+        ValueError, match=r"smem_bytes=70000 is below the 98304 B .* allowed: 98304 to 232448"
+    ):
+        cc.shaped_occupancy(FACTS, 70000, SM90)
+    with pytest.raises(ValueError, match="above the device limit of 232448"):
+        cc.shaped_occupancy(FACTS, 300000, SM90)
+
+
+def test_gemm_occupancy_cached_uses_the_cache_without_compiling(tmp_path, monkeypatch):
+    """A stored entry answers without the compiler (which the interpreter would refuse)."""
+    config = GemmConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, smem_bytes=115840)
+    cache = cc.CompileCache(tmp_path)
+    cache.store(cc.gemm_cache_key(config, "sm_90", "bf16"), FACTS)
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled despite a cache entry")
+
+    monkeypatch.setattr(cc, "_build_facts", no_compile)
+    occ, facts, hit = cc.gemm_occupancy_cached(config, "sm_90", "bf16", cache=cache)
+    assert hit and facts == FACTS and occ.blocks_per_sm == 1

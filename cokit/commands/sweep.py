@@ -19,9 +19,18 @@ communication) override the base --config. On CPU these knobs and --priority cha
 (torch/gloo path): they are recorded and the output says so; a CPU sweep varies --sizes,
 --chunks and --collectives.
 
-Writes <out>/sweep.csv, <out>/sweep.json and PNGs: speedup heatmaps over num_warps x
-smem_bytes and reserved SMs x message size (when those vary), over chunks x message size per
-collective, and a timeline bar chart of the best point, each written atomically. --out is
+A line per point is printed as it finishes: [n/N] <setting> ... <T_ovl> ms (eta N s).
+Rows carry the GEMM config's occupancy (blocks_per_sm, limiter, smem_per_block,
+reserved_sms; on a GPU from the compiled kernel, through the compile cache of `cokit
+occupancy`; empty on CPU, where no SM is occupied: occupancy_source says which). A point whose
+overlapped time is below compute alone or communication alone (a speedup above the ideal
+(T_comp + T_comm) / max(T_comp, T_comm)) is timing noise: its 'noise' column says why, the
+table marks it NOISE, the heatmaps mark it, and it is never the best point.
+
+Writes <out>/sweep.csv, <out>/sweep.json and PNGs: speedup heatmaps (median and IQR over
+repeats per cell) over num_warps x smem_bytes and reserved SMs x message size (when those
+vary), over chunks x message size per collective, and a timeline bar chart of the best point
+within the physical bounds, each written atomically. --out is
 created and checked for writing before anything runs; a folder that already holds a sweep's
 results (sweep.csv, sweep.json, heatmap_*.png, timeline_best.png) is refused unless
 --overwrite is given, which replaces them and removes the earlier plots this sweep does not
@@ -177,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     from cokit.launch import in_torchrun
     from cokit.overlap.schedules import _config_backend
     from cokit.overlap.sweep import SWEEP_COLLECTIVES, check_point, sweep_points
-    from cokit.sweeps import OUTPUTS, default_plots, sweep_main, write_csv, write_json
+    from cokit.sweeps import NOISE_RULE, OUTPUTS, default_plots, sweep_main, write_csv, write_json
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm_config import parse_config_spec, parse_dtype
 
@@ -277,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             "note: 'emulated' communication is a copy kernel / copy on one device, not a collective (EMULATION)."
         )
+    sys.stdout.flush()  # before the ranks start: their progress lines come after these
     t0 = time.time()
     try:
         rows = sweep_main(
@@ -286,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=str(dtype).removeprefix("torch."),
             repeats=args.repeats,
             warmup=args.warmup,
+            progress=lead,
         )
     except (RuntimeError, ValueError) as exc:
         raise CliError(f"sweep failed: {str(exc).strip().splitlines()[-1]}") from None
@@ -293,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = args.out
     csv_path = write_csv(rows, os.path.join(out, "sweep.csv"))
+    from cokit.overlap.sweep import CPU_OCCUPANCY
+
     meta = {
         "world_size": world,
         "backend": backend,
@@ -302,6 +315,16 @@ def run(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "torch": torch.__version__,
         "seconds": round(time.time() - t0, 2),
+        "occupancy": (
+            "from each config's compiled kernel on the live GPU (compile cache), see occupancy_source"
+            if gpu_run
+            else CPU_OCCUPANCY
+        ),
+        "noise_rule": NOISE_RULE,
+        "noise_rows": {
+            "rank0": sum(1 for r in rows if r.get("noise") and r.get("rank", 0) == 0),
+            "all_ranks": sum(1 for r in rows if r.get("noise")),
+        },
     }
     json_path = write_json(rows, os.path.join(out, "sweep.json"), meta)
     _print_rows([r for r in rows if r.get("rank", 0) == 0])
@@ -333,6 +356,9 @@ def _prepare_out(out: str, overwrite: bool) -> None:
 
 
 def _print_rows(rows: list[dict]) -> None:
+    from cokit.overlap.sweep import best_row
+    from cokit.sweeps import describe_point
+
     cols = [
         ("collective", "collective"),
         ("size", "size"),
@@ -348,14 +374,19 @@ def _print_rows(rows: list[dict]) -> None:
         ("speedup", "speedup"),
         ("comm_hidden", "hidden"),
         ("compute_slowdown", "slowdown"),
+        ("blocks_per_sm", "blk/SM"),
+        ("limiter", "limiter"),
+        ("noise", "flag"),
     ]
 
-    def cell(v: object) -> str:
+    def cell(k: str, v: object) -> str:
+        if k == "noise":
+            return "NOISE" if v else ""
         if isinstance(v, float):
             return f"{v:.3f}"
         return "-" if v is None or v == "" else str(v)
 
-    table = [[h for _, h in cols]] + [[cell(r.get(k)) for k, _ in cols] for r in rows]
+    table = [[h for _, h in cols]] + [[cell(k, r.get(k)) for k, _ in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     print("rank 0 (times: medians in ms; T_seq_meas = both run back to back, unchunked):")
     for row in table:
@@ -363,3 +394,17 @@ def _print_rows(rows: list[dict]) -> None:
     for r in rows:
         if r.get("error"):
             print(f"  error at {r['collective']} size {r['size']} chunks {r['chunks']}: {r['error']}")
+    noisy = [r for r in rows if r.get("noise")]
+    if noisy:
+        print(
+            f"NOISE: {len(noisy)} point(s) break the physical bounds of overlap (timing noise; never 'best'):"
+        )
+        for r in noisy:
+            print(f"  {describe_point(r)}: {r['noise']}")
+    best = best_row(rows)
+    if best is not None:
+        print(
+            f"best within the physical bounds: {describe_point(best)}, speedup {float(best['speedup']):.3f}"
+        )
+    elif any(not r.get("error") for r in rows):
+        print("no point within the physical bounds: no best point (and no timeline_best.png)")
