@@ -46,3 +46,44 @@ def test_bench_gemm_runs_the_module(tmp_path, monkeypatch, capsys):
     report = json.loads(out.read_text())
     assert report["summary"]["correctness_ok"] is True
     assert "[gemm] correctness" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_occupancy_many_configs_and_a_second_call_from_the_compile_cache(tmp_path):
+    """`cokit occupancy` with repeated --config and a --grid: one result per config; the
+    second call reads every build from the compile cache ($COKIT_CACHE_DIR) instead of
+    compiling. Runs the installed CLI in subprocesses without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(COKIT_CACHE_DIR=str(tmp_path / "cokit"), TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    argv = [sys.executable, "-m", "cokit", "occupancy", "--target", "sm_90", "--dtype", "bf16"]
+    argv += ["--config", "BLOCK_M=64,BLOCK_N=64,BLOCK_K=32,num_stages=2"]
+    argv += ["--config", "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,num_stages=3"]
+    argv += ["--grid", "num_warps=4,8", "--grid", "smem_bytes=none,115840"]
+
+    def call(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*argv, *extra], env=env, capture_output=True, text=True, timeout=600)
+
+    first = call("--json")
+    assert first.returncode == 0, first.stderr
+    runs = [json.loads(line) for line in first.stdout.splitlines()]
+    assert len(runs) == 8  # 2 configs x 2 num_warps x 2 smem_bytes, none dropped
+    assert [r["config"]["BLOCK_M"] for r in runs] == [64] * 4 + [128] * 4
+    # smem_bytes does not change the build: 4 compiles, the shaped twins from the cache
+    assert [r["compile"]["cached"] for r in runs] == [False, True] * 4
+    assert all(r["shared_bytes"] == 115840 for r in runs[1::2])
+    assert all(r["blocks_per_sm"] == 1 for r in runs[1::2])
+    assert len(list((tmp_path / "cokit" / "compile").glob("*.json"))) == 4
+    second = call("--json")
+    again = [json.loads(line) for line in second.stdout.splitlines()]
+    assert [r["compile"]["cached"] for r in again] == [True] * 8
+    strip = [{k: v for k, v in r.items() if k != "compile"} for r in again]
+    assert strip == [{k: v for k, v in r.items() if k != "compile"} for r in runs]
+    table = call()
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert sum(1 for ln in lines if ln.startswith("BLOCK_M=")) == 8
+    assert "8 config(s)" in lines[-1] and "8 from the cache, 0 compiled" in lines[-1]
