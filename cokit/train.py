@@ -16,7 +16,9 @@ local processes on loopback (spawn), or, under ``torchrun``, the group the envir
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cokit.compress.comm import Communicator, parse_timeout
-from cokit.compress.stats import dense_allreduce_bytes
+from cokit.compress.stats import CommStats, dense_allreduce_bytes
 from cokit.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
 
 Log = Callable[[str], None]
@@ -144,7 +146,8 @@ def build_method(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | 
 
 class DenseAllReduce(Method):
     """Average gradients with one flat all-reduce (a buffer reused across steps), then step a
-    local torch optimizer."""
+    local torch optimizer. ``comm_stats`` holds the all-reduce's bytes and timing per step
+    (what telemetry reads)."""
 
     def __init__(
         self,
@@ -158,6 +161,7 @@ class DenseAllReduce(Method):
         owner = f"{type(optimizer).__name__} (dense all-reduce)"
         self.comm = Communicator(group, owner=owner, timeout=timeout)
         self.bytes_per_step = dense_allreduce_bytes(self.params, self.comm.world_size)
+        self.comm_stats = CommStats()
         self._flat: torch.Tensor | None = None
 
     def step(self) -> tuple[int, int]:
@@ -176,6 +180,9 @@ class DenseAllReduce(Method):
             self.comm.all_reduce_mean(self._flat, "gradient all-reduce").wait()
             for p, v in zip(self.params, views):
                 p.grad = v.view_as(p)
+            sent, received, timing = self.comm.take_step()
+            world = dist.get_world_size()
+            self.comm_stats.record(sent, received, self.bytes_per_step, timing, world, self.comm.world_size)
         self.optimizer.step()
         return self.bytes_per_step, self.bytes_per_step
 
@@ -211,9 +218,14 @@ class DeMoMethod(Method):
             **{"timeout": spec.timeout, **spec.options},  # an explicit options["timeout"] wins
         )
 
+    @property
+    def comm_stats(self) -> CommStats:
+        """DeMo's own byte and timing counts."""
+        return self.optimizer.comm_stats  # type: ignore[attr-defined]  # a DeMo
+
     def step(self) -> tuple[int, int]:
         self.optimizer.step()
-        stats = self.optimizer.comm_stats  # type: ignore[attr-defined]  # a DeMo
+        stats = self.comm_stats
         return int(stats.step_sent_bytes), int(stats.step_dense_bytes)
 
     def zero_grad(self) -> None:
@@ -366,6 +378,8 @@ def run_method(
     log: Log | None = None,
     time_budget_s: float | None = None,
     on_start: Callable[[Method], None] | None = None,
+    telemetry_dir: str | os.PathLike | None = None,
+    telemetry_run: str | None = None,
 ) -> RunResult:
     """Train a fresh model (init from ``seed``) for ``steps`` steps with ``spec`` on every rank.
 
@@ -376,7 +390,9 @@ def run_method(
     evaluation. ``time_budget_s`` ends the run at the first evaluation after that much wall
     time (the ranks' mean, so all stop together). ``on_start(method)`` runs on every rank
     once the method is built, just before the clock starts (e.g. to wrap its communicator).
-    The result is complete on every rank.
+    ``telemetry_dir``: each rank writes a :class:`cokit.telemetry.Monitor` stream there (run
+    ``telemetry_run``, default the method's display name; evaluations are left out of its
+    step times). The result is complete on every rank.
     """
     if steps < 1 or eval_every < 1:
         raise ValueError("steps and eval_every must be >= 1")
@@ -428,33 +444,78 @@ def run_method(
 
     if on_start is not None:
         on_start(method)
-    start = time.perf_counter()
-    checkpoint(0)
-    for step in range(1, steps + 1):
-        t0 = time.perf_counter()
-        method.set_lr_factor(spec.lr_factor(step, steps))
-        batch = workload.train_batch(seed, step, rank, world)
-        loss = workload.loss(model, batch)
-        loss.backward()
-        _sync(device)
-        t1 = time.perf_counter()
-        sent, dense = method.step()
-        method.zero_grad()
-        _sync(device)
-        t2 = time.perf_counter()
-        pending.append(float(loss.detach()))
-        result.bytes_sent.append(sent)
-        result.dense_bytes.append(dense)
-        result.step_s.append(t2 - t0)
-        result.opt_s.append(t2 - t1)
-        result.wall_s.append(t2 - start)
-        if step % eval_every == 0 or step == steps:
-            spent = checkpoint(step)
-            result.wall_s[-1] = time.perf_counter() - start
+    monitor = None
+    if telemetry_dir is not None:
+        monitor = _monitor(telemetry_dir, telemetry_run or spec.display, spec, method, result, group)
+    try:
+        start = time.perf_counter()
+        with _paused(monitor):
+            checkpoint(0)
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            method.set_lr_factor(spec.lr_factor(step, steps))
+            batch = workload.train_batch(seed, step, rank, world)
+            loss = workload.loss(model, batch)
+            loss.backward()
+            _sync(device)
+            t1 = time.perf_counter()
+            sent, dense = method.step()
+            method.zero_grad()
+            _sync(device)
+            t2 = time.perf_counter()
+            local_loss = float(loss.detach())
+            pending.append(local_loss)
+            result.bytes_sent.append(sent)
+            result.dense_bytes.append(dense)
+            result.step_s.append(t2 - t0)
+            result.opt_s.append(t2 - t1)
+            result.wall_s.append(t2 - start)
+            spent, heldout_loss = False, None
+            if step % eval_every == 0 or step == steps:
+                with _paused(monitor):
+                    spent = checkpoint(step)
+                heldout_loss = result.evals[-1][1]
+                result.wall_s[-1] = time.perf_counter() - start
+            if monitor is not None:
+                lr = method.optimizer.param_groups[0]["lr"]
+                monitor.step(step, loss=local_loss, lr=lr, held_out_loss=heldout_loss, opt_s=t2 - t1)
             if spent:
                 break
+    except BaseException as exc:
+        if monitor is not None:
+            monitor.close(exc)
+        raise
+    if monitor is not None:
+        monitor.close()
     result.max_replica_diff = _max_replica_diff(model, group)
     return result
+
+
+def _monitor(
+    out_dir: str | os.PathLike,
+    run: str,
+    spec: MethodSpec,
+    method: Method,
+    result: RunResult,
+    group: dist.ProcessGroup | None,
+) -> Any:
+    """This rank's telemetry Monitor for one run: it reads the method's ``comm_stats`` (bytes
+    and timing) when it has them, else the optimizer (``comm`` null)."""
+    from cokit.telemetry import Monitor
+
+    source = method if getattr(method, "comm_stats", None) is not None else method.optimizer
+    config = {
+        "spec": asdict(spec),
+        "seed": result.seed,
+        "world_size": result.world_size,
+        "num_params": result.num_params,
+        "environment": result.environment,
+    }
+    return Monitor(out_dir, run, optimizer=source, group=group, config=config, method=spec.display)
+
+
+def _paused(monitor: Any) -> contextlib.AbstractContextManager[None]:
+    return monitor.paused() if monitor is not None else contextlib.nullcontext()
 
 
 def run_methods(
@@ -467,11 +528,28 @@ def run_methods(
     eval_every: int,
     device: str,
     log: bool = True,
+    telemetry_dir: str | None = None,
+    telemetry_runs: Sequence[str] | None = None,
 ) -> list[RunResult]:
-    """Worker body: build the workload on this rank's device and run each spec in turn."""
+    """Worker body: build the workload on this rank's device and run each spec in turn
+    (with telemetry in ``telemetry_dir``, runs named ``telemetry_runs``, one per spec)."""
+    if telemetry_runs is not None and len(telemetry_runs) != len(specs):
+        raise ValueError(f"telemetry_runs names {len(telemetry_runs)} runs for {len(specs)} specs")
     workload = factory.build(local_device(device))
     printer: Log | None = (lambda line: print(line, flush=True)) if log else None
-    return [run_method(s, workload, steps, seed, eval_every=eval_every, log=printer) for s in specs]
+    return [
+        run_method(
+            s,
+            workload,
+            steps,
+            seed,
+            eval_every=eval_every,
+            log=printer,
+            telemetry_dir=telemetry_dir,
+            telemetry_run=telemetry_runs[i] if telemetry_runs is not None else None,
+        )
+        for i, s in enumerate(specs)
+    ]
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ A character-level transformer learns to continue Python source (the standard lib
 and held-out text. Progress lines come from rank 0; at the end a table gives each method's
 final train and held-out loss, bytes sent per step and rank, compression ratio and time per
 step, and ``demo.json``, ``demo.csv`` (one row per method and step) and ``demo.png``
-(loss vs step, loss vs bytes sent) land in ``--out``, each written atomically. ``--out`` is
+(loss vs step, loss vs bytes sent) land in ``--out``, each written atomically, with the
+telemetry stream of every rank and method in ``--out``/telemetry/ (``cokit dashboard --out``
+draws it; ``--no-telemetry`` turns it off). ``--out`` is
 created and checked for writing before training starts; a folder holding an earlier run's
 results is refused unless ``--overwrite`` is given (a second run never replaces them silently).
 """
@@ -25,6 +27,8 @@ import time
 from cokit.cli import CliError
 
 METHOD_NAMES = ("demo", "adamw")
+#: telemetry run name of each method (``<out>/telemetry/<run>/rank<r>.jsonl``)
+TELEMETRY_RUNS = {"demo": "demo-DeMo", "adamw": "demo-AdamW"}
 DEFAULTS = {
     "ranks": 2,
     "steps": 400,
@@ -167,6 +171,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--triton-interpret",
         action="store_true",
         help="CPU ranks run the Triton kernels through the interpreter (slow; for checking)",
+    )
+    p.add_argument(
+        "--no-telemetry",
+        action="store_true",
+        help="do not write the per-step telemetry stream (default: --out/telemetry/demo-DeMo/ and "
+        "demo-AdamW/, one JSONL file per rank, for `cokit dashboard`)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
@@ -331,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
             )
         print("methods: " + "; ".join(_describe(s) for s in specs), flush=True)
 
+    telemetry = None if args.no_telemetry else args.out
+    runs = [TELEMETRY_RUNS[m] for m in methods]
     start = time.perf_counter()
     results = run_distributed(
         run_methods,
@@ -341,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
         args.eval_every,
         device,
         not args.quiet,
+        telemetry,
+        runs,
         world_size=world,
         device=device,
         interpret=args.triton_interpret,
@@ -373,7 +387,23 @@ def run(args: argparse.Namespace) -> int:
     )
     paths = write_outputs(args.out, info, results, stem="demo", title=title)
     print(f"\ntotal {elapsed:.0f} s; wrote {', '.join(paths)}")
+    _remove_stale_telemetry(args.out, runs if telemetry is not None else [])
+    if telemetry is not None:
+        folder = os.path.join(args.out, "telemetry")
+        print(
+            f"telemetry: {folder} ({', '.join(runs)}; one JSONL per rank; see `cokit dashboard {args.out}`)"
+        )
     return 0
+
+
+def _remove_stale_telemetry(out: str, runs: list[str]) -> None:
+    """Remove the telemetry of demo runs this run did not write (an earlier run's, in a folder
+    reused with --overwrite, or of methods left out or --no-telemetry), so the folder's
+    telemetry matches its demo.json."""
+    import shutil
+
+    for run in set(TELEMETRY_RUNS.values()) - set(runs):
+        shutil.rmtree(os.path.join(out, "telemetry", run), ignore_errors=True)
 
 
 def _prepare_out(args: argparse.Namespace) -> None:

@@ -36,6 +36,8 @@ class Job:
     path: str
     key: str  # identifies the configuration; a JSON with another key is stale
     extra: dict = field(default_factory=dict)
+    telemetry_dir: str | None = None  # each rank's telemetry stream goes there (None: off)
+    telemetry_run: str | None = None  # its run name, e.g. "text-adamw-lr0.001-s0"
 
 
 class StudyWorkload:
@@ -167,7 +169,16 @@ def run_jobs(
         t0 = time.perf_counter()
         result, acc, error = None, math.nan, None
         try:
-            result = run_method(job.spec, workload, job.steps, job.seed, eval_every=job.eval_every, log=log)
+            result = run_method(
+                job.spec,
+                workload,
+                job.steps,
+                job.seed,
+                eval_every=job.eval_every,
+                log=log,
+                telemetry_dir=job.telemetry_dir,
+                telemetry_run=job.telemetry_run,
+            )
             assert workload.last_model is not None  # run_method built one
             acc = heldout_accuracy(workload.last_model, workload.heldout_batches(), rank, world_size)
         except Exception as exc:

@@ -15,6 +15,10 @@ Phases, each resumable (a run whose JSON exists with the same configuration is s
 1. the lr grid of every method on every workload (seed 0);
 2. the headline methods at their best lr, seeds 1..N-1;
 3. the report: ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots.
+
+Every run also writes its per-step telemetry (each rank's JSONL in
+``<out>/telemetry/<workload>-<method>-lr<lr>-s<seed>/``; ``cokit dashboard <out>`` draws it,
+``--no-telemetry`` turns it off).
 """
 
 from __future__ import annotations
@@ -201,6 +205,7 @@ class StudyConfig:
     seeds: int
     lr_points: int
     verbose: bool = False
+    telemetry: bool = True  # each run writes out_dir/telemetry/<workload>-<method>-lr<lr>-s<seed>/
     methods_by_label: dict[str, MethodDef] = field(default_factory=method_catalog, repr=False)
 
     def method(self, label: str) -> MethodDef:
@@ -218,6 +223,7 @@ def make_config(
     lr_points: int | None = None,
     steps: int | None = None,
     verbose: bool = False,
+    telemetry: bool = True,
 ) -> StudyConfig:
     """A preset's configuration with optional overrides; raises ValueError on bad values."""
     if preset not in PRESETS:
@@ -275,6 +281,7 @@ def make_config(
         seeds=seeds,
         lr_points=points,
         verbose=verbose,
+        telemetry=telemetry,
     )
 
 
@@ -307,6 +314,11 @@ def run_path(out_dir: str, workload: str, method: str, lr: float, seed: int) -> 
     return os.path.join(out_dir, "runs", workload, method, f"lr{lr:g}-s{seed}.json")
 
 
+def telemetry_run(workload: str, method: str, lr: float, seed: int) -> str:
+    """The telemetry run name of one run (its stream: ``<out>/telemetry/<name>/rank<r>.jsonl``)."""
+    return f"{workload}-{method}-lr{lr:g}-s{seed}"
+
+
 def make_job(cfg: StudyConfig, wl: WorkloadDef, label: str, lr: float, seed: int):
     """The :class:`cokit.validation.runs.Job` for one point of the study."""
     from cokit.validation.runs import Job
@@ -324,6 +336,8 @@ def make_job(cfg: StudyConfig, wl: WorkloadDef, label: str, lr: float, seed: int
         path=run_path(cfg.out_dir, wl.name, label, lr, seed),
         key=_key(wl, spec, seed, cfg.world_size),
         extra={"about": m.about},
+        telemetry_dir=cfg.out_dir if cfg.telemetry else None,
+        telemetry_run=telemetry_run(wl.name, label, lr, seed),
     )
 
 
@@ -516,6 +530,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
     p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
     p.add_argument("--verbose", action="store_true", help="a progress line per evaluation, tracebacks")
+    p.add_argument(
+        "--no-telemetry",
+        action="store_true",
+        help="do not write each run's per-step telemetry stream (default: "
+        "<out>/telemetry/<workload>-<method>-lr<lr>-s<seed>/rank<r>.jsonl, for `cokit dashboard`)",
+    )
 
 
 def _split(value: str | None) -> list[str] | None:
@@ -539,6 +559,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         lr_points=args.lr_points,
         steps=args.steps,
         verbose=args.verbose,
+        telemetry=not getattr(args, "no_telemetry", False),
     )
 
 

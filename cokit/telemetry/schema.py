@@ -1,0 +1,202 @@
+"""The telemetry record schema ``cokit.telemetry/1``: record kinds, JSON-safe values, checks.
+
+One JSON object per line. Every record has ``schema``, ``kind``, ``run``, ``rank``,
+``world_size`` and ``time`` (unix seconds); the kinds add:
+
+* ``meta`` (the first line): ``started``, ``host``, ``pid``, ``torch``, ``triton``,
+  ``device``, ``method``, ``config``;
+* ``step`` (one per :meth:`cokit.telemetry.Monitor.step`): ``step``, ``wall_s``, ``step_s``,
+  ``loss``, ``held_out_loss``, ``lr``, ``comm`` (or null), ``compute_s``, ``kernels``,
+  ``tuner``, ``process``, ``metrics``;
+* ``summary`` (rank 0 only, when gathering): ``step``, ``step_s_max``, ``step_s_min``,
+  ``slowest_rank``, ``exposed_s_max``, ``ranks``;
+* ``end`` (on close): ``steps``, ``wall_s``.
+
+Readers ignore unknown kinds and keys (forward compatible); a partial last line (a crash
+mid-write) is skipped. Floats that are NaN or infinite are written as null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "COMMON_FIELDS",
+    "COMM_FIELDS",
+    "KIND_FIELDS",
+    "SCHEMA",
+    "check_record",
+    "clean",
+    "flatten",
+    "read_jsonl",
+]
+
+SCHEMA = "cokit.telemetry/1"
+#: keys of every record
+COMMON_FIELDS = ("schema", "kind", "run", "rank", "world_size", "time")
+#: keys each kind adds to COMMON_FIELDS
+KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "meta": ("started", "host", "pid", "torch", "triton", "device", "method", "config"),
+    "step": (
+        "step",
+        "wall_s",
+        "step_s",
+        "loss",
+        "held_out_loss",
+        "lr",
+        "comm",
+        "compute_s",
+        "kernels",
+        "tuner",
+        "process",
+        "metrics",
+    ),
+    "summary": ("step", "step_s_max", "step_s_min", "slowest_rank", "exposed_s_max", "ranks"),
+    "end": ("steps", "wall_s"),
+}
+#: keys of a step's ``comm`` object
+COMM_FIELDS = (
+    "encode_s",
+    "decode_s",
+    "exposed_s",
+    "comm_s",
+    "sent_bytes",
+    "received_bytes",
+    "dense_bytes",
+    "ratio",
+    "collectives",
+    "world_size",
+    "group_size",
+)
+KERNEL_FIELDS = ("name", "config", "blocks_per_sm", "limiter", "smem_per_block", "reserved_sms")
+
+_NUMBER = (int, float)
+
+
+def clean(value: Any) -> Any:
+    """``value`` as plain JSON data: NaN/inf floats become None, numpy/torch scalars and
+    one-element tensors become Python numbers, tuples and sets lists, mapping keys strings,
+    anything else its ``str``."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [clean(v) for v in value]
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return clean(float(value))
+    item = getattr(value, "item", None)  # numpy scalars, one-element tensors
+    if callable(item) and getattr(value, "ndim", 0) == 0:
+        try:
+            return clean(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """One flat row for tables (CSV, Parquet): nested objects become ``a.b`` columns (e.g.
+    ``comm.exposed_s``), lists JSON strings; scalars stay as they are."""
+    row: dict[str, Any] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            if value:
+                row.update(flatten(value, name + "."))
+            else:
+                row[name] = None
+        elif isinstance(value, (list, tuple)):
+            row[name] = json.dumps(value, separators=(",", ":"), allow_nan=False)
+        else:
+            row[name] = value
+    return row
+
+
+def _problem(record: Mapping[str, Any]) -> str | None:
+    missing = [k for k in COMMON_FIELDS if k not in record]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if record["schema"] != SCHEMA:
+        return f"schema is {record['schema']!r}, expected {SCHEMA!r}"
+    kind = record["kind"]
+    if kind not in KIND_FIELDS:
+        return None  # unknown kinds are allowed (and ignored by readers)
+    missing = [k for k in KIND_FIELDS[kind] if k not in record]
+    if missing:
+        return f"{kind} record misses {', '.join(missing)}"
+    if not isinstance(record["rank"], int) or not isinstance(record["world_size"], int):
+        return "rank and world_size must be integers"
+    if not 0 <= record["rank"] < record["world_size"]:
+        return f"rank {record['rank']} is outside world_size {record['world_size']}"
+    if not isinstance(record["time"], _NUMBER):
+        return "time must be a number"
+    if kind == "step":
+        if not isinstance(record["step"], int) or isinstance(record["step"], bool):
+            return "step must be an integer"
+        for key in ("wall_s", "step_s", "loss", "held_out_loss", "lr", "compute_s"):
+            v = record[key]
+            if v is not None and not isinstance(v, _NUMBER):
+                return f"{key} must be a number or null"
+        comm = record["comm"]
+        if comm is not None:
+            if not isinstance(comm, Mapping):
+                return "comm must be an object or null"
+            missing = [k for k in COMM_FIELDS if k not in comm]
+            if missing:
+                return f"comm misses {', '.join(missing)}"
+        for key in ("kernels", "tuner"):
+            if not isinstance(record[key], list):
+                return f"{key} must be a list"
+        for k in record["kernels"]:
+            missing = [f for f in KERNEL_FIELDS if f not in k]
+            if missing:
+                return f"kernel entry misses {', '.join(missing)}"
+        process = record["process"]
+        if not isinstance(process, Mapping) or not {"max_memory_bytes", "device"} <= set(process):
+            return "process must hold max_memory_bytes and device"
+        if not isinstance(record["metrics"], Mapping):
+            return "metrics must be an object"
+    return None
+
+
+def check_record(record: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming what makes ``record`` break the schema (its known kinds'
+    required keys and their types); unknown kinds and extra keys pass."""
+    if not isinstance(record, Mapping):
+        raise ValueError(f"a telemetry record is a JSON object, got {type(record).__name__}")
+    problem = _problem(record)
+    if problem is not None:
+        raise ValueError(f"not a {SCHEMA} record: {problem}")
+
+
+def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """The records of one telemetry file and the number of lines skipped (not JSON objects of
+    this schema: corrupt lines, a truncated last line)."""
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                skipped += 1
+                continue
+            if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
+                records.append(rec)
+            else:
+                skipped += 1
+    return records, skipped
