@@ -1,0 +1,462 @@
+"""The dashboard's panels: one plotly figure each, every run overlaid in its own color.
+
+Times are shown in milliseconds. Each run keeps one color on every panel (its legend group,
+so clicking a run in one legend hides it in that figure); components of the step-time split
+use their own fixed colors instead, one subplot per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from cokit.dashboard.series import RunSeries, downsample
+
+#: one color per run, in the order the runs are given
+RUN_COLORS = qualitative.Plotly + qualitative.D3
+#: step-time components (compute, encode, decode, exposed comm, hidden comm)
+PART_COLORS = {
+    "compute": "#4c78a8",
+    "encode": "#f2b447",
+    "decode": "#e8853a",
+    "exposed": "#d6404e",
+    "hidden": "rgba(120,120,120,0.9)",
+}
+TUNER_SYMBOLS = {
+    "explore": "diamond",
+    "trial": "circle-open",
+    "lock": "star",
+    "drift": "triangle-up",
+    "reject": "x",
+}
+MS = 1e3
+
+
+@dataclass
+class Panel:
+    """One section of the page: an id, a title, a short note, and the figure."""
+
+    key: str
+    title: str
+    figure: go.Figure
+    note: str = ""
+
+
+def run_color(index: int) -> str:
+    return RUN_COLORS[index % len(RUN_COLORS)]
+
+
+def _shade(color: str, t: float) -> str:
+    """``color`` (#rrggbb) mixed towards white by ``t`` in [0, 1): per-rank lines of one run."""
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
+    mix = [round(c + (255 - c) * t) for c in (r, g, b)]
+    return "#" + "".join(f"{c:02x}" for c in mix)
+
+
+def _layout(fig: go.Figure, height: int) -> go.Figure:
+    fig.update_layout(
+        template="plotly_white",
+        height=height,
+        margin={"l": 60, "r": 20, "t": 40, "b": 40},
+        legend={"orientation": "v", "x": 1.01, "xanchor": "left", "y": 1, "yanchor": "top"},
+        hovermode="closest",
+    )
+    return fig
+
+
+def _empty_note(fig: go.Figure, text: str, row: int | None = None, col: int | None = None) -> None:
+    """A message in the middle of a (sub)plot that has nothing to draw. Placed in paper
+    coordinates: plotly.js does not draw the axes of an empty subplot, so axis refs would miss."""
+    x = y = 0.5
+    if row is not None:
+        sub = fig.get_subplot(row, col or 1)
+        x, y = sum(sub.xaxis.domain) / 2, sum(sub.yaxis.domain) / 2
+    fig.add_annotation(
+        text=text, showarrow=False, font={"size": 15, "color": "#666"}, xref="paper", yref="paper", x=x, y=y
+    )
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop points with no value (x or y NaN) so sparse lines stay small and connected."""
+    keep = np.isfinite(y) & np.isfinite(np.asarray(x, dtype=float))
+    return np.asarray(x)[keep], np.asarray(y)[keep]
+
+
+# --------------------------------------------------------------------------------- panels
+def loss_panel(runs: list[RunSeries], max_points: int) -> Panel:
+    """Train and held-out loss against step, wall time and cumulative bytes sent."""
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        subplot_titles=("against step", "against wall time (s)", "against bytes sent per rank"),
+        horizontal_spacing=0.06,
+    )
+    any_loss = False
+    for i, r in enumerate(runs):
+        color = run_color(i)
+        x, (loss, held, wall, sent), _ = downsample(
+            r.steps,
+            [r.mean("loss"), r.mean("held_out_loss"), r.max("wall_s"), r.cumulative_sent()],
+            max_points,
+        )
+        for col, xs in ((1, x), (2, wall), (3, sent)):
+            for name, y, dash in (("train", loss, "solid"), ("held-out", held, "dash")):
+                px, py = _line(xs, y)
+                if not len(py):
+                    continue
+                any_loss = True
+                fig.add_trace(
+                    go.Scatter(
+                        x=px,
+                        y=py,
+                        name=f"{r.label} {name}",
+                        legendgroup=r.label,
+                        showlegend=col == 1,
+                        mode="lines+markers" if name == "held-out" else "lines",
+                        line={"color": color, "dash": dash, "width": 1.6},
+                        marker={"size": 5},
+                    ),
+                    row=1,
+                    col=col,
+                )
+    note = "" if any_loss else "no loss recorded (pass loss= to Monitor.step)"
+    if not any_loss:
+        for col in (1, 2, 3):
+            _empty_note(fig, "no loss recorded", 1, col)
+    fig.update_yaxes(title_text="loss", row=1, col=1)
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_xaxes(title_text="wall time (s)", row=1, col=2)
+    fig.update_xaxes(title_text="bytes sent (log)", type="log", row=1, col=3)
+    return Panel("loss", "Training progress: loss", _layout(fig, 420), note)
+
+
+def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
+    """Where a step's time goes, per run: compute, encode, decode and exposed communication
+    stacked; communication hidden behind compute hatched over the compute band."""
+    fig = make_subplots(
+        rows=len(runs),
+        cols=1,
+        shared_xaxes=True,
+        subplot_titles=[r.label for r in runs],
+        vertical_spacing=min(0.08, 0.3 / max(len(runs), 1)),
+    )
+    any_comm = False
+    for row, r in enumerate(runs, 1):
+        compute = r.compute_s()
+        hidden = r.hidden_comm_s()
+        parts = {
+            "compute": compute,
+            "encode": r.mean("encode_s"),
+            "decode": r.mean("decode_s"),
+            "exposed": r.mean("exposed_s"),
+        }
+        any_comm = any_comm or r.has("comm_s") or r.has("exposed_s")
+        x, ys, _ = downsample(r.steps, [*parts.values(), np.minimum(hidden, compute)], max_points)
+        names = {
+            "compute": "compute",
+            "encode": "encode",
+            "decode": "decode",
+            "exposed": "exposed communication",
+        }
+        for (key, _), y in zip(parts.items(), ys):
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=np.nan_to_num(y) * MS,
+                    name=names[key],
+                    legendgroup=key,
+                    showlegend=row == 1,
+                    stackgroup=f"run{row}",
+                    mode="lines",
+                    line={"width": 0.5, "color": PART_COLORS[key]},
+                    hovertemplate=f"{names[key]} %{{y:.3g}} ms<extra>{r.label}</extra>",
+                ),
+                row=row,
+                col=1,
+            )
+        hid = ys[-1]
+        if np.isfinite(hid).any():
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=np.nan_to_num(hid) * MS,
+                    name="hidden communication (overlapped with compute)",
+                    legendgroup="hidden",
+                    showlegend=row == 1,
+                    mode="lines",
+                    fill="tozeroy",
+                    fillcolor="rgba(255,255,255,0)",
+                    fillpattern={"shape": "/", "fgcolor": PART_COLORS["hidden"], "size": 6, "solidity": 0.3},
+                    line={"width": 0.8, "color": PART_COLORS["hidden"]},
+                    hovertemplate=f"hidden communication %{{y:.3g}} ms<extra>{r.label}</extra>",
+                ),
+                row=row,
+                col=1,
+            )
+        fig.update_yaxes(title_text="ms", row=row, col=1)
+    fig.update_xaxes(title_text="step", row=len(runs), col=1)
+    note = (
+        "Mean over ranks. Compute is the step time less encode, decode and exposed communication; "
+        "the hatched band is communication that ran while computing (comm - exposed)."
+    )
+    if not any_comm:
+        note += " No communication timing recorded."
+    return Panel("time", "Step time split", _layout(fig, 140 + 230 * len(runs)), note)
+
+
+def bytes_panel(runs: list[RunSeries], max_points: int) -> Panel:
+    """Bytes sent per step (and the dense all-reduce it replaces) and the compression ratio."""
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=("bytes sent per step per rank (dotted: dense all-reduce)", "compression ratio"),
+        horizontal_spacing=0.08,
+    )
+    any_bytes = False
+    for i, r in enumerate(runs):
+        color = run_color(i)
+        x, (sent, dense, ratio), _ = downsample(
+            r.steps, [r.mean("sent_bytes"), r.mean("dense_bytes"), r.mean("ratio")], max_points
+        )
+        for y, name, dash, col in (
+            (sent, "sent", "solid", 1),
+            (dense, "dense", "dot", 1),
+            (ratio, "ratio", "solid", 2),
+        ):
+            px, py = _line(x, y)
+            if not len(py):
+                continue
+            any_bytes = True
+            fig.add_trace(
+                go.Scatter(
+                    x=px,
+                    y=py,
+                    name=f"{r.label} {name}",
+                    legendgroup=r.label,
+                    showlegend=name == "sent",
+                    mode="lines",
+                    line={"color": color, "dash": dash, "width": 1.6},
+                ),
+                row=1,
+                col=col,
+            )
+    if not any_bytes:
+        for col in (1, 2):
+            _empty_note(fig, "no communication stats recorded", 1, col)
+    fig.update_yaxes(title_text="bytes", type="log", row=1, col=1)
+    fig.update_yaxes(title_text="dense / sent (cumulative)", row=1, col=2)
+    fig.update_xaxes(title_text="step")
+    note = "" if any_bytes else "no communication stats recorded"
+    return Panel("bytes", "Bytes and compression", _layout(fig, 400), note)
+
+
+def occupancy_panel(runs: list[RunSeries], max_points: int) -> Panel:
+    """The kernel configs in use and their blocks per SM over the steps, above the share of
+    each step spent blocked on communication."""
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        row_heights=[0.34, 0.33, 0.33],
+        subplot_titles=("kernel config in use", "blocks per SM", "exposed communication / step time"),
+        vertical_spacing=0.07,
+    )
+    any_kernel = False
+    dashes = ("solid", "dash", "dot", "dashdot", "longdash")
+    for i, r in enumerate(runs):
+        color = run_color(i)
+        for j, k in enumerate(r.kernels):
+            any_kernel = True
+            segs = k.segments()
+            idx = [i for _, _, i in segs] + [segs[-1][2]]
+            xs = [first for first, _, _ in segs] + [segs[-1][1]]
+            hover = [
+                f"{k.name}, steps {a}-{b}<br>{k.labels[i]}<br>blocks/SM {k.blocks_per_sm[i]:g}, "
+                f"limiter {k.limiter[i]}<br>smem/block {k.smem_per_block[i]:g}, reserved SMs {k.reserved_sms[i]:g}"
+                for a, b, i in [*segs, segs[-1]]
+            ]
+            common = {
+                "legendgroup": r.label,
+                "line": {"color": color, "dash": dashes[j % len(dashes)], "shape": "hv", "width": 1.6},
+                "hovertext": hover,
+                "hoverinfo": "text",
+            }
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=[f"{k.name}: {k.labels[i]}" for i in idx],
+                    name=f"{r.label} {k.name}",
+                    mode="lines+markers",
+                    marker={"size": 4},
+                    showlegend=True,
+                    **common,
+                ),
+                row=1,
+                col=1,
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=[k.blocks_per_sm[i] for i in idx],
+                    name=f"{r.label} {k.name} blocks/SM",
+                    mode="lines",
+                    showlegend=False,
+                    **common,
+                ),
+                row=2,
+                col=1,
+            )
+        x, (frac,), _ = downsample(r.steps, [r.exposed_fraction()], max_points)
+        px, py = _line(x, frac)
+        if len(py):
+            fig.add_trace(
+                go.Scatter(
+                    x=px,
+                    y=py,
+                    name=f"{r.label} exposed fraction",
+                    legendgroup=r.label,
+                    showlegend=not r.kernels,
+                    mode="lines",
+                    line={"color": color, "width": 1.4},
+                    hovertemplate="exposed %{y:.1%}<extra>" + r.label + "</extra>",
+                ),
+                row=3,
+                col=1,
+            )
+    note = ""
+    if not any_kernel:
+        note = "no kernel configs recorded"
+        _empty_note(fig, "no kernel configs recorded", 1, 1)
+        _empty_note(fig, "no kernel configs recorded", 2, 1)
+    fig.update_yaxes(title_text="blocks/SM", rangemode="tozero", row=2, col=1)
+    fig.update_yaxes(title_text="fraction", range=[0, 1], tickformat=".0%", row=3, col=1)
+    fig.update_yaxes(type="category", row=1, col=1)
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    return Panel("occupancy", "Occupancy and exposed communication", _layout(fig, 640), note)
+
+
+def ranks_panel(runs: list[RunSeries], max_points: int) -> Panel:
+    """Step time of every rank (one line each, lighter shades of the run's color) and the
+    slowest rank per step, to spot stragglers."""
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        row_heights=[0.7, 0.3],
+        subplot_titles=("step time per rank", "slowest rank"),
+        vertical_spacing=0.1,
+    )
+    notes = []
+    for i, r in enumerate(runs):
+        color = run_color(i)
+        n = len(r.ranks)
+        x, ys, _ = downsample(r.steps, list(r.per_rank["step_s"]), max_points)
+        for k, (rank, y) in enumerate(zip(r.ranks, ys)):
+            px, py = _line(x, y)
+            fig.add_trace(
+                go.Scatter(
+                    x=px,
+                    y=py * MS,
+                    name=f"{r.label} rank {rank}",
+                    legendgroup=r.label,
+                    mode="lines",
+                    line={"color": _shade(color, 0.55 * k / max(n, 1)), "width": 1.3},
+                    hovertemplate=f"rank {rank} %{{y:.3g}} ms<extra>{r.label}</extra>",
+                ),
+                row=1,
+                col=1,
+            )
+        if len(r.slowest_rank):
+            ranks, counts = np.unique(r.slowest_rank, return_counts=True)
+            top = int(ranks[np.argmax(counts)])
+            source = "rank 0's summary records" if r.slowest_from_summary else "the rank files"
+            notes.append(
+                f"{r.label}: rank {top} slowest on {counts.max() / counts.sum():.0%} of steps (from {source})"
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=r.summary_steps,
+                    y=r.slowest_rank,
+                    name=f"{r.label} slowest rank",
+                    legendgroup=r.label,
+                    showlegend=False,
+                    mode="markers",
+                    marker={"color": color, "size": 4, "symbol": "line-ew-open"},
+                    hovertemplate="slowest rank %{y}<extra>" + r.label + "</extra>",
+                ),
+                row=2,
+                col=1,
+            )
+    if not notes:
+        _empty_note(fig, "one rank per run: no stragglers to show", 2, 1)
+    fig.update_yaxes(title_text="ms", row=1, col=1)
+    fig.update_yaxes(title_text="rank", dtick=1, row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    return Panel("ranks", "Per-rank step time (stragglers)", _layout(fig, 520), "; ".join(notes))
+
+
+def tuner_panel(runs: list[RunSeries], max_points: int) -> Panel:
+    """The tuner's decisions as markers on each run's step time."""
+    fig = go.Figure()
+    total = 0
+    for i, r in enumerate(runs):
+        color = run_color(i)
+        step_ms = r.mean("step_s") * MS
+        x, (y,), _ = downsample(r.steps, [step_ms], max_points)
+        px, py = _line(x, y)
+        fig.add_trace(
+            go.Scatter(
+                x=px,
+                y=py,
+                name=f"{r.label} step time",
+                legendgroup=r.label,
+                mode="lines",
+                line={"color": color, "width": 1},
+                opacity=0.5,
+            )
+        )
+        if not r.decisions:
+            continue
+        total += len(r.decisions)
+        at = {int(s): v for s, v in zip(r.steps, step_ms)}
+        for event in sorted({d.event for d in r.decisions}):
+            ds = [d for d in r.decisions if d.event == event]
+            fig.add_trace(
+                go.Scatter(
+                    x=[d.step for d in ds],
+                    y=[at.get(d.step, np.nan) for d in ds],
+                    name=f"{r.label} {event}",
+                    legendgroup=r.label,
+                    mode="markers",
+                    marker={
+                        "color": color,
+                        "size": 11,
+                        "symbol": TUNER_SYMBOLS.get(event, "square"),
+                        "line": {"width": 1, "color": "#222"},
+                    },
+                    hovertext=[
+                        f"{d.event} at step {d.step} (rank {', '.join(map(str, d.ranks))})"
+                        f"<br>{d.reason}" + (f"<br>{d.candidate}" if d.candidate else "")
+                        for d in ds
+                    ],
+                    hoverinfo="text",
+                )
+            )
+    note = f"{total} decision(s)" if total else "no tuner decisions recorded"
+    if not total:
+        _empty_note(fig, "no tuner decisions recorded")
+    fig.update_yaxes(title_text="step time (ms)")
+    fig.update_xaxes(title_text="step")
+    return Panel("tuner", "Tuner decisions", _layout(fig, 400), note)
+
+
+PANELS = (loss_panel, time_split_panel, bytes_panel, occupancy_panel, ranks_panel, tuner_panel)
+
+
+def build_panels(runs: list[RunSeries], *, max_points: int = 2000) -> list[Panel]:
+    """Every panel of the page, in order."""
+    return [make(runs, max_points) for make in PANELS]
