@@ -26,8 +26,10 @@ $(STAMP36): pyproject.toml
 	touch $(STAMP36)
 
 # Each `make run` gets its own results folder: a second run never replaces (or is refused by) the first.
+# The demo writes its telemetry there; the dashboard (one offline HTML page) is drawn from it
+# and its path printed last.
 run: $(STAMP)
-	$(BIN)/cokit demo --out results/demo/$$(date +%Y%m%d-%H%M%S)
+	out=results/demo/$$(date +%Y%m%d-%H%M%S) && $(BIN)/cokit demo --out $$out && $(BIN)/cokit dashboard $$out
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -37,9 +39,11 @@ test-fast: $(STAMP)
 
 # The suite (all but the notebooks) on triton 3.6, the GPU image's version: the kernels under
 # the interpreter, the compile-only builds for sm_80/sm_90/gfx942, DeMo and the schedules.
-# The network, fault and policy tests run no Triton code (torch path, gloo): once is enough.
+# The network, fault, policy, timing, telemetry and dashboard tests run no Triton code (torch
+# path, gloo, a browser): once is enough.
 TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_latency.py \
-	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py
+	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py \
+	tests/test_comm_timing.py tests/test_telemetry.py tests/test_dashboard.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 

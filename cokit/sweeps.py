@@ -31,7 +31,7 @@ from cokit.triton_kernels.gemm_config import GemmConfig
 
 #: the files ``cokit sweep`` writes into its folder (names and glob patterns): a folder
 #: holding any of them holds an earlier sweep's results
-OUTPUTS = ("sweep.csv", "sweep.json", "heatmap_*.png", "timeline_best.png")
+OUTPUTS = ("sweep.csv", "sweep.json", "heatmap_*.png", "timeline_best.png", "telemetry")
 
 
 #: what the ``noise`` column means (written into sweep.json's metadata)
@@ -385,19 +385,45 @@ def _sweep_worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str,
         dtype=spec["dtype"],
         repeats=spec["repeats"],
         warmup=spec["warmup"],
-        progress=point_callbacks(rank, len(points), spec),
+        progress=point_callbacks(rank, points, spec),
     )
 
 
+class SweepTelemetry:
+    """A telemetry run per rank for a sweep (``<out>/telemetry/sweep/rank<r>.jsonl``): one
+    step line per point, its GEMM config (with occupancy) as the kernel in use and the
+    point's times, speedup and noise flag as metrics; closed after the last point."""
+
+    METRICS = ("compute_ms", "communicate_ms", "sequential_ms", "overlapped_ms", "speedup")
+
+    def __init__(self, out_dir: str, points: Sequence[SweepPoint], spec: dict[str, Any]) -> None:
+        from cokit.telemetry import Monitor
+
+        self.points = list(points)
+        config = {k: spec[k] for k in ("dtype", "repeats", "warmup")}
+        self.monitor = Monitor(out_dir, "sweep", gather=False, method="sweep", config=config)
+
+    def __call__(self, i: int, row: dict[str, Any]) -> None:
+        point = self.points[i]
+        self.monitor.add_kernel("sweep GEMM", point.config, dtype=str(row.get("dtype", "fp32")))
+        metrics = {k: row[k] for k in self.METRICS if isinstance(row.get(k), (int, float))}
+        metrics["noise"] = 1.0 if row.get("noise") else 0.0
+        self.monitor.step(i + 1, **metrics)
+        if i + 1 == len(self.points):
+            self.monitor.close()
+
+
 def point_callbacks(
-    rank: int, total: int, spec: dict[str, Any]
+    rank: int, points: Sequence[SweepPoint], spec: dict[str, Any]
 ) -> Callable[[int, dict[str, Any]], None] | None:
     """What runs on each rank as each point finishes: the progress line on rank 0 when
-    ``spec["progress"]``. Per-point sinks (e.g. a telemetry monitor per rank) join here;
-    None when there is nothing to call."""
+    ``spec["progress"]``, and the rank's telemetry when ``spec["telemetry_dir"]``; None when
+    there is nothing to call."""
     calls: list[Callable[[int, dict[str, Any]], None]] = []
     if spec.get("progress") and rank == 0:
-        calls.append(SweepProgress(total))
+        calls.append(SweepProgress(len(points)))
+    if spec.get("telemetry_dir"):
+        calls.append(SweepTelemetry(spec["telemetry_dir"], points, spec))
     if not calls:
         return None
 
@@ -418,12 +444,14 @@ def sweep_main(
     warmup: int = 1,
     device: str | None = None,
     progress: bool = False,
+    telemetry_dir: str | None = None,
 ) -> list[dict[str, Any]] | None:
     """Run the points on ``world_size`` local ranks (spawned, which inherit this process's
     environment, TRITON_INTERPRET included; in-process for 1 rank) or, under torchrun, on the
     ranks torchrun started (``world_size`` ignored). Returns every rank's rows in rank order;
     under torchrun they are gathered on rank 0 and the other ranks get ``None``. With
-    ``progress``, rank 0 prints a :class:`SweepProgress` line as each point finishes."""
+    ``progress``, rank 0 prints a :class:`SweepProgress` line as each point finishes; with
+    ``telemetry_dir``, every rank writes its :class:`SweepTelemetry` there."""
     from cokit.launch import in_torchrun, run
 
     spec: dict[str, Any] = {
@@ -432,6 +460,7 @@ def sweep_main(
         "repeats": repeats,
         "warmup": warmup,
         "progress": progress,
+        "telemetry_dir": telemetry_dir,
         "points": [
             {
                 "collective": p.collective,
@@ -451,7 +480,7 @@ def sweep_main(
             dtype=dtype,
             repeats=repeats,
             warmup=warmup,
-            progress=point_callbacks(0, len(points), spec),
+            progress=point_callbacks(0, points, spec),
         )
     per_rank = run(world_size, _sweep_worker, spec, device=spec["device"])
     return None if per_rank is None else [row for rows in per_rank for row in rows]

@@ -113,7 +113,7 @@ def _check_steps(steps: list[tuple[float, dict]], rank: int, what: str) -> None:
     for n, (wall_s, s) in enumerate(steps):
         where = f"rank {rank}, {what} step {n}"
         assert 0.0 <= s["step_exposed_s"] <= wall_s, f"{where}: exposed {s['step_exposed_s']} > step {wall_s}"
-        assert 0.0 < s["step_comm_s"], where
+        assert s["step_comm_s"] > 0.0, where
         assert s["step_encode_s"] > 0.0 and s["step_decode_s"] > 0.0, where
         assert s["step_encode_s"] + s["step_decode_s"] + s["step_exposed_s"] <= wall_s, where
         collectives = s["step_collectives"]

@@ -1,7 +1,16 @@
-"""Every notebook executes headless at its tiny default parameters, and is committed clean."""
+"""Every notebook executes headless at its tiny default parameters, and is committed clean.
+
+The kernel runs with Jupyter's own matplotlib backend (inline; nothing forces Agg here), so
+a library that switched the backend, or a figure that is drawn but not displayed, shows up
+as a missing image output: every cell tagged ``figures`` must produce as many image/png
+outputs as it displays, and a final probe cell checks the backend is still inline after
+``import cokit`` and everything the notebook called.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +21,11 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+#: notebooks whose figures and dashboard cell are checked (the overlap and training ones)
+FIGURE_NOTEBOOKS = ("01_occupancy_sweep", "02_compressed_training")
+PROBE = "import matplotlib\nprint('COKIT-BACKEND', matplotlib.get_backend())"
+#: a cell source that draws or shows a figure
+DRAWS = re.compile(r"plt\.\w+\(|savefig\(|plot_\w+\(|default_plots\(|display\(Image")
 
 
 def test_there_are_notebooks():
@@ -26,14 +40,67 @@ def test_notebook_is_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name} has outputs"
 
 
+def _tags(cell) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def _text(cell) -> str:
+    parts = []
+    for o in cell.outputs:
+        if o.output_type == "stream":
+            parts.append(o.text)
+        elif "data" in o and "text/plain" in o.data:
+            parts.append(o.data["text/plain"])
+    return "".join(parts)
+
+
+def _count(cell, mime: str) -> int:
+    return sum(1 for o in cell.outputs if mime in o.get("data", {}))
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in FIGURE_NOTEBOOKS], ids=lambda p: p.stem)
+def test_notebook_is_tagged_where_it_draws(path):
+    """Cells that draw are tagged ``figures`` (so the run below counts their images)."""
+    nb = nbformat.read(path, as_version=4)
+    drawing = [c for c in nb.cells if c.cell_type == "code" and DRAWS.search(c.source)]
+    assert drawing and all("figures" in _tags(c) for c in drawing), path.name
+    assert sum("dashboard" in _tags(c) for c in nb.cells) == 1
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     # The kernels take the torch path in the notebook kernel (the interpreter is for tests).
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("COKIT_NOTEBOOK_OUT", str(tmp_path))
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # Jupyter's default: the inline backend
+    monkeypatch.setenv("COKIT_NOTEBOOK_OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("COKIT_CACHE_DIR", str(tmp_path / "cache"))  # compile cache of notebook 01
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(PROBE))
     client = nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    probe = _text(nb.cells[-1])
+    assert "COKIT-BACKEND" in probe and "inline" in probe, probe  # nothing switched the backend
+    if path.stem not in FIGURE_NOTEBOOKS:
+        return
+    images = 0
+    for cell in nb.cells:
+        if "figures" not in _tags(cell):
+            continue
+        n = _count(cell, "image/png")
+        said = re.search(r"figures: (\d+)", _text(cell))
+        want = int(said.group(1)) if said else cell.source.count("display(")
+        assert want >= 1 and n == want, f"{path.name}: a figure cell shows {n} image(s), expected {want}"
+        images += n
+    assert images >= (4 if path.stem.startswith("01") else 2)
+    (dash,) = [c for c in nb.cells if "dashboard" in _tags(c)]
+    if importlib.util.find_spec("cokit.dashboard") is None:
+        assert "cokit.dashboard is not available" in _text(dash)
+    elif path.stem.startswith("02"):  # its runs write telemetry: the page is built and shown
+        assert _count(dash, "text/html") == 2, _text(dash)  # the link and the inline frame
+        page = tmp_path / "out" / "dashboard.html"
+        assert page.stat().st_size > 100_000  # plotly.js is inline: it works offline
+    else:  # the sweep: a page when its folder holds telemetry, else a note saying why not
+        assert _count(dash, "text/html") == 2 or "note: no dashboard" in _text(dash), _text(dash)

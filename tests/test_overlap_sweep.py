@@ -150,6 +150,17 @@ def test_cli_sweep_gloo_two_ranks(tmp_path, capfd):
         meta["world_size"] == 2 and meta["occupancy"] == CPU_OCCUPANCY and "ideal bound" in meta["noise_rule"]
     )
     assert meta["noise_rows"]["rank0"] == len(rank0) - len(clean)
+    # telemetry by default: one step line per point on every rank, its config as the kernel
+    from cokit.telemetry import read_jsonl
+
+    for rank in (0, 1):
+        records, bad = read_jsonl(tmp_path / "telemetry" / "sweep" / f"rank{rank}.jsonl")
+        steps = [r for r in records if r["kind"] == "step"]
+        assert bad == 0 and [r["step"] for r in steps] == list(range(1, 7))
+        assert [r["kind"] for r in records][::7] == ["meta", "end"]
+        ours = [r for r in rows if r["rank"] == str(rank)]
+        assert [s["metrics"]["speedup"] for s in steps] == pytest.approx([float(r["speedup"]) for r in ours])
+        assert [s["kernels"][0]["config"]["num_warps"] for s in steps] == [int(r["num_warps"]) for r in ours]
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 from cokit.cli import CliError
 
@@ -133,6 +134,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="replace an earlier sweep's results in --out (default: refuse such a folder)",
     )
     p.add_argument("--no-plots", action="store_true", help="write CSV/JSON only")
+    p.add_argument(
+        "--no-telemetry",
+        action="store_true",
+        help="do not write OUT/telemetry/sweep/rank<r>.jsonl (one line per point; cokit dashboard OUT)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -297,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             warmup=args.warmup,
             progress=lead,
+            telemetry_dir=None if args.no_telemetry else args.out,
         )
     except (RuntimeError, ValueError) as exc:
         raise CliError(f"sweep failed: {str(exc).strip().splitlines()[-1]}") from None
@@ -331,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
     files = [csv_path, json_path]
     if not args.no_plots:
         files += default_plots(rows, out)
+    if not args.no_telemetry:
+        files.append(Path(out) / "telemetry")
     if args.overwrite:  # the folder holds this sweep's results only
         remove_stale_outputs(out, OUTPUTS, files)
     print(f"done in {time.time() - t0:.1f} s; wrote:")
