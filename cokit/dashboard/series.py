@@ -16,19 +16,11 @@ from typing import Any
 import numpy as np
 
 from cokit.dashboard.reader import RunLog
+from cokit.telemetry.schema import COMM_FIELDS as SCHEMA_COMM_FIELDS
 
-#: step-record fields (top level) and ``comm`` fields read into matrices
+#: step-record fields (top level) and ``comm`` fields read into matrices (the numeric ones)
 STEP_FIELDS = ("step_s", "wall_s", "compute_s", "loss", "held_out_loss", "lr")
-COMM_FIELDS = (
-    "encode_s",
-    "decode_s",
-    "exposed_s",
-    "comm_s",
-    "sent_bytes",
-    "received_bytes",
-    "dense_bytes",
-    "ratio",
-)
+COMM_FIELDS = tuple(f for f in SCHEMA_COMM_FIELDS if f not in ("collectives", "world_size", "group_size"))
 
 
 @dataclass
