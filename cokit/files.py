@@ -17,7 +17,6 @@ import contextlib
 import fnmatch
 import io
 import os
-import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -130,7 +129,7 @@ def prepare_out_file(path: str | os.PathLike, *, overwrite: bool = False, flag: 
 def remove_stale_outputs(
     folder: str | os.PathLike, outputs: Iterable[str], written: Iterable[str | os.PathLike]
 ) -> list[Path]:
-    """After an ``--overwrite`` run: remove the files (and folders) in ``folder`` matching ``outputs`` that
+    """After an ``--overwrite`` run: remove the files in ``folder`` matching ``outputs`` that
     this run did not write (e.g. plots over axes the new run does not vary), so the folder
     holds one run's results only. Returns what was removed."""
     folder = Path(folder)
@@ -138,11 +137,7 @@ def remove_stale_outputs(
     removed = []
     for name in existing_outputs(folder, outputs):
         if name not in keep:
-            target = folder / name
             with contextlib.suppress(FileNotFoundError):
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)  # e.g. telemetry/ of a run that now writes none
-                else:
-                    target.unlink()
-                removed.append(target)
+                (folder / name).unlink()
+                removed.append(folder / name)
     return removed

@@ -31,7 +31,7 @@ from cokit.triton_kernels.gemm_config import GemmConfig
 
 #: the files ``cokit sweep`` writes into its folder (names and glob patterns): a folder
 #: holding any of them holds an earlier sweep's results
-OUTPUTS = ("sweep.csv", "sweep.json", "heatmap_*.png", "timeline_best.png", "telemetry")
+OUTPUTS = ("sweep.csv", "sweep.json", "heatmap_*.png", "timeline_best.png")
 
 
 #: what the ``noise`` column means (written into sweep.json's metadata)

@@ -117,13 +117,23 @@ class StepTiming:
                     "exposed_s": total(c.waits),
                 }
             )
+        # Blocked windows that are not one collective's wait (the DDP hook's) can hold codec
+        # work on other threads (its decode callbacks): that time is encode/decode, not waiting.
+        codec = [(at(a), at(b)) for kind in ("encode", "decode") for a, b in self.spans.get(kind, [])]
+        blocked = sum(_uncovered(at(a), at(b), codec) for a, b in self.blocked)
         return {
             "encode_s": total(self.spans.get("encode", [])),
             "decode_s": total(self.spans.get("decode", [])),
-            "exposed_s": total(self.blocked) + sum(float(c["exposed_s"]) for c in per_collective),
+            "exposed_s": blocked + sum(float(c["exposed_s"]) for c in per_collective),
             "comm_s": _union_length(intervals),
             "collectives": per_collective,
         }
+
+
+def _uncovered(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
+    """Length of ``[start, end]`` that none of ``intervals`` covers."""
+    clipped = [(max(a, start), min(b, end)) for a, b in intervals if b > start and a < end]
+    return max(end - start, 0.0) - _union_length(clipped)
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

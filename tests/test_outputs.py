@@ -311,7 +311,10 @@ def test_sweep_second_run_refuses_without_overwrite_and_replaces_with_it(tmp_pat
     assert json.loads((tmp_path / "sweep.json").read_text())["meta"]["world_size"] == 1
     names = {p.name for p in tmp_path.iterdir()}
     assert "heatmap_warps_smem.png" not in names  # the earlier plot this sweep does not draw
-    assert {"sweep.csv", "timeline_best.png", "notes.txt"} <= names
+    assert {"sweep.csv", "notes.txt", "telemetry"} <= names
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    # the best point's timeline is drawn only from a point within the physical bounds
+    assert ("timeline_best.png" in names) == any(not r.get("noise") for r in rows)
 
 
 def test_gpu_check_second_run_refuses_without_overwrite(tmp_path, capsys, monkeypatch):

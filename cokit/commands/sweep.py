@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -342,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
         files.append(Path(out) / "telemetry")
     if args.overwrite:  # the folder holds this sweep's results only
         remove_stale_outputs(out, OUTPUTS, files)
+        if args.no_telemetry:  # an earlier sweep's telemetry would pass for this one's
+            shutil.rmtree(Path(out) / "telemetry" / "sweep", ignore_errors=True)
     print(f"done in {time.time() - t0:.1f} s; wrote:")
     for f in files:
         print(f"  {f}")
