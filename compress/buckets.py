@@ -1,9 +1,9 @@
 """How a step's parameters are split into communication buckets.
 
 Per param group, tensors whose compressed payload would not be smaller than a dense
-all-reduce of their buffer (prime dimensions, tiny 1-D tensors, 0-D scalars) go into one
-*dense* bucket; the rest are packed, in reverse parameter order (the order in which backward
-produces gradients), into *compressed* buckets of at most ``cap_bytes`` of fp32 buffer each.
+all-reduce of their buffer in the gradient dtype (prime dimensions, tiny 1-D tensors, 0-D
+scalars; at large world sizes, every tensor) go into one *dense* bucket; the rest are
+packed, in reverse parameter order (the order in which backward produces gradients), into *compressed* buckets of at most ``cap_bytes`` of fp32 buffer each.
 Each compressed bucket travels as its codec's wire tensors, one all-gather each; a codec that
 is not ``bucketed`` (``reference``) gets one bucket per tensor, like the DeMo reference.
 Empty tensors (a zero dimension) have nothing to send and are in no bucket.
@@ -19,6 +19,8 @@ import torch
 from cokit.compress.payload import PayloadCodec
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels.error_feedback import payload_layout
+
+_ITEMSIZES = (1, 2, 4, 8)  # element sizes of the dtypes a gradient can have
 
 
 @dataclasses.dataclass
@@ -47,14 +49,34 @@ def sends_dense(
     codec: type[PayloadCodec],
     value_dtype: torch.dtype,
     world_size: int,
+    *,
+    dense_itemsize: int = 4,
 ) -> bool:
-    """True when a dense all-reduce of the fp32 buffer costs no more than the all-gather of
-    its compressed payload (ring volumes; world size taken as at least 2)."""
+    """True when a dense ring all-reduce of the tensor costs no more than the ring all-gather
+    of its compressed payload.
+
+    ``world_size`` is the size of the group the exchange runs over (taken as at least 2;
+    for a hierarchical exchange, the cross-node group). ``dense_itemsize`` is the element
+    size of the dense all-reduce, i.e. the gradient dtype (2 for bf16/fp16, 4 for fp32): a
+    bf16 model falls back at half the world size of an fp32 one. With ring volumes
+    ``(W-1) * payload`` against ``2 (W-1)/W * n * itemsize``, this is
+    ``W * payload >= 2 * n * itemsize`` (exact integers).
+    """
+    check_itemsize(dense_itemsize, "dense_itemsize")
     if len(shape) == 0:
         return True
     w = max(world_size, 2)
-    dense = 2 * (w - 1) * 4 * math.prod(shape) / w
-    return (w - 1) * compressed_nbytes(shape, chunk, k, codec, value_dtype) >= dense
+    return w * compressed_nbytes(shape, chunk, k, codec, value_dtype) >= 2 * dense_itemsize * math.prod(shape)
+
+
+def check_itemsize(itemsize: object, name: str) -> int:
+    """``itemsize`` if it is a dense element size in bytes (1, 2, 4 or 8), else a ValueError."""
+    if not isinstance(itemsize, int) or isinstance(itemsize, bool) or itemsize not in _ITEMSIZES:
+        raise ValueError(
+            f"{name} must be the gradient dtype's element size in bytes, one of {_ITEMSIZES} "
+            f"(2 for bf16/fp16, 4 for fp32; tensor.element_size() gives it), got {itemsize!r}"
+        )
+    return itemsize
 
 
 def make_buckets(
@@ -68,13 +90,27 @@ def make_buckets(
     world_size: int,
     *,
     all_dense: bool = False,
+    dense_itemsizes: list[int] | None = None,
 ) -> list[Bucket]:
     """Buckets for a step whose entries have param-group ``groups[i]`` and ``shapes[i]``.
 
     ``settings[g]`` holds ``compression_chunk`` and ``compression_topk`` of group ``g``.
     Dense buckets come first so that their all-reduce starts before any encoding.
     ``all_dense`` sends every tensor dense (a network policy's "go dense" decision).
+    ``world_size`` is the size of the group the exchange runs over, and
+    ``dense_itemsizes[i]`` the element size of entry i's dense all-reduce (its gradient
+    dtype; default 4, fp32, for every entry): both only decide the dense fallback
+    (:func:`sends_dense`).
     """
+    if dense_itemsizes is None:
+        itemsizes = [4] * len(shapes)
+    else:
+        if len(dense_itemsizes) != len(shapes):
+            raise ValueError(
+                f"dense_itemsizes has {len(dense_itemsizes)} entries for {len(shapes)} shapes; "
+                "give one element size per entry (its gradient's element_size())"
+            )
+        itemsizes = [check_itemsize(s, f"dense_itemsizes[{i}]") for i, s in enumerate(dense_itemsizes)]
     dense: dict[int, list[int]] = {}
     compressed: dict[int, list[int]] = {}
     for i in reversed(range(len(shapes))):
@@ -85,7 +121,12 @@ def make_buckets(
         to_dense = (
             all_dense
             or len(shapes[i]) == 0
-            or (dense_fallback and sends_dense(shapes[i], chunk, k, codec, value_dtype, world_size))
+            or (
+                dense_fallback
+                and sends_dense(
+                    shapes[i], chunk, k, codec, value_dtype, world_size, dense_itemsize=itemsizes[i]
+                )
+            )
         )
         (dense if to_dense else compressed).setdefault(g, []).append(i)
 
