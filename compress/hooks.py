@@ -12,8 +12,24 @@ by the world size and inverse-transforms: the gradient DDP hands to the optimize
 ranks' decompressed gradients, bit-identical on every rank. Tensors whose payload would not
 be smaller than a dense all-reduce (biases, norms) are all-reduced dense alongside; empty
 tensors send nothing. ``warmup_steps`` dense iterations come first (like PowerSGD's
-``start_powerSGD_iter``); the error buffers live in the state, keyed by bucket, and are
-rebuilt when DDP rebuilds its buckets (after its first iteration).
+``start_powerSGD_iter``); the error buffers live in the state, one per compressed parameter
+(keyed by the parameter, so they follow it when DDP rebuilds its buckets after its first
+iteration).
+
+Checkpoints (like PowerSGD's state): the state pickles, without its process group (the loaded
+state uses the default group: set ``state.process_group = g`` if it ran on another), and
+``state_dict()`` / ``load_state_dict()`` give a plain dict for ``torch.save``. Both name the
+error buffers after the model's parameters, so attach the state to the DDP model::
+
+    ddp_model.register_comm_hook(state.attach(ddp_model), dct_topk_hook)
+    torch.save(state.state_dict(), f"hook.rank{rank}.pt")          # one file per rank
+    # later, in a new process, on a new DDP model:
+    state = DCTTopKState(topk=32, chunk=64, warmup_steps=10).attach(new_ddp)
+    state.load_state_dict(torch.load(f"hook.rank{rank}.pt", weights_only=True))
+    new_ddp.register_comm_hook(state, dct_topk_hook)
+
+A resumed run computes bit-identical parameters to an uninterrupted one, whether the checkpoint
+was taken before or after DDP rebuilt its buckets (:mod:`cokit.compress.hook_checkpoint`).
 
 Non-finite gradients: each rank's "my bucket is not finite" flag travels in the bucket's
 dense all-reduce (``world_size`` extra elements; a bucket without dense tensors gets an
@@ -32,11 +48,13 @@ every rank); ``nonfinite="error"`` also raises (DDP reports the ``FloatingPointE
 import dataclasses
 import math
 import threading
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cokit.compress import hook_checkpoint
 from cokit.compress.buckets import sends_dense
 from cokit.compress.groups import check_process_group
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec
@@ -61,6 +79,10 @@ class DCTTopKState:
     non-finite gradient on any rank does (module docstring): ``"error"`` raises on every rank,
     ``"skip"`` hands NaN gradients so that GradScaler skips the step; in both no error buffer
     changes. ``skipped_steps`` counts the iterations skipped so.
+
+    Checkpoints (module docstring): :meth:`attach` names the error buffers after the model's
+    parameters; then :meth:`state_dict` / :meth:`load_state_dict` and pickling keep settings,
+    ``iteration``, ``skipped_steps``, ``comm_stats`` and the buffers of this rank.
     """
 
     process_group: Any = None
@@ -74,7 +96,13 @@ class DCTTopKState:
     iteration: int = 0
     skipped_steps: int = 0
     comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
-    _layouts: dict = dataclasses.field(default_factory=dict, repr=False)  # bucket index -> _BucketLayout
+    # bucket index -> _BucketLayout; id(parameter) -> its fp32 error buffer, and the parameter
+    _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _errors: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _params: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # from attach(): id(parameter) -> (name, the parameter); from unpickling: a Restored
+    _attached: "dict | None" = dataclasses.field(default=None, repr=False, compare=False)
+    _restored: "hook_checkpoint.Restored | None" = dataclasses.field(default=None, repr=False, compare=False)
     _timer: StepTimer = dataclasses.field(default_factory=StepTimer, repr=False, compare=False)
     _round: "_Round | None" = dataclasses.field(default=None, repr=False, compare=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
@@ -115,13 +143,73 @@ class DCTTopKState:
                 rnd.launch_end = self._timer.mark(device)
                 self.iteration += 1
 
-    def _layout(self, index: int, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
-        """The bucket's split and error buffers, made on first use and again when DDP rebuilds
-        its buckets (the error then restarts at zero)."""
-        layout = self._layouts.get(index)
-        if layout is None or layout.shapes != shapes:
-            layout = _BucketLayout.build(self, shapes, world, device)
-            self._layouts[index] = layout
+    def attach(self, model: torch.nn.Module) -> "DCTTopKState":
+        """Name the error buffers after ``model``'s parameters (the DDP model, or its module:
+        ``named_parameters()`` of the module either way) and return the state.
+
+        Needed before :meth:`state_dict` or pickling once the state holds buffers, and before
+        :meth:`load_state_dict` or training with an unpickled state: that is when the saved
+        buffers find their parameters (whatever DDP bucket those are in). Raises, changing
+        nothing, if the state's buffers do not fit the model or belong to another rank.
+        """
+        hook_checkpoint.attach(self, model)
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as a plain dict (tensors, numbers, strings; ``torch.save``-able
+        and readable with ``torch.load(weights_only=True)``): format, rank, world size,
+        settings, ``iteration``, ``skipped_steps``, ``comm_stats`` totals and the error buffers
+        by parameter name. The tensors are the state's own (the hook replaces, never writes
+        into, a committed buffer). Call it between iterations."""
+        return hook_checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (call :meth:`attach` first when it holds buffers).
+
+        Everything is checked before anything changes: the rank and world size must be this
+        process's, the settings that change what is computed (topk, chunk, payload,
+        value_dtype, decay, warmup_steps) must match (``nonfinite`` stays this state's), and
+        the buffers must be finite fp32 tensors of the parameters' shapes covering every
+        compressed parameter (or none). Buffers are copied onto the parameters' devices.
+        """
+        hook_checkpoint.load_state_dict(self, state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the process group, lock, timer or an iteration in flight (logged, as
+        torch's ``PowerSGDState`` does); the buffers go by parameter name (needs :meth:`attach`)."""
+        return hook_checkpoint.getstate(self)
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        """Unpickle onto the default process group (set ``state.process_group = g`` for another);
+        call :meth:`attach` with the new DDP model before training."""
+        hook_checkpoint.setstate(self, saved)
+
+    def _check_restored(self) -> None:
+        """An unpickled state's first bucket: it must be this rank's, and attached if it has buffers."""
+        restored = self._restored
+        assert restored is not None
+        if restored.origin is not None:
+            here = hook_checkpoint.rank_world(self, "dct_topk_hook")
+            hook_checkpoint.check_origin("dct_topk_hook", restored.origin, here)
+        if restored.buffers:
+            raise RuntimeError(
+                f"dct_topk_hook: this DCTTopKState was unpickled with the error buffers of "
+                f"{len(restored.buffers)} parameters: call state.attach(ddp_model) before training "
+                "so that they find their parameters"
+            )
+        self._restored = None
+
+    def _layout(
+        self, bucket: dist.GradBucket, grads: list[torch.Tensor], world: int, device
+    ) -> "_BucketLayout":
+        """The bucket's split and its parameters' error buffers, made on first use and again when
+        DDP rebuilds its buckets (the buffers follow their parameters)."""
+        params = bucket.parameters()
+        ids = tuple(map(id, params))
+        layout = self._layouts.get(bucket.index())
+        if layout is None or layout.ids != ids:
+            layout = _BucketLayout.build(self, params, [tuple(g.shape) for g in grads], world, device)
+            self._layouts[bucket.index()] = layout
         return layout
 
     def _join_round(self, last: bool) -> "_Round":
@@ -150,7 +238,7 @@ class DCTTopKState:
         if not bad:
             for d in rnd.done:
                 if d.layout is not None:
-                    d.layout.deltas = d.work
+                    self._errors.update(zip(d.layout.keys, d.work))
             return
         if self.nonfinite == "skip":
             self.skipped_steps += 1
@@ -189,30 +277,57 @@ class _Round:
 
 @dataclasses.dataclass
 class _BucketLayout:
-    """Which tensors of a DDP bucket go dense, and the codec and buffers of the others."""
+    """Which tensors of a DDP bucket go dense, and the codec and buffer keys of the others."""
 
+    ids: tuple[int, ...]  # id() of the bucket's parameters: a rebuilt bucket has others
     shapes: list[tuple[int, ...]]
     dense_idx: list[int]
     sparse_idx: list[int]
     codec: PayloadCodec | None
-    deltas: list[torch.Tensor]
+    keys: list[int]  # the sparse tensors' keys in DCTTopKState._errors
+    errors: dict  # DCTTopKState._errors (the same dict)
+
+    @property
+    def deltas(self) -> list[torch.Tensor]:
+        """The sparse tensors' error buffers, in bucket order."""
+        return [self.errors[k] for k in self.keys]
 
     @classmethod
-    def build(cls, state: DCTTopKState, shapes: list[tuple[int, ...]], world: int, device) -> "_BucketLayout":
+    def build(
+        cls,
+        state: DCTTopKState,
+        params: list[torch.Tensor],
+        shapes: list[tuple[int, ...]],
+        world: int,
+        device,
+    ) -> "_BucketLayout":
         codec_cls = get_codec(state.payload, owner="DCTTopKState")
         live = [i for i, s in enumerate(shapes) if math.prod(s) > 0]  # empty tensors send nothing
         dense_idx = [
             i
             for i in live
-            if sends_dense(shapes[i], state.chunk, state.topk, codec_cls, state.value_dtype, world)
+            if sends_dense(
+                shapes[i],
+                state.chunk,
+                state.topk,
+                codec_cls,
+                state.value_dtype,
+                world,
+                dense_itemsize=params[i].element_size(),  # dense parts travel in the gradient dtype
+            )
         ]
         sparse_idx = [i for i in live if i not in dense_idx]
         codec = None
         if sparse_idx:
             plan = payload_layout([shapes[i] for i in sparse_idx], state.chunk, state.topk)
             codec = codec_cls(plan, state.value_dtype)
-        deltas = [torch.zeros(shapes[i], dtype=torch.float32, device=device) for i in sparse_idx]
-        return cls(shapes, dense_idx, sparse_idx, codec, deltas)
+        keys = [id(params[i]) for i in sparse_idx]
+        for i, key in zip(sparse_idx, keys):
+            ref = state._params.get(key)
+            if ref is None or ref() is not params[i]:  # new (or an id reused after its parameter died)
+                state._errors[key] = torch.zeros(shapes[i], dtype=torch.float32, device=device)
+                state._params[key] = weakref.ref(params[i])
+        return cls(tuple(map(id, params)), shapes, dense_idx, sparse_idx, codec, keys, state._errors)
 
 
 def _world(state: DCTTopKState) -> int:
@@ -221,6 +336,8 @@ def _world(state: DCTTopKState) -> int:
 
 def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the average of every rank's DCT/top-k-compressed gradient (module doc)."""
+    if state._restored is not None:
+        state._check_restored()
     buffer = bucket.buffer()
     world = _world(state)
     dense_bytes = ring_allreduce_bytes(buffer.numel() * buffer.element_size(), world)
@@ -230,11 +347,7 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     flags[dist.get_rank(state.process_group)] = (~torch.isfinite(buffer)).any()
     grads = bucket.gradients()
     warmup = state.iteration < state.warmup_steps
-    layout = (
-        None
-        if warmup
-        else state._layout(bucket.index(), [tuple(g.shape) for g in grads], world, buffer.device)
-    )
+    layout = None if warmup else state._layout(bucket, grads, world, buffer.device)
     dense_idx = [] if layout is None else layout.dense_idx
     codec = None if layout is None else layout.codec
     dense_parts = [buffer] if layout is None else [grads[i].reshape(-1) for i in dense_idx]
@@ -245,7 +358,7 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     work: list[torch.Tensor] = []
     if layout is not None and codec is not None:
         with timer.span("encode", device):
-            work = [d.clone() for d in layout.deltas]  # committed once the whole iteration is finite
+            work = [state._errors[k].clone() for k in layout.keys]  # committed once all is finite
             idx, vals = ef_encode(
                 work,
                 [grads[i] for i in layout.sparse_idx],
