@@ -43,7 +43,9 @@ test-fast: $(STAMP)
 # path, gloo, a browser): once is enough.
 TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_latency.py \
 	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py \
-	tests/test_comm_timing.py tests/test_telemetry.py tests/test_dashboard.py
+	tests/test_comm_timing.py tests/test_telemetry.py tests/test_dashboard.py \
+	tests/test_fsdp.py tests/test_hierarchy.py tests/test_examples.py tests/test_hook_state.py \
+	tests/test_checkpoint.py tests/test_no_surprises.py tests/test_exchange_scaling.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 

@@ -168,18 +168,27 @@ class Communicator:
     """Collectives on one process group for one owner, with running byte counts.
 
     ``timeout``: seconds or a ``timedelta`` each collective may take (``None``/``inf``: no
-    limit of its own, the process group's timeout applies).
+    limit of its own, the process group's timeout applies). ``local=True``: a group of this
+    rank alone (nothing to exchange, e.g. parameters sharded on every mesh dimension).
+    ``timer``: share another communicator's step timer (one step timed over several groups).
     """
 
     def __init__(
-        self, process_group=None, owner: str = "cokit", timeout: float | datetime.timedelta | None = None
+        self,
+        process_group=None,
+        owner: str = "cokit",
+        timeout: float | datetime.timedelta | None = None,
+        *,
+        local: bool = False,
+        timer: StepTimer | None = None,
     ):
         self.group = process_group
         self.owner = owner
         self.timeout = parse_timeout(timeout, owner)
+        self.local = local
         self.sent = 0
         self.received = 0
-        self.timer = StepTimer()
+        self.timer = StepTimer() if timer is None else timer
 
     @property
     def distributed(self) -> bool:
@@ -187,15 +196,23 @@ class Communicator:
 
     @property
     def world_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
+        if self.local or not (dist.is_available() and dist.is_initialized()):
             return 1
         return dist.get_world_size(self.group)
 
     @property
     def rank(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
+        if self.local or not (dist.is_available() and dist.is_initialized()):
             return 0
         return dist.get_rank(self.group)
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this group's ``rank``."""
+        if self.local and dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        if not self.distributed or self.group is None:
+            return rank
+        return dist.get_global_rank(self.group, rank)
 
     @property
     def aborted(self) -> bool:
@@ -210,11 +227,16 @@ class Communicator:
         self.timer.discard()
         return counts
 
-    def take_step(self) -> tuple[int, int, StepTiming]:
-        """Close a step: ``(sent, received, timing)`` since the last reset; start again."""
+    def take_counts(self) -> tuple[int, int]:
+        """``(sent, received)`` since the last reset; start counting again (timing untouched:
+        for a communicator that shares another's timer)."""
         counts = (self.sent, self.received)
         self.sent = self.received = 0
-        return (*counts, self.timer.take())
+        return counts
+
+    def take_step(self) -> tuple[int, int, StepTiming]:
+        """Close a step: ``(sent, received, timing)`` since the last reset; start again."""
+        return (*self.take_counts(), self.timer.take())
 
     def _count(self, what: str, nbytes: int, work: Any, start: Any) -> CollectiveTiming:
         """Count and time a collective launched at ``start`` (its record goes to its Pending)."""

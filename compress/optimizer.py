@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
@@ -33,10 +35,13 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
+from cokit.compress import checkpoint
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Communicator, Pending
-from cokit.compress.groups import check_process_group
+from cokit.compress.dtensor import check_exchange_group, local, mesh_plan
+from cokit.compress.groups import NodeGroups, check_process_group
+from cokit.compress.guards import GradMarks, StepGuards, edited_message, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
@@ -98,7 +103,9 @@ class DeMo(torch.optim.Optimizer):
             overlaps the rest of backward; ``step()`` then waits and decodes. Every parameter
             must get a gradient every step, with one backward per step (no accumulation).
             Encoding works on copies of the buffers so that a non-finite gradient found late
-            can still leave every rank unchanged (one extra buffer copy per step).
+            can still leave every rank unchanged (one extra buffer copy per step). Gradients
+            must not change between backward and ``step()`` (clipping, unscaling, edits):
+            ``step()`` detects a change and raises on every rank before anything changed.
         policy: a network policy (:mod:`cokit.compress.policy`), its name (``"static"``,
             ``"bandwidth"``) or ``{"name": ..., **arguments}``. Each step it decides, from
             the previous step's wall time and time blocked in collectives (agreed over
@@ -107,6 +114,21 @@ class DeMo(torch.optim.Optimizer):
             ``delta = decay * delta + lr * grad``, parameters unchanged, counted in
             ``skipped_syncs``). Decision changes are in ``policy_log``. Default: static.
             Policies that measure need ``overlap_backward=False``.
+        hierarchy: :class:`~cokit.compress.groups.NodeGroups` (e.g. ``node_groups()``, from
+            ``LOCAL_WORLD_SIZE``) for a two-level exchange: gradients are averaged densely
+            inside each node (fast links), then compressed payloads go across nodes, between
+            the ranks with the same local rank. ``comm_stats`` counts the two levels
+            (``step_intra_*`` fields). Needs ``process_group=None`` and
+            ``overlap_backward=False``.
+
+    **DTensor parameters** (FSDP2 ``fully_shard``, :mod:`cokit.compress.dtensor`): each rank
+    steps its local shards, with tiles over each local shard. Over the mesh nothing is
+    exchanged (FSDP reduce-scatters the gradients), but the ranks agree each step on the
+    settings and on which gradients are finite. ``process_group`` is then the group DeMo
+    exchanges over: None for pure FSDP (no replicas), or for HSDP the replicate group of a 2-D
+    mesh whose shard dimension FSDP was given (``fully_shard(m, mesh=mesh["shard"])``,
+    ``process_group=mesh.get_group("replicate")``). ``overlap_backward`` is not supported
+    (FSDP overlaps its own reduce-scatter).
 
     Every rank must use the same settings: the first step (and the first after
     ``add_param_group``) compares every rank's parameters and every setting that changes what
@@ -120,8 +142,14 @@ class DeMo(torch.optim.Optimizer):
     compression_topk / compression_chunk on every rank or on none: buckets are sent before the
     step's check.) Parameters with no elements have nothing to send and are left alone.
 
-    ``state_dict()`` holds each parameter's ``delta`` buffer: it differs per rank, so every
-    rank saves and loads its own.
+    ``state_dict()`` holds a copy of each parameter's ``delta`` buffer under a key naming the
+    rank, with records of the rank, world sizes and settings that ``load_state_dict`` checks
+    before anything changes (:mod:`cokit.compress.checkpoint`); it works with ``torch.save``
+    per rank and with ``torch.distributed.checkpoint``. Each param group also exposes
+    ``compression_decay`` as ``momentum`` (an alias that momentum-cycling schedulers such as
+    ``OneCycleLR`` write; whichever of the two was written since the last step wins). DeMo on a
+    ``DistributedDataParallel`` model warns once (``DoubleSyncWarning``): the gradients would
+    be synchronized twice.
     """
 
     def __init__(
@@ -145,6 +173,7 @@ class DeMo(torch.optim.Optimizer):
         validate_payload: bool = False,
         overlap_backward: bool = False,
         policy: NetworkPolicy | str | dict[str, Any] | None = None,
+        hierarchy: NodeGroups | None = None,
     ):
         codec = get_codec(payload, owner="DeMo")
         network_policy = make_policy(policy)
@@ -183,6 +212,7 @@ class DeMo(torch.optim.Optimizer):
             compression_chunk=compression_chunk,
             weight_decay=weight_decay,
             alpha=alpha,
+            momentum=compression_decay,  # an alias that momentum-cycling LR schedulers drive
         )
         self.payload = payload
         self.codec = codec
@@ -209,7 +239,56 @@ class DeMo(torch.optim.Optimizer):
         # overlap_backward: every bucket's parameters and each parameter's bucket (made once)
         self._hook_plan: tuple[list[Bucket], list[list[torch.Tensor]], dict[int, int]] | None = None
         self._hooks: list = []  # overlap_backward: one post-accumulate-grad hook per parameter
+        self._guards = StepGuards()  # momentum alias sync, DDP double-sync warning
         super().__init__(params, defaults)
+        sync_decay(self.param_groups, compression_decay)  # a group that set only one of the two
+        self._setup_groups(process_group, timeout, hierarchy)
+
+    def _setup_groups(self, process_group, timeout, hierarchy) -> None:
+        """The exchange group (``self.comm``) and the groups that only agree each step
+        (``self._agree``: a DTensor mesh's sharded dimensions, or the node of a hierarchy)."""
+        self._mesh = mesh_plan([p for g in self.param_groups for p in g["params"]])
+        self._hierarchy = hierarchy
+        agree: list = []
+        if hierarchy is not None:
+            if not isinstance(hierarchy, NodeGroups):
+                raise TypeError(
+                    "DeMo: hierarchy must be a cokit.compress.groups.NodeGroups (e.g. node_groups()), "
+                    f"got {type(hierarchy).__name__}"
+                )
+            if self._mesh is not None:
+                raise ValueError(
+                    "DeMo: hierarchy= is for plain data parallel; with DTensor (FSDP2) parameters, "
+                    "FSDP's mesh is the node level: pass the replicate group as process_group"
+                )
+            if process_group is not None:
+                raise ValueError("DeMo: pass either process_group= or hierarchy=, not both")
+            self.comm = Communicator(hierarchy.inter, owner="DeMo.step", timeout=timeout)
+            agree = [hierarchy.intra]
+        elif self._mesh is not None:
+            check_exchange_group(self._mesh, process_group)
+            self.comm = Communicator(
+                process_group, owner="DeMo.step", timeout=timeout, local=process_group is None
+            )
+            agree = list(self._mesh.agree)
+            if process_group is not None and len(agree) == 1:  # HSDP: checked to tile the world
+                self._hierarchy = NodeGroups(intra=agree[0], inter=process_group)
+        if agree and self.policy.observes:
+            raise ValueError(
+                f"DeMo: policy {self.policy.describe()} measures the exchange group only; with DTensor "
+                "parameters or hierarchy= the ranks of a node could decide differently: use the "
+                "static policy"
+            )
+        if agree and self.overlap_backward:
+            raise ValueError(
+                "DeMo: overlap_backward=True works with plain data parallel only (not with DTensor "
+                "parameters or hierarchy=); FSDP overlaps its own reduce-scatter"
+            )
+        self._agree = [
+            Communicator(g, owner="DeMo.step", timeout=timeout, timer=self.comm.timer) for g in agree
+        ]
+        # hierarchy: the node's dense average runs on the (only) agreement group
+        self._intra = self._agree[0] if hierarchy is not None else None
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -222,6 +301,7 @@ class DeMo(torch.optim.Optimizer):
             params = params if isinstance(params, set) else list(params)  # torch rejects sets
             param_group = {**param_group, "params": params}
             self._check_group({**self.defaults, **param_group}, len(self.param_groups))
+            self._check_same_mesh(param_group["params"])
         super().add_param_group(param_group)
         self._hook_plan = None
         self._bucket_cache.clear()
@@ -237,6 +317,8 @@ class DeMo(torch.optim.Optimizer):
         _check_number(where, "lr", group["lr"], 0.0)
         _check_number(where, "weight_decay", group["weight_decay"], 0.0)
         _check_number(where, "compression_decay", group["compression_decay"], 0.0, 1.0)
+        if "momentum" in group:  # the alias of compression_decay (guards.sync_decay)
+            _check_number(where, "momentum", group["momentum"], 0.0, 1.0)
         _check_number(where, "alpha", group["alpha"], 0.0, 1.0)
         if group["alpha"] == 0:
             raise ValueError(f"{where}: alpha must be in (0, 1]; 0 would never drain the buffer")
@@ -250,6 +332,18 @@ class DeMo(torch.optim.Optimizer):
                     f"{where}: DeMo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}"
                 )
 
+    def _check_same_mesh(self, params: list) -> None:
+        """A group added after construction must live on the optimizer's mesh (or none)."""
+        if not hasattr(self, "_mesh"):  # during __init__: _setup_groups checks all groups
+            return
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        existing = [p for g in self.param_groups for p in g["params"]][:1]
+        if mesh_plan(existing + tensors, owner="DeMo.add_param_group") != self._mesh:
+            raise ValueError(
+                "DeMo.add_param_group: the new parameters are not on the optimizer's device mesh "
+                f"({self._mesh.layout if self._mesh else 'plain tensors'})"
+            )
+
     @property
     def policy_log(self) -> list[dict[str, Any]]:
         """Every change of the policy's decision: step, decision and the observation behind it."""
@@ -257,38 +351,37 @@ class DeMo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The torch.optim state (with each parameter's fp32 ``delta``), step counters and the
-        policy's state."""
-        sd = super().state_dict()
-        sd["demo"] = {
-            "steps": self._steps,
-            "skipped_steps": self.skipped_steps,
-            "skipped_syncs": self.skipped_syncs,
-            "comm_stats": self.comm_stats.as_dict(),
-            "policy": self._driver.state_dict(),
-        }
-        return sd
+        """The torch.optim state in DeMo's checkpoint format (:mod:`cokit.compress.checkpoint`):
+        each parameter's fp32 error buffer under a key naming this rank, and records of the rank,
+        world sizes, settings, optimizer type, step counters, comm_stats and policy state. Works
+        with ``torch.save`` (one file per rank) and with DCP's ``get_optimizer_state_dict``."""
+        return checkpoint.pack(self, super().state_dict())
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by this rank; ``delta`` buffers stay fp32 whatever the param dtype."""
-        deltas = {k: v["delta"].detach().clone() for k, v in state_dict["state"].items() if "delta" in v}
-        extra = state_dict.get("demo", {})
-        if "policy" in extra:
-            self._driver.load_state_dict(extra["policy"])
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "demo"})
-        params = [p for g in self.param_groups for p in g["params"]]
-        for key, delta in deltas.items():
-            p = params[key]
-            if delta.shape != p.shape:
-                raise ValueError(
-                    f"DeMo.load_state_dict: delta of parameter {key} has shape "
-                    f"{tuple(delta.shape)}, the parameter has {tuple(p.shape)}"
-                )
-            self.state[p]["delta"] = delta.to(device=p.device, dtype=torch.float32)
-        self._steps = int(extra.get("steps", 0))
-        self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self.skipped_syncs = int(extra.get("skipped_syncs", 0))
-        self.comm_stats = CommStats.from_dict(extra.get("comm_stats", {}))
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a state this rank saved. Everything is checked before anything changes: another
+        rank, world size, settings, payload, policy or optimizer type, wrong shapes, missing
+        parameters and non-finite buffers raise ``ValueError`` saying what differs.
+        ``strict=False`` (or :func:`cokit.compress.checkpoint.relaxed_loading` around DCP's
+        ``set_optimizer_state_dict``) loads what it can and warns about what it drops: another
+        rank or world size keeps settings, counters and policy and zeroes the error buffers;
+        non-finite buffers start from zero; other settings keep this optimizer's; an old
+        checkpoint without records loads unchecked. Buffers stay fp32 whatever the dtype."""
+        strict = bool(strict) and not getattr(self, "_relaxed_load", False)
+        plan = checkpoint.check_load(self, state_dict, strict)
+        for message in plan.warnings:
+            warnings.warn(message, stacklevel=2)
+        super().load_state_dict({"state": {}, "param_groups": plan.groups})
+        for p, delta in plan.deltas:
+            self.state[p]["delta"] = delta
+        self._steps = plan.counters["steps"]
+        self.skipped_steps = plan.counters["skipped_steps"]
+        self.skipped_syncs = plan.counters["skipped_syncs"]
+        if plan.policy is not None:
+            self._driver.load_state_dict(plan.policy)
+        if plan.comm_stats is not None:
+            self.comm_stats = plan.comm_stats
+        self._bucket_cache.clear()  # the loaded groups may tile or select differently
+        self._hook_plan = None
 
     # ------------------------------------------------------------------ step
     @overload
@@ -304,6 +397,7 @@ class DeMo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._guards.before_step(self.param_groups, self.defaults["compression_decay"])
         entries = self._entries()
         if self._checked_layout is None:
             self._check_layout(entries)
@@ -315,13 +409,18 @@ class DeMo(torch.optim.Optimizer):
             self._record(dense=0, synced=False)
             return loss
         dense_bytes = ring_allreduce_bytes(
-            sum(p.grad.numel() * p.grad.element_size() for _, _, p in active), self.comm.world_size
+            sum(_grad(p).numel() * _grad(p).element_size() for _, _, p in active), self._dense_world()
         )
         self._steps += 1
         if self.full_sync_every is not None and self._steps % self.full_sync_every == 0:
             self._full_sync([p for _, _, p in entries])
         self._record(dense=dense_bytes, synced=self._driver.syncing)
         return loss
+
+    def _dense_world(self) -> int:
+        """Ranks a dense all-reduce of the same gradients would span (``step_dense_bytes``):
+        the exchange group, times the node for a hierarchy."""
+        return self.comm.world_size * (self._intra.world_size if self._intra is not None else 1)
 
     def _entries(self) -> list[tuple[int, int, torch.Tensor]]:
         return [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
@@ -333,21 +432,42 @@ class DeMo(torch.optim.Optimizer):
             return None
         active = [e for e, has_grad in zip(entries, status) if has_grad]
         decision = self._driver.decision or Decision()
+        buckets = self._buckets(active, decision) if active else []
+        averages = self._node_averages(buckets, active)
+        finishers = []
+        for b, bucket in enumerate(buckets):
+            params = [active[i][2] for i in bucket.members]
+            grads = (
+                None if averages is None else _split_like(self._wait(averages[b]), [local(p) for p in params])
+            )
+            if decision.skip_sync:
+                self._accumulate(bucket.group, params, grads)
+            else:
+                finishers.append(self._launch(bucket, params, grads=grads))
+        for finish in finishers:
+            finish()
         if decision.skip_sync:
-            self._accumulate(active)
             self.skipped_syncs += 1
-        elif active:
-            buckets = self._buckets(active, decision)
-            finishers = [self._launch(b, [active[i][2] for i in b.members]) for b in buckets]
-            for finish in finishers:
-                finish()
         return active
 
-    def _accumulate(self, active) -> None:
+    def _node_averages(self, buckets: list[Bucket], active) -> list[Pending] | None:
+        """hierarchy: start the dense average of every bucket's gradients inside the node
+        (all launched first, so bucket i+1's average runs while bucket i is encoded)."""
+        if self._intra is None:
+            return None
+        return [
+            self._intra.all_reduce_mean(
+                torch.cat([_grad(active[i][2]).reshape(-1) for i in b.members]), "intra-node gradient average"
+            )
+            for b in buckets
+        ]
+
+    def _accumulate(self, gi: int, params: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
         """A skipped sync: the gradient only enters the error buffers."""
-        for gi, _, p in active:
-            group = self.param_groups[gi]
-            self._delta(p).mul_(group["compression_decay"]).add_(_grad(p).float(), alpha=group["lr"])
+        group = self.param_groups[gi]
+        grads = [_grad(p) for p in params] if grads is None else grads
+        for p, g in zip(params, grads):
+            self._delta(p).mul_(group["compression_decay"]).add_(g.float(), alpha=group["lr"])
 
     def _wait(self, pending: Pending) -> torch.Tensor:
         """Wait on a collective, counting the time blocked for the network policy."""
@@ -360,6 +480,8 @@ class DeMo(torch.optim.Optimizer):
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: launch the bucket of ``p`` once all of it is ready."""
+        if not self._ready and not self._inflight:  # the step's first hook: buckets use the decay
+            sync_decay(self.param_groups, self.defaults["compression_decay"])
         if self._hook_plan is None:
             entries = self._entries()
             if self._checked_layout is None:
@@ -381,17 +503,19 @@ class DeMo(torch.optim.Optimizer):
             self._inflight[where] = self._launch_copy(buckets[where], members[where])
 
     def _launch_copy(self, bucket: Bucket, params: list[torch.Tensor]) -> _Inflight:
-        """Encode into copies of the buffers and send the bucket with its finite flags."""
+        """Encode into copies of the buffers and send the bucket with its finite flags; mark the
+        gradients so that step() can tell whether they changed after the launch."""
         for p in params:
             if p.grad is None or p.grad.is_sparse:
                 raise RuntimeError(
                     "DeMo(overlap_backward=True): every parameter needs a dense gradient each step"
                 )
+        marks = GradMarks(params)
         flags = torch.stack([~torch.isfinite(_grad(p)).all() for p in params]).to(torch.uint8)
         _add_fingerprint(flags, self._settings_crc(), bucket.members)
         work = [self._delta(p).clone() for p in params]
         finish = self._launch(bucket, params, work)
-        return _Inflight(finish, self.comm.all_gather(flags, "gradient status exchange"), work, params)
+        return _Inflight(finish, self.comm.all_gather(flags, "gradient status exchange"), work, params, marks)
 
     def _finish_overlapped(self, entries):
         buckets = self._buckets(entries)
@@ -399,9 +523,25 @@ class DeMo(torch.optim.Optimizer):
             if b not in self._inflight:
                 self._inflight[b] = self._launch_copy(bucket, [entries[i][2] for i in bucket.members])
         inflight, self._inflight, self._ready = self._inflight, {}, set()
+        # Gradients changed after their launch (clipping, unscaling, edits) would be ignored:
+        # one byte per rank at step time makes every rank raise together.
+        changed = {b: run.marks.changed() for b, run in sorted(inflight.items())}
+        edits = None
+        if changed:  # every rank has the same buckets: all or none take part
+            mine = torch.stack([c.any() for c in changed.values()]).any().to(torch.uint8).reshape(1)
+            edits = self.comm.all_gather(mine, "gradient edit check")
         gathered = {b: run.flags.wait() for b, run in sorted(inflight.items())}
         if any(_fingerprints_differ(flags) for flags in gathered.values()):
             self._raise_settings_mismatch()
+        edited = [] if edits is None else self._wait(edits).flatten().nonzero().flatten().tolist()
+        if edited:
+            self._reset_counts()
+            local_edits = [
+                buckets[b].members[n] for b, c in changed.items() for n in c.nonzero().flatten().tolist()
+            ]
+            name = self._name(*entries[min(local_edits)]) if local_edits else None
+            ranks = [self.comm.global_rank(r) for r in edited]
+            raise RuntimeError(edited_message(ranks, self.comm.global_rank(self.comm.rank), name))
         bad = []
         for b, flags in gathered.items():
             status = flags & _STATUS_MASK
@@ -421,8 +561,21 @@ class DeMo(torch.optim.Optimizer):
 
     def _record(self, dense: int, synced: bool) -> None:
         sent, received, timing = self.comm.take_step()
+        intra_sent = intra_received = 0
+        for comm in self._agree:
+            s_, r_ = comm.take_counts()
+            intra_sent, intra_received = intra_sent + s_, intra_received + r_
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.comm_stats.record(sent, received, dense, timing, world, self.comm.world_size)
+        self.comm_stats.record(
+            sent + intra_sent,
+            received + intra_received,
+            dense,
+            timing,
+            world,
+            self.comm.world_size,
+            intra=(intra_sent, intra_received),
+            intra_group_size=math.prod(c.world_size for c in self._agree),
+        )
         self._driver.step_done(sent, dense, synced)
 
     def _name(self, gi: int, i: int, p: torch.Tensor) -> str:
@@ -453,36 +606,59 @@ class DeMo(torch.optim.Optimizer):
 
     def _check_layout(self, entries) -> None:
         """First step (and the first after ``add_param_group``), before any other collective:
-        every rank must hold the same parameters and settings. A difference raises on every
-        rank, naming it, before anything changed."""
+        every rank must hold the same parameters and settings (over the exchange group with
+        local shard shapes; over each agreement group with the global shapes and placements).
+        A difference raises on every rank, naming it, before anything changed."""
+        if self._hierarchy is not None and self._checked_layout is None:
+            self._hierarchy.check_tiling("DeMo")
+        seen: list[int] = []
+        for comm in [self.comm, *self._agree]:
+            seen += self._check_layout_on(comm, entries, globally=comm is not self.comm)
+        self._checked_layout = tuple(seen)
+
+    def _check_layout_on(self, comm: Communicator, entries, globally: bool) -> list[int]:
         settings = self._settings()
-        desc = [(gi, tuple(p.shape), str(p.dtype)) for gi, _, p in entries]
+        # ranks of a sharded dimension hold different local shards: compare the global shapes
+        desc = [
+            (gi, tuple(p.shape), str(p.dtype), str(getattr(p, "placements", "")))
+            if globally
+            else (gi, tuple(local(p).shape), str(p.dtype))
+            for gi, _, p in entries
+        ]
         key = repr((settings, desc)).encode()
         # On the parameters' device: NCCL/RCCL groups only move GPU tensors.
         mine = torch.tensor([zlib.crc32(key)], dtype=torch.int64, device=entries[0][2].device)
-        seen = self.comm.all_gather(mine, "parameter layout check").wait().flatten().tolist()
+        seen = comm.all_gather(mine, "parameter layout check").wait().flatten().tolist()
         if len(set(seen)) > 1:
-            self.comm.reset_counts()
-            everyone = self.comm.gather_objects((settings, desc))
+            self._reset_counts()
+            everyone = comm.gather_objects((settings, desc))
             for r, (_, other) in enumerate(everyone):
                 for (gi, i, p), mine_d, theirs in zip(entries, desc, other):
                     if mine_d != theirs:
                         raise ValueError(
-                            f"DeMo: parameter {self._name(gi, i, p)} is {mine_d[1:]} on rank {self.comm.rank} "
-                            f"but {theirs[1:]} on rank {r}: every rank must build the same model"
+                            f"DeMo: parameter {self._name(gi, i, p)} is {mine_d[1:]} on rank "
+                            f"{comm.global_rank(comm.rank)} but {theirs[1:]} on rank {comm.global_rank(r)}: "
+                            "every rank must build the same model"
                         )
                 if len(other) != len(desc):
                     raise ValueError(
-                        f"DeMo: rank {r} has {len(other)} parameters, rank {self.comm.rank} has "
-                        f"{len(desc)}: every rank must build the same model"
+                        f"DeMo: rank {comm.global_rank(r)} has {len(other)} parameters, rank "
+                        f"{comm.global_rank(comm.rank)} has {len(desc)}: every rank must build the same model"
                     )
-            raise ValueError(_settings_message([s for s, _ in everyone]))
-        self._checked_layout = tuple(seen)
+            raise ValueError(_settings_message([s for s, _ in everyone], comm))
+        return seen
 
-    def _raise_settings_mismatch(self) -> None:
-        """The step's settings fingerprints differ: gather every rank's settings and raise."""
+    def _reset_counts(self) -> None:
+        """A step that raised: drop its byte counts and timing marks on every group."""
         self.comm.reset_counts()
-        raise ValueError(_settings_message(self.comm.gather_objects(self._settings())))
+        for comm in self._agree:
+            comm.take_counts()
+
+    def _raise_settings_mismatch(self, comm: Communicator | None = None) -> None:
+        """The step's settings fingerprints differ: gather every rank's settings and raise."""
+        comm = comm or self.comm
+        self._reset_counts()
+        raise ValueError(_settings_message(comm.gather_objects(self._settings()), comm))
 
     def _exchange_status(self, entries) -> list[bool] | None:
         """Agree with every rank on which parameters step; None when the step is skipped."""
@@ -504,6 +680,9 @@ class DeMo(torch.optim.Optimizer):
             finite = torch.stack([torch.isfinite(_grad(entries[n][2])).all() for n in with_grad])
             flags[with_grad] = torch.where(finite, _OK, _BAD).to(torch.uint8)
         _add_fingerprint(flags, self._settings_crc(), range(len(entries)))
+        culprits: dict[int, int] = {}  # entry -> global rank of a non-finite shard found by agreement
+        for comm in self._agree:
+            flags = self._agree_status(comm, flags, entries, culprits)
         n_flags = len(entries)
         if self._driver.status_bytes:  # the previous step's times, for the network policy
             flags = torch.cat([flags, self._driver.measurement(flags.device)])
@@ -515,24 +694,49 @@ class DeMo(torch.optim.Optimizer):
         has_grad = everyone != _NO_GRAD
         mixed = (has_grad.any(0) & ~has_grad.all(0)).nonzero().flatten().tolist()
         if mixed:
-            self.comm.reset_counts()
-            gi, i, p = entries[mixed[0]]
+            self._reset_counts()
             ranks = has_grad[:, mixed[0]].nonzero().flatten().tolist()
             raise RuntimeError(
-                f"DeMo: parameter {self._name(gi, i, p)} has a gradient on ranks {ranks} only; every rank "
-                "must produce the same set of gradients (use zero_grad(set_to_none=False) or make "
-                "unused parameters take part in the loss)"
+                self._mixed_message(entries[mixed[0]], [self.comm.global_rank(r) for r in ranks])
             )
         bad = (everyone == _BAD).nonzero().tolist()
         if bad:
             if self.nonfinite == "skip":
                 self.skipped_steps += 1
                 return None
-            self.comm.reset_counts()
+            self._reset_counts()
             r, n = bad[0]
-            raise FloatingPointError(self._nonfinite_message(entries[n], r, len(bad)))
+            rank = culprits[n] if r == self.comm.rank and n in culprits else self.comm.global_rank(r)
+            raise FloatingPointError(self._nonfinite_message(entries[n], rank, len(bad)))
         self._driver.decide(measured if self._driver.status_bytes else None, self._steps + 1)
         return has_grad[0].tolist()
+
+    def _agree_status(self, comm: Communicator, flags: torch.Tensor, entries, culprits: dict[int, int]):
+        """Combine the status bytes over an agreement group (a mesh's sharded dimension, or a
+        node): a parameter is non-finite if any rank's shard is, so that the exchange group
+        then takes the same decision everywhere. Settings must agree here too."""
+        gathered = self._wait(comm.all_gather(flags, "gradient status agreement")).cpu()
+        if _fingerprints_differ(gathered):
+            self._raise_settings_mismatch(comm)
+        status = gathered & _STATUS_MASK
+        has_grad = status != _NO_GRAD
+        mixed = (has_grad.any(0) & ~has_grad.all(0)).nonzero().flatten().tolist()
+        if mixed:
+            self._reset_counts()
+            ranks = has_grad[:, mixed[0]].nonzero().flatten().tolist()
+            raise RuntimeError(self._mixed_message(entries[mixed[0]], [comm.global_rank(r) for r in ranks]))
+        bad = status == _BAD
+        for r, n in bad.nonzero().tolist():
+            culprits.setdefault(n, comm.global_rank(r))
+        combined = torch.where(bad.any(0), _BAD, status[0]).to(torch.uint8).to(flags.device)
+        return combined | (flags & ~_STATUS_MASK)
+
+    def _mixed_message(self, entry, ranks: list[int]) -> str:
+        return (
+            f"DeMo: parameter {self._name(*entry)} has a gradient on ranks {ranks} only; every rank "
+            "must produce the same set of gradients (use zero_grad(set_to_none=False) or make "
+            "unused parameters take part in the loss)"
+        )
 
     def _nonfinite_message(self, entry, rank: int, n_bad: int) -> str:
         more = f" (and {n_bad - 1} more)" if n_bad > 1 else ""
@@ -561,7 +765,7 @@ class DeMo(torch.optim.Optimizer):
             ]
             buckets = make_buckets(
                 [gi for gi, _, _ in active],
-                [tuple(p.shape) for _, _, p in active],
+                [tuple(local(p).shape) for _, _, p in active],
                 settings,
                 codec,
                 value_dtype,
@@ -569,6 +773,7 @@ class DeMo(torch.optim.Optimizer):
                 self.dense_fallback,
                 self.comm.world_size,
                 all_dense=decision.dense,
+                dense_itemsizes=[local(p).element_size() for _, _, p in active],
             )
             self._bucket_cache[key] = buckets
         return buckets
@@ -576,24 +781,36 @@ class DeMo(torch.optim.Optimizer):
     def _delta(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
         if "delta" not in state:
-            state["delta"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["delta"] = torch.zeros_like(
+                local(p), dtype=torch.float32, memory_format=torch.contiguous_format
+            )
         return state["delta"]
 
     def _launch(
-        self, bucket: Bucket, params: list[torch.Tensor], deltas: list[torch.Tensor] | None = None
+        self,
+        bucket: Bucket,
+        params: list[torch.Tensor],
+        deltas: list[torch.Tensor] | None = None,
+        *,
+        grads: list[torch.Tensor] | None = None,
     ) -> Callable[[], None]:
-        """Encode a bucket (updating ``deltas``) and start its collective; returns its decode."""
+        """Encode a bucket (updating ``deltas``; ``grads`` default: the parameters') and start
+        its collective; returns its decode."""
         group = self.param_groups[bucket.group]
         lr, wd = group["lr"], group["weight_decay"]
         beta, alpha = group["compression_decay"], group["alpha"]
         chunk, k = group["compression_chunk"], bucket.topk
         deltas = [self._delta(p) for p in params] if deltas is None else deltas
-        grads = [_grad(p) for p in params]
+        grads = [_grad(p) for p in params] if grads is None else grads
+        params = [local(p) for p in params]  # DTensor parameters are updated through their shard
         timer, device = self.comm.timer, params[0].device
 
-        if bucket.dense:
+        if bucket.dense:  # sent in the parameters' dtype, like a DDP of the same model
+            wire = functools.reduce(torch.promote_types, (p.dtype for p in params))
             with timer.span("encode", device):
-                send = torch.cat([_dense_encode(d, g, beta, lr, alpha) for d, g in zip(deltas, grads)])
+                send = torch.cat([_dense_encode(d, g, beta, lr, alpha) for d, g in zip(deltas, grads)]).to(
+                    wire
+                )
             pending = self.comm.all_reduce_mean(send, "dense all-reduce")
 
             def finish_dense() -> None:
@@ -636,7 +853,7 @@ class DeMo(torch.optim.Optimizer):
     def _full_sync(self, params: list[torch.Tensor]) -> None:
         """Average parameters with a dense all-reduce (one per dtype)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
+        for p in map(local, params):
             by_dtype.setdefault(p.dtype, []).append(p)
         pending: list[tuple[list[torch.Tensor], Pending]] = []
         for ps in by_dtype.values():
@@ -655,6 +872,7 @@ class _Inflight:
     flags: Pending
     work: list[torch.Tensor]
     params: list[torch.Tensor]
+    marks: GradMarks  # the gradients at launch (a later change raises at step)
 
 
 def _dense_encode(
@@ -706,47 +924,51 @@ def _plain(value: object, kind: type) -> object:
     return kind(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
-def _settings_message(everyone: list[dict[str, Any]]) -> str:
-    """The first setting the ranks disagree on, with each rank's value (the same text on every rank)."""
-    diff = _first_difference(everyone) or "their settings fingerprints differ"
+def _settings_message(everyone: list[dict[str, Any]], comm: Communicator) -> str:
+    """The first setting the ranks of ``comm`` disagree on, with each rank's value (global
+    ranks; the same text on every rank of the group)."""
+    ranks = [comm.global_rank(r) for r in range(len(everyone))]
+    diff = _first_difference(everyone, ranks) or "their settings fingerprints differ"
     return (
         f"DeMo: the ranks disagree: {diff}; nothing changed. Every rank must use the same "
         "settings and change them the same way (e.g. step an LR scheduler on every rank)"
     )
 
 
-def _first_difference(everyone: list[dict[str, Any]]) -> str | None:
+def _first_difference(everyone: list[dict[str, Any]], ranks: list[int]) -> str | None:
     def differ(values: Sequence[object]) -> bool:
         return len({repr(v) for v in values}) > 1
 
     for key in everyone[0]:
         if key != "groups" and differ(values := [s[key] for s in everyone]):
-            return f"setting {key!r} is " + _per_rank(values)
+            return f"setting {key!r} is " + _per_rank(values, ranks)
     if differ(counts := [len(s["groups"]) for s in everyone]):
-        return "the number of param groups is " + _per_rank(counts)
+        return "the number of param groups is " + _per_rank(counts, ranks)
     for gi in range(len(everyone[0]["groups"])):
         for key in _GROUP_SETTINGS:
             if differ(values := [s["groups"][gi][key] for s in everyone]):
-                return f"param group {gi} setting {key!r} is " + _per_rank(values)
+                return f"param group {gi} setting {key!r} is " + _per_rank(values, ranks)
     return None
 
 
-def _per_rank(values: Sequence[object]) -> str:
-    """``0.01 on ranks [0, 2], 0.02 on rank [1]`` (at most 8 ranks listed per value)."""
-    ranks: dict[str, list[int]] = {}
-    for r, v in enumerate(values):
-        ranks.setdefault(repr(v), []).append(r)
+def _per_rank(values: Sequence[object], ranks: list[int]) -> str:
+    """``0.01 on ranks [0, 2], 0.02 on rank [1]`` (``values[j]`` is rank ``ranks[j]``'s; at
+    most 8 ranks listed per value)."""
+    by_value: dict[str, list[int]] = {}
+    for r, v in zip(ranks, values):
+        by_value.setdefault(repr(v), []).append(r)
     parts = []
-    for v, rs in ranks.items():
+    for v, rs in by_value.items():
         listed = ", ".join(map(str, rs[:8])) + (f", ... ({len(rs)} ranks)" if len(rs) > 8 else "")
         parts.append(f"{v} on rank{'s' if len(rs) > 1 else ''} [{listed}]")
     return ", ".join(parts)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``p`` (its local shard for a DTensor)."""
     if p.grad is None:
         raise RuntimeError(f"DeMo: parameter {tuple(p.shape)} lost its gradient during the step")
-    return p.grad
+    return local(p.grad)
 
 
 def _positive_int(v: object) -> bool:

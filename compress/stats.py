@@ -42,6 +42,9 @@ class CommStats:
     (through :meth:`settle`, :meth:`as_dict` or the ``step_*_s`` properties), so that a step
     never waits on the GPU; :meth:`record` settles the previous step first.
     ``world_size`` is the global world, ``group_size`` the size of the group exchanged over.
+    Two-level exchanges (``DeMo(hierarchy=...)``, DTensor meshes) also count the part of the
+    bytes that stays inside a node or shard group (``*_intra_*``; included in ``*_sent_bytes``
+    and ``*_received_bytes``); ``intra_group_size`` is that group's size (1: one level).
     """
 
     steps: int = 0
@@ -53,6 +56,11 @@ class CommStats:
     total_dense_bytes: int = 0
     world_size: int = 1
     group_size: int = 1
+    intra_group_size: int = 1
+    step_intra_sent_bytes: int = 0
+    step_intra_received_bytes: int = 0
+    total_intra_sent_bytes: int = 0
+    total_intra_received_bytes: int = 0
     total_encode_s: float = 0.0
     total_decode_s: float = 0.0
     total_exposed_s: float = 0.0
@@ -75,14 +83,23 @@ class CommStats:
         timing: StepTiming | None = None,
         world_size: int | None = None,
         group_size: int | None = None,
+        *,
+        intra: tuple[int, int] = (0, 0),
+        intra_group_size: int | None = None,
     ) -> None:
-        """Close one step with its byte counts and (optionally) its timing marks."""
+        """Close one step with its byte counts and (optionally) its timing marks; ``intra``:
+        the ``(sent, received)`` part of them inside a node or shard group."""
         self.settle()
         self.steps += 1
         self.step_sent_bytes, self.step_received_bytes, self.step_dense_bytes = sent, received, dense
         self.total_sent_bytes += sent
         self.total_received_bytes += received
         self.total_dense_bytes += dense
+        self.step_intra_sent_bytes, self.step_intra_received_bytes = intra
+        self.total_intra_sent_bytes += intra[0]
+        self.total_intra_received_bytes += intra[1]
+        if intra_group_size is not None:
+            self.intra_group_size = intra_group_size
         if world_size is not None:
             self.world_size = world_size
         if group_size is not None:

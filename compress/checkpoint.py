@@ -1,0 +1,460 @@
+"""DeMo checkpoints that cannot load wrongly: plain ``torch.save`` files and DCP.
+
+``DeMo.state_dict()`` (format 2) is a torch.optim state dict laid out for both uses:
+
+* ``state[i] = {"delta_rank<R>": fp32 buffer}`` for every parameter (zeros before its first
+  gradient), ``R`` the global rank: each rank's error buffer differs, so it lives in an entry
+  of its own (``torch.distributed.checkpoint`` writes equal keys of several ranks only once);
+* ``param_groups[0]["demo"]``: a JSON record shared by the ranks: format, optimizer type, world
+  sizes, the settings (``DeMo._settings()`` without the per-group ones, which are the param
+  groups themselves), the step counters and the network policy's state;
+* ``param_groups[0]["demo_rank<R>"]``: this rank's JSON record: its ranks, world sizes and
+  ``comm_stats``.
+
+Why there: DCP's ``get_optimizer_state_dict`` keeps only ``state`` (keyed by parameter) and
+``param_groups``, and ``dcp.load`` fills only the keys the loading optimizer asks for; a JSON
+string is one leaf, so a record always loads whole. :func:`check_load` validates a state
+against an optimizer before anything changes; :meth:`DeMo.load_state_dict` applies the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import re
+from collections.abc import Iterator, Mapping
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from cokit.compress.dtensor import local
+from cokit.compress.stats import CommStats
+
+if TYPE_CHECKING:
+    from cokit.compress.optimizer import DeMo
+
+__all__ = ["FORMAT", "LoadPlan", "check_load", "pack", "records", "relaxed_loading"]
+
+FORMAT = 2
+COMMON_KEY = "demo"
+_RANK_KEY = re.compile(r"^demo_rank(\d+)$")
+_DELTA_KEY = re.compile(r"^delta_rank(\d+)$")
+_WHERE = "DeMo.load_state_dict"
+_IDENTITY = ("rank", "world", "group_rank", "group_world")
+
+
+def rank_key(rank: int) -> str:
+    """The param-group key of global rank ``rank``'s record."""
+    return f"demo_rank{rank}"
+
+
+def delta_key(rank: int) -> str:
+    """The per-parameter state key of global rank ``rank``'s error buffer."""
+    return f"delta_rank{rank}"
+
+
+def identity(opt: DeMo) -> dict[str, int]:
+    """This process's place: global rank and world, and its rank and size in DeMo's group."""
+    on = dist.is_available() and dist.is_initialized()
+    return {
+        "rank": dist.get_rank() if on else 0,
+        "world": dist.get_world_size() if on else 1,
+        "group_rank": opt.comm.rank,
+        "group_world": opt.comm.world_size,
+    }
+
+
+def _settings(opt: DeMo) -> dict[str, Any]:
+    """The optimizer-wide settings as JSON values (the per-group ones travel as param groups)."""
+    return json.loads(json.dumps({k: v for k, v in opt._settings().items() if k != "groups"}))
+
+
+def pack(opt: DeMo, sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` (torch's ``Optimizer.state_dict()`` of ``opt``) in DeMo's format 2."""
+    who = identity(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    state: dict[Any, dict[str, torch.Tensor]] = {}
+    for i, p in zip(ids, params):
+        delta = opt.state[p].get("delta") if p in opt.state else None
+        if delta is None:  # no gradient yet: the buffer is zero (present, so DCP can load it)
+            shard = local(p)
+            delta = torch.zeros(shard.shape, dtype=torch.float32, device=shard.device)
+        # a copy: DCP's load writes into the dict it is given, and nothing may change before
+        # load_state_dict has checked the checkpoint
+        state[i] = {delta_key(who["rank"]): delta.clone()}
+    common = {
+        "format": FORMAT,
+        "optimizer": type(opt).__name__,
+        "world": who["world"],
+        "group_world": who["group_world"],
+        "settings": _settings(opt),
+        "steps": opt._steps,
+        "skipped_steps": opt.skipped_steps,
+        "skipped_syncs": opt.skipped_syncs,
+        "policy": opt._driver.state_dict(),
+    }
+    mine = {"format": FORMAT, **who, "comm_stats": opt.comm_stats.as_dict()}
+    groups = [dict(g) for g in sd["param_groups"]]
+    groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
+    groups[0][rank_key(who["rank"])] = json.dumps(mine, sort_keys=True)
+    return {**sd, "state": state, "param_groups": groups}
+
+
+def records(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """The DeMo records of a format-2 state dict: ``{"common": {...}, "ranks": {rank: {...}}}``
+    (what ``torch.load`` of a saved state can be inspected with)."""
+    groups = sd.get("param_groups") or [{}]
+    g0 = groups[0] if isinstance(groups[0], Mapping) else {}
+    common = g0.get(COMMON_KEY)
+    ranks = {int(m[1]): json.loads(v) for k, v in g0.items() if (m := _RANK_KEY.match(str(k)))}
+    return {"common": json.loads(common) if isinstance(common, str) else None, "ranks": ranks}
+
+
+@contextlib.contextmanager
+def relaxed_loading(opt: DeMo) -> Iterator[None]:
+    """Within the block, ``opt.load_state_dict(sd)`` behaves as ``load_state_dict(sd,
+    strict=False)``: for loads that go through other code, such as DCP's
+    ``set_optimizer_state_dict`` / ``set_state_dict``."""
+    before = getattr(opt, "_relaxed_load", False)
+    opt._relaxed_load = True
+    try:
+        yield
+    finally:
+        opt._relaxed_load = before
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """What a validated load changes: param groups (for torch's loader), buffers, counters,
+    the policy state and comm stats (None: keep the optimizer's), and the warnings to give."""
+
+    groups: list[dict[str, Any]]
+    deltas: list[tuple[torch.Tensor, torch.Tensor]]
+    counters: dict[str, int]
+    policy: dict[str, Any] | None
+    comm_stats: CommStats | None
+    warnings: list[str]
+
+
+def check_load(opt: DeMo, sd: object, strict: bool) -> LoadPlan:
+    """Validate ``sd`` against ``opt`` (nothing changes here) and return the load plan.
+
+    Raises ``TypeError``/``ValueError`` naming what differs and what to do; with
+    ``strict=False`` the relaxable differences (another rank or world size, other settings,
+    an old checkpoint without records, non-finite buffers) become warnings in the plan.
+    """
+    if not (
+        isinstance(sd, Mapping)
+        and isinstance(sd.get("state"), Mapping)
+        and isinstance(sd.get("param_groups"), list)
+        and all(isinstance(g, Mapping) and "params" in g for g in sd["param_groups"])
+    ):
+        raise TypeError(
+            f"{_WHERE}: expected an optimizer state dict ({{'state': ..., 'param_groups': [...]}}, "
+            f"from DeMo.state_dict()), got {type(sd).__name__}"
+            + (f" with keys {sorted(map(str, sd))}" if isinstance(sd, Mapping) else "")
+        )
+    saved_groups = sd["param_groups"]
+    g0 = saved_groups[0] if saved_groups else {}
+    warns: list[str] = []
+    fmt = _format_of(opt, sd, g0)
+    if fmt == 1 and strict:
+        raise ValueError(
+            f"{_WHERE}: this checkpoint has the old format (no rank, world size or settings "
+            "records: saved by cokit before checkpoint format 2), so DeMo cannot check that it "
+            "belongs to this rank. If every rank loads the file it saved itself, at the same world "
+            "size and settings, load it with load_state_dict(sd, strict=False) (it warns); "
+            "otherwise start DeMo afresh and save again"
+        )
+    groups = _check_groups(opt, saved_groups)
+    id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), _params(opt)))
+    who = identity(opt)
+    keep_rank = True
+    if fmt == 1:
+        warns.append(
+            f"{_WHERE}: loading an old-format checkpoint (no rank/world records): nothing checks "
+            "that this rank saved it; save again to get a checked checkpoint"
+        )
+        extra = sd.get(COMMON_KEY, {})
+        common = {k: extra.get(k, 0) for k in ("steps", "skipped_steps", "skipped_syncs")}
+        common["policy"] = extra.get("policy")
+        mine: dict[str, Any] | None = {"comm_stats": extra.get("comm_stats", {})}
+        key = "delta"
+    else:
+        common, mine = _parse_records(g0, who)
+        keep_rank = _check_world(common, mine, who, strict, warns)
+        _check_settings(opt, common, strict, warns)
+        key = delta_key(who["rank"])
+    deltas = _check_deltas(opt, sd["state"], id_map, key, keep_rank, fmt, strict, warns)
+    counters = {k: common.get(k, 0) for k in ("steps", "skipped_steps", "skipped_syncs")}
+    for name, value in counters.items():
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"{_WHERE}: the saved {name} is {value!r}, not a count; the file is damaged")
+    policy = _check_policy(opt, common.get("policy"), strict, warns)
+    stats = None
+    if keep_rank and mine is not None:
+        try:
+            stats = CommStats.from_dict(mine.get("comm_stats", {}))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{_WHERE}: the saved comm_stats do not load ({exc}); the file is damaged"
+            ) from None
+    else:
+        warns.append(f"{_WHERE}: comm_stats start again from zero (this rank's record was dropped)")
+        stats = CommStats()
+    return LoadPlan(groups, deltas, counters, policy, stats, warns)
+
+
+def _params(opt: DeMo) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _format_of(opt: DeMo, sd: Mapping[str, Any], g0: Mapping[str, Any]) -> int:
+    """2 (records present) or 1 (DeMo before format 2); anything else raises, saying whose it is."""
+    if COMMON_KEY in g0:
+        return 2
+    entries = [v for v in sd["state"].values() if isinstance(v, Mapping)]
+    keys = sorted({str(k) for v in entries for k in v})
+    if COMMON_KEY in sd and all(set(v) <= {"delta"} for v in entries):
+        return 1
+    if keys and all(_DELTA_KEY.match(k) for k in keys):
+        raise ValueError(
+            f"{_WHERE}: the state has DeMo's per-rank buffers but param group 0 has no 'demo' "
+            "record: something dropped it (DCP with StateDictOptions(flatten_optimizer_state_dict="
+            "True) does; use the default options), or the dict was edited"
+        )
+    group_keys = sorted(set(g0) - {"params", "param_names", "differentiable"} - set(opt.defaults))
+    raise ValueError(
+        f"{_WHERE}: this is not a DeMo state dict (it has no 'demo' record"
+        + (f"; its state holds {keys}" if keys else "")
+        + (f"; its param groups have {group_keys}" if group_keys else "")
+        + "): it was saved by another optimizer (e.g. torch.optim.AdamW). Load it into the "
+        "optimizer that saved it; to switch a run to DeMo, load only the model and start DeMo afresh"
+    )
+
+
+def _check_groups(opt: DeMo, saved: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The saved param groups without DeMo's records, checked against ``opt``'s."""
+    live = opt.param_groups
+    if len(saved) != len(live):
+        raise ValueError(
+            f"{_WHERE}: the checkpoint has {len(saved)} param groups, this optimizer has {len(live)}; "
+            "build the optimizer with the param groups it was saved with"
+        )
+    out = []
+    for gi, (s, g) in enumerate(zip(saved, live)):
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(
+                f"{_WHERE}: param group {gi} has {len(s['params'])} parameters in the checkpoint, "
+                f"{len(g['params'])} here; build the same model (and groups) as when saving"
+            )
+        names, saved_names = g.get("param_names"), s.get("param_names")
+        if names is not None and saved_names is not None and list(names) != list(saved_names):
+            n = next(i for i, (a, b) in enumerate(zip(names, saved_names)) if a != b)
+            raise ValueError(
+                f"{_WHERE}: param group {gi} parameter {n} is {saved_names[n]!r} in the checkpoint but "
+                f"{names[n]!r} here; build the same model, with its parameters in the same order"
+            )
+        missing = sorted(set(_group_settings()) - set(s))
+        if missing:
+            raise ValueError(f"{_WHERE}: saved param group {gi} lacks DeMo's settings {missing}")
+        group = {k: v for k, v in s.items() if not (k == COMMON_KEY or _RANK_KEY.match(str(k)))}
+        opt._check_group({**group, "params": []}, gi)
+        out.append(group)
+    return out
+
+
+def _group_settings() -> tuple[str, ...]:
+    from cokit.compress.optimizer import _GROUP_SETTINGS  # here: optimizer imports this module
+
+    return tuple(_GROUP_SETTINGS)
+
+
+def _parse_records(
+    g0: Mapping[str, Any], who: dict[str, int]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The shared record and this rank's (None when the state holds other ranks' only)."""
+    try:
+        common = json.loads(g0[COMMON_KEY])
+        ranks = {int(m[1]): json.loads(v) for k, v in g0.items() if (m := _RANK_KEY.match(str(k)))}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{_WHERE}: the DeMo records do not parse ({exc}); the file is damaged") from None
+    if not isinstance(common, dict) or common.get("format") != FORMAT:
+        raise ValueError(
+            f"{_WHERE}: checkpoint format {common.get('format') if isinstance(common, dict) else None!r}"
+            f", this cokit reads format {FORMAT}; load it with the cokit version that saved it"
+        )
+    if common.get("optimizer") != "DeMo":
+        raise ValueError(
+            f"{_WHERE}: the checkpoint was saved by optimizer {common.get('optimizer')!r}, not DeMo"
+        )
+    common["_ranks"] = sorted(ranks)
+    return common, ranks.get(who["rank"])
+
+
+def _check_world(
+    common: dict[str, Any], mine: dict[str, Any] | None, who: dict[str, int], strict: bool, warns: list[str]
+) -> bool:
+    """True when this rank's buffers can load: same world sizes, and the record is this rank's."""
+    saved = f"world size {common.get('world')} (DeMo group size {common.get('group_world')})"
+    here = f"world size {who['world']} (DeMo group size {who['group_world']})"
+    problem = None
+    if (common.get("world"), common.get("group_world")) != (who["world"], who["group_world"]):
+        problem = (
+            f"the checkpoint was saved at {saved}, this run has {here}: each rank's error buffers "
+            "belong to the rank that saved them"
+        )
+    elif mine is None:
+        problem = (
+            f"this state holds the records of rank(s) {common['_ranks']}, this is rank {who['rank']}: "
+            "every rank must load the state it saved itself (saving on rank 0 only loses the other "
+            "ranks' error buffers: save on every rank, one file each, or use torch.distributed.checkpoint)"
+        )
+    elif any(mine.get(k) != who[k] for k in _IDENTITY):
+        diff = ", ".join(f"{k} {mine.get(k)!r} (here {who[k]})" for k in _IDENTITY if mine.get(k) != who[k])
+        problem = f"this rank's record says {diff}: the file belongs to another rank or run"
+    if problem is None:
+        return True
+    if strict:
+        raise ValueError(
+            f"{_WHERE}: {problem}. Nothing changed. Load each rank's own checkpoint at the world "
+            "size it was saved at, or pass strict=False (DCP: with cokit.compress.checkpoint."
+            "relaxed_loading(opt)) to keep the settings, counters and policy and start the error "
+            "buffers from zero"
+        )
+    warns.append(
+        f"{_WHERE}: {problem}; strict=False: dropped this rank's error buffers (zero) and comm_stats"
+    )
+    return False
+
+
+def _check_settings(opt: DeMo, common: dict[str, Any], strict: bool, warns: list[str]) -> None:
+    saved, here = common.get("settings") or {}, _settings(opt)
+    diffs = []
+    for k in sorted(set(saved) | set(here)):
+        if saved.get(k) != here.get(k):
+            if k == "policy":
+                diffs.append(
+                    f"the checkpoint was saved with policy {saved.get(k)}, this optimizer has {here.get(k)}"
+                )
+            else:
+                diffs.append(
+                    f"setting {k!r} was {saved.get(k)!r} when saved, this optimizer has {here.get(k)!r}"
+                )
+    if not diffs:
+        return
+    if strict:
+        raise ValueError(
+            f"{_WHERE}: {'; '.join(diffs)}. Nothing changed. Build DeMo with the settings it was saved "
+            "with, or pass strict=False to load the buffers under this optimizer's settings"
+        )
+    warns.append(f"{_WHERE}: {'; '.join(diffs)}; strict=False: kept this optimizer's settings")
+
+
+def _check_deltas(
+    opt: DeMo,
+    state: Mapping[Any, Any],
+    id_map: dict[Any, torch.Tensor],
+    key: str,
+    keep: bool,
+    fmt: int,
+    strict: bool,
+    warns: list[str],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(param, fp32 buffer copy)`` for every buffer that loads."""
+    names = {
+        id(p): opt._name(gi, i, p) for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])
+    }
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    found: set[int] = set()
+    bad: list[str] = []
+    for k, entry in state.items():
+        if k not in id_map:
+            raise ValueError(
+                f"{_WHERE}: the state has an entry for parameter {k!r}, which no param group of the "
+                "checkpoint lists; the file is damaged"
+            )
+        p = id_map[k]
+        if not isinstance(entry, Mapping) or (keep and set(map(str, entry)) - {key}):
+            others = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+            raise ValueError(
+                f"{_WHERE}: the state of {names[id(p)]} holds {others}, expected {[key]}: it was "
+                "saved by another rank or optimizer"
+            )
+        if not keep:
+            continue
+        delta = entry.get(key)
+        if delta is None:
+            continue
+        shard = local(p)
+        if not isinstance(delta, torch.Tensor) or not delta.is_floating_point():
+            raise ValueError(
+                f"{_WHERE}: the buffer of {names[id(p)]} is {type(delta).__name__}, not a float tensor"
+            )
+        if tuple(delta.shape) != tuple(shard.shape):
+            raise ValueError(
+                f"{_WHERE}: the buffer of {names[id(p)]} has shape {tuple(delta.shape)}, the parameter"
+                f"{' shard' if shard is not p else ''} has {tuple(shard.shape)}: build the same model "
+                "(and sharding) as when saving"
+            )
+        if not bool(torch.isfinite(delta).all()):
+            bad.append(names[id(p)])
+            continue
+        found.add(id(p))
+        out.append((p, delta))
+    if bad:
+        what = f"non-finite values in the error buffers of {', '.join(bad[:4])}" + (
+            f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+        )
+        if strict:
+            raise ValueError(
+                f"{_WHERE}: {what}: the checkpoint was saved after a NaN/inf reached them and those "
+                "parameters would never move again. Nothing changed. Resume from an earlier "
+                "checkpoint, or pass strict=False to start those buffers from zero"
+            )
+        warns.append(f"{_WHERE}: {what}; strict=False: those buffers start from zero")
+    if keep and fmt == 2:
+        missing = [names[id(p)] for p in _params(opt) if p.requires_grad and id(p) not in found]
+        missing = [n for n in missing if n not in bad]
+        if missing:
+            text = f"no error buffer for {', '.join(missing[:4])}" + (
+                f" (and {len(missing) - 4} more)" if len(missing) > 4 else ""
+            )
+            if strict:
+                raise ValueError(
+                    f"{_WHERE}: {text}; DeMo.state_dict() saves one for every parameter. Build the same "
+                    "model as when saving, or pass strict=False to start them from zero"
+                )
+            warns.append(f"{_WHERE}: {text}; strict=False: they start from zero")
+    return [
+        (p, d.detach().to(device=local(p).device, dtype=torch.float32, copy=True).contiguous())
+        for p, d in out
+    ]
+
+
+def _check_policy(opt: DeMo, saved: object, strict: bool, warns: list[str]) -> dict[str, Any] | None:
+    """The policy state to load (validated on a copy of the policy), or None to keep it."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{_WHERE}: the saved policy record is {type(saved).__name__}; the file is damaged")
+    if saved.get("policy") != opt.policy.describe():
+        message = (
+            f"the checkpoint was saved with policy {saved.get('policy')}, this optimizer has "
+            f"{opt.policy.describe()}"
+        )
+        if strict:  # _check_settings raised already unless the settings record was edited
+            raise ValueError(f"{_WHERE}: {message}; build it with the same policy")
+        warns.append(f"{_WHERE}: {message}; strict=False: the policy starts afresh")
+        return None
+    probe = copy.deepcopy(opt.policy)
+    try:
+        probe.load_state_dict(saved.get("state", {}))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"{_WHERE}: the saved policy state does not load: {exc}") from None
+    return saved
