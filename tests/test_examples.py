@@ -1,0 +1,30 @@
+"""The README's torchrun examples run and end with bit-identical replicas."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("nproc", "args"),
+    [
+        (2, ["--mode", "fsdp"]),
+        (4, ["--mode", "hsdp", "--replicas", "2"]),
+        (4, ["--mode", "hierarchy", "--ranks-per-node", "2"]),
+    ],
+)
+def test_two_level_example_under_torchrun(nproc, args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--standalone", str(ROOT / "examples" / "two_level.py"), "--steps", "6", *args]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "bit-identical weights" in proc.stdout, proc.stdout
+    assert "step   5  loss" in proc.stdout
