@@ -408,9 +408,7 @@ def _check_deltas(
         found.add(id(p))
         out.append((p, delta))
     if bad:
-        what = f"non-finite values in the error buffers of {', '.join(bad[:4])}" + (
-            f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
-        )
+        what = f"non-finite values in the error buffers of {_listing(bad)}"
         if strict:
             raise ValueError(
                 f"{_WHERE}: {what}: the checkpoint was saved after a NaN/inf reached them and those "
@@ -422,9 +420,7 @@ def _check_deltas(
         missing = [names[id(p)] for p in _params(opt) if p.requires_grad and id(p) not in found]
         missing = [n for n in missing if n not in bad]
         if missing:
-            text = f"no error buffer for {', '.join(missing[:4])}" + (
-                f" (and {len(missing) - 4} more)" if len(missing) > 4 else ""
-            )
+            text = f"no error buffer for {_listing(missing)}"
             if strict:
                 raise ValueError(
                     f"{_WHERE}: {text}; DeMo.state_dict() saves one for every parameter. Build the same "
@@ -458,3 +454,9 @@ def _check_policy(opt: DeMo, saved: object, strict: bool, warns: list[str]) -> d
     except (TypeError, ValueError, KeyError) as exc:
         raise ValueError(f"{_WHERE}: the saved policy state does not load: {exc}") from None
     return saved
+
+
+def _listing(names: list[str], shown: int = 4) -> str:
+    """``a, b, c, d (and 3 more)``."""
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -33,3 +33,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def byte_counts(stats: dict) -> dict:
     """``CommStats.as_dict()`` without its timing (seconds differ between equal runs)."""
     return {k: v for k, v in stats.items() if not k.endswith("_s") and k != "step_collectives"}
+
+
+class SmallNet(torch.nn.Module):
+    """A two-layer regression net with a LayerNorm (130 wide: odd tiles) for DeMo tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(24, 130)
+        self.norm = torch.nn.LayerNorm(130)
+        self.b = torch.nn.Linear(130, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def regression_data(rank: int, n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` samples of rank ``rank``'s share of one linear regression problem."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(24, 1, generator=g)
+    g.manual_seed(100 + rank)
+    x = torch.randn(n, 24, generator=g)
+    return x, x @ w

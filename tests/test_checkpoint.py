@@ -40,8 +40,14 @@ def _step(model, opt, rank: int, step: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch):
+    """In-process tests: kernels take the torch path on CPU tensors (restored afterwards, so
+    later tests in this process still run the interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def _trained(steps: int = 3, rank: int = 0, **kw):
-    os.environ["TRITON_INTERPRET"] = "0"  # kernels take the torch path on CPU tensors
     model = _model()
     opt = DeMo(model.named_parameters(), **{**KW, **kw})
     for s in range(1, steps + 1):
@@ -252,6 +258,7 @@ def test_relaxed_loading_reaches_loads_made_by_dcp():
 
 
 def _plain_ranks(rank: int, world: int, folder: str):
+    os.environ["TRITON_INTERPRET"] = "0"  # a spawned rank: kernels take the torch path
     _, opt = _trained(3, rank)
     torch.save(opt.state_dict(), Path(folder) / f"rank{rank}.pt")
     dist.barrier()

@@ -10,7 +10,7 @@ import demo_simulation as sim
 import pytest
 import torch
 from distributed import run_gloo
-from helpers import byte_counts
+from helpers import SmallNet, byte_counts, regression_data
 
 from cokit.compress import DeMo
 from cokit.compress.comm import CollectiveTimeout
@@ -95,23 +95,8 @@ def test_reference_payload_equals_float64_simulation(world):
 # ----------------------------------------------------------------------------- training runs
 
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(24, 130)
-        self.norm = torch.nn.LayerNorm(130)
-        self.b = torch.nn.Linear(130, 1)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.norm(self.a(x))))
-
-
 def _data(rank: int, n: int = 256):
-    g = torch.Generator().manual_seed(7)
-    w = torch.randn(24, 1, generator=g)
-    g.manual_seed(100 + rank)
-    x = torch.randn(n, 24, generator=g)
-    return x, x @ w
+    return regression_data(rank, n)
 
 
 def _train(model, opt, x, y, steps, sched=None):
@@ -131,7 +116,7 @@ def _determinism_and_checkpoint(rank: int, world: int, payload: str):
     _torch_path()
     torch.manual_seed(0)
     x, y = _data(rank)
-    model = _Net()
+    model = SmallNet()
     opt = DeMo(model.named_parameters(), lr=3e-3, compression_topk=8, payload=payload)
     _train(model, opt, x, y, 3)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -139,7 +124,7 @@ def _determinism_and_checkpoint(rank: int, world: int, payload: str):
     _train(model, opt, x, y, 4)
     uninterrupted = [p.detach().clone() for p in model.parameters()]
 
-    resumed = _Net()
+    resumed = SmallNet()
     resumed.load_state_dict(saved_model)
     opt2 = DeMo(resumed.named_parameters(), lr=3e-3, compression_topk=8, payload=payload)
     opt2.load_state_dict(saved_opt)
@@ -218,7 +203,7 @@ def _regression(rank: int, world: int):
     from cokit.compress.hooks import DCTTopKState, dct_topk_hook
 
     torch.manual_seed(0)
-    net = DDP(_Net())
+    net = DDP(SmallNet())
     state = DCTTopKState(topk=8, chunk=16, warmup_steps=2)
     net.register_comm_hook(state, dct_topk_hook)
     sgd = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
@@ -252,7 +237,7 @@ def _hook_full_k(rank: int, world: int):
 
     torch.manual_seed(0)
     x, y = _data(rank, 32)
-    dense = DDP(_Net())
+    dense = DDP(SmallNet())
     compressed = DDP(copy.deepcopy(dense.module))
     compressed.register_comm_hook(DCTTopKState(topk=4096, chunk=64, value_dtype=torch.float32), dct_topk_hook)
     for net in (dense, compressed):
@@ -482,7 +467,7 @@ def _overlap_backward(rank: int, world: int):
     runs = {}
     for overlap in (False, True):
         torch.manual_seed(0)
-        model = _Net()
+        model = SmallNet()
         opt = DeMo(
             model.parameters(),
             lr=3e-3,

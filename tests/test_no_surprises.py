@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from distributed import run_gloo
+from helpers import SmallNet, regression_data
 
 from cokit.compress import DeMo
 from cokit.compress.guards import SYNCED_KEY, DoubleSyncWarning, GradMarks, find_ddp_wrappers
@@ -20,23 +21,8 @@ def _torch_path() -> None:
     os.environ["TRITON_INTERPRET"] = "0"  # kernels take the torch path in these workers
 
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(24, 130)
-        self.norm = torch.nn.LayerNorm(130)
-        self.b = torch.nn.Linear(130, 1)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.norm(self.a(x))))
-
-
 def _data(rank: int, n: int = 64):
-    g = torch.Generator().manual_seed(7)
-    w = torch.randn(24, 1, generator=g)
-    g.manual_seed(100 + rank)
-    x = torch.randn(n, 24, generator=g)
-    return x, x @ w
+    return regression_data(rank, n)
 
 
 def _backward(model, x, y, scaler=None) -> None:
@@ -84,7 +70,7 @@ def _gradient_edits(rank: int, world: int):
     out = {}
     for kind in _EDITS:
         torch.manual_seed(0)
-        model = _Net()
+        model = SmallNet()
         opt = DeMo(model.parameters(), lr=3e-3, compression_topk=8, bucket_cap_mb=0.01, overlap_backward=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
         for _ in range(2):  # clean steps first: nothing to report
@@ -171,15 +157,15 @@ def _ddp_double_sync(rank: int, world: int):
         return [w for w in caught if issubclass(w.category, DoubleSyncWarning)]
 
     torch.manual_seed(0)
-    plain = _Net()
+    plain = SmallNet()
     counts["plain"] = len(train(plain, plain))
-    other = DDP(_Net())  # a DDP of another model that ran: not DeMo's parameters
+    other = DDP(SmallNet())  # a DDP of another model that ran: not DeMo's parameters
     other(x).sum().backward()
     counts["other_model"] = len(train(plain, plain))
-    unwrapped = _Net()
+    unwrapped = SmallNet()
     idle = DDP(unwrapped)  # wrapped, but trained through model.module: DDP never syncs
     counts["module"] = len(train(unwrapped, idle.module))
-    wrapped = DDP(_Net())
+    wrapped = DDP(SmallNet())
     found = train(wrapped, wrapped)
     counts["ddp"] = len(found)
     counts["text"] = str(found[0].message) if found else ""
@@ -361,7 +347,7 @@ def _overlap_with_scheduler(rank: int, world: int):
     runs = []
     for overlap in (False, True):
         torch.manual_seed(0)
-        model = _Net()
+        model = SmallNet()
         opt = DeMo(
             model.parameters(), lr=3e-3, compression_topk=8, bucket_cap_mb=0.01, overlap_backward=overlap
         )
