@@ -16,10 +16,11 @@ Two layouts, each against a dense all-reduce of the gradients in fp32 and in bf1
 fallback compares against, and sends its dense tensors in, the same element size):
 
 - flat: one exchange over all ``W`` ranks;
-- hierarchical: ``W = nodes x L`` (``--local-size``, default 8): a dense ring all-reduce of
-  the gradients inside each node (intra-node bytes, fast links) and the compressed exchange
-  across the ``nodes`` ranks that share a local rank (inter-node bytes), with the fallback
-  decided at the cross-node group's size. Its comparison points are the flat dense ring
+- hierarchical (``DeMo(hierarchy=...)``): ``W = nodes x L`` (``--local-size``, default 8): a
+  dense ring all-reduce of the gradients inside each node, bucket ``b`` compressed and
+  exchanged across the ``nodes`` ranks of local rank ``b % L`` only, and each bucket's updated
+  parameters broadcast inside the node (intra-node bytes, fast links). Inter-node bytes are
+  the busiest local rank's; the fallback is decided at the cross-node group's size. Its comparison points are the flat dense ring
   all-reduce and a two-level dense all-reduce (reduce-scatter in the node, all-reduce of a
   1/L shard across nodes, all-gather in the node).
 
@@ -171,13 +172,15 @@ def exchange_traffic(
     *,
     fallback: bool | None = None,
     status_world: int | None = None,
+    owner: tuple[int, int] | None = None,
 ) -> Traffic:
     """DeMo's bytes per rank for one step over ``world`` ranks (the exchange's group).
 
     ``dense_itemsize`` is the gradient dtype's element size: the fallback compares against a
     dense all-reduce of that size and sends its dense tensors in it. ``fallback`` defaults to
     the codec's default (DeMo's ``dense_fallback=None``); ``status_world`` is the group of the
-    status all-gather (default ``world``).
+    status all-gather (default ``world``). ``owner=(j, L)`` counts only the buckets that local
+    rank ``j`` of ``L`` owns in a hierarchy (bucket ``b`` when ``b % L == j``).
     """
     shapes = [tuple(s) for s in shapes]
     buckets = make_buckets(
@@ -192,7 +195,9 @@ def exchange_traffic(
         dense_itemsizes=[dense_itemsize] * len(shapes),
     )
     compressed = dense = n_dense = 0
-    for b in buckets:
+    for index, b in enumerate(buckets):
+        if owner is not None and index % owner[1] != owner[0]:
+            continue
         if b.dense:
             dense += ring_allreduce_bytes(
                 dense_itemsize * sum(math.prod(shapes[i]) for i in b.members), world
@@ -230,8 +235,8 @@ def fallback_worlds(shapes: Sequence[tuple[int, ...]], setup: Setup, itemsize: i
     return min(worlds), max(worlds)
 
 
-def hierarchical_vs_flat_nodes(n: int, itemsize: int, p: int, local: int) -> float:
-    """Nodes at which ``(nodes-1) p`` (inter-node all-gather) equals the flat dense ring
+def hierarchical_vs_flat_nodes(n: int, itemsize: int, p: float, local: int) -> float:
+    """Nodes at which ``(nodes-1) p`` (inter-node all-gather of ``p`` bytes) equals the flat dense ring
     all-reduce ``2 (W-1)/W n b`` over ``W = nodes * local``: the larger root of
     ``p L x^2 - (p L + 2 n b L) x + 2 n b = 0``."""
     nb = n * itemsize
@@ -270,8 +275,9 @@ def crossovers(model: Model, setup: Setup, local: int) -> dict[str, dict[str, An
             "flat_crossover_w": 2 * n * b / p,
             "flat_first_dense_w": first,
             "flat_all_dense_w": every,
-            "hier_vs_flat_dense_w": local * hierarchical_vs_flat_nodes(n, b, p, local),
-            "hier_vs_two_level_dense_w": 2 * n * b / p,
+            # each local rank sends ~1/L of the payload across nodes
+            "hier_vs_flat_dense_w": local * hierarchical_vs_flat_nodes(n, b, p / local, local),
+            "hier_vs_two_level_dense_w": local * 2 * n * b / p,
             "hier_first_dense_w": None if first is None else local * first,
             "hier_all_dense_w": None if every is None else local * every,
         }
@@ -310,11 +316,19 @@ def hierarchical_rows(model: Model, setup: Setup, worlds: Sequence[int], local: 
             "local": local,
         }
         for dtype, b in DTYPES.items():
-            inter = exchange_traffic(model.shapes, setup, nodes, b, status_world=w)
+            inter = max(
+                (
+                    exchange_traffic(model.shapes, setup, nodes, b, status_world=nodes, owner=(j, local))
+                    for j in range(local)
+                ),
+                key=lambda t: t.sent,
+            )
             flat_dense = dense_allreduce(n, b, w)
             two_level_inter = dense_allreduce(-(-n // local), b, nodes)
+            # the gradient average, the parameters' broadcast, the status agreement
+            intra = dense_allreduce(n, b, local) + n * b + ring_allgather_bytes(len(model.shapes), local)
             row[dtype] = {
-                "intra_sent": dense_allreduce(n, b, local),
+                "intra_sent": intra,
                 "inter": inter.as_dict(),
                 "flat_dense_sent": flat_dense,
                 "two_level_dense_inter_sent": two_level_inter,
@@ -370,11 +384,12 @@ def markdown(report: dict[str, Any]) -> str:
     if report["hierarchical"]:
         lines += [
             "",
-            f"Hierarchical: W = nodes x {local}; dense ring all-reduce inside the node (intra, fast "
-            "links), compressed exchange across the nodes (inter, per rank; fallback at the "
-            "cross-node group's size; status all-gather over all W counted here). x flat: flat dense "
-            f"all-reduce over W / inter; x 2-level: inter-node part of a two-level dense all-reduce "
-            f"(a 1/{local} shard across nodes) / inter.",
+            f"Hierarchical (`DeMo(hierarchy=...)`): W = nodes x {local}. Intra: the gradients' dense "
+            "ring all-reduce inside the node, the owners' broadcast of the updated parameters and the "
+            f"status agreement (fast links). Inter: the busiest local rank's bytes across nodes (bucket "
+            f"b is sent by local rank b % {local} only; fallback at the cross-node group's size; its "
+            "status exchange included). x flat: flat dense all-reduce over W / inter; x 2-level: "
+            f"inter-node part of a two-level dense all-reduce (a 1/{local} shard across nodes) / inter.",
             "",
             "| payload | k | W | nodes | intra fp32 | inter fp32 | x flat | x 2-level "
             "| intra bf16 | inter bf16 | x flat | x 2-level |",

@@ -2,8 +2,9 @@
 
 Per param group, tensors whose compressed payload would not be smaller than a dense
 all-reduce of their buffer in the gradient dtype (prime dimensions, tiny 1-D tensors, 0-D
-scalars; at large world sizes, every tensor) go into one *dense* bucket; the rest are
-packed, in reverse parameter order (the order in which backward produces gradients), into *compressed* buckets of at most ``cap_bytes`` of fp32 buffer each.
+scalars; at large world sizes, every tensor) go into *dense* buckets, the rest into
+*compressed* ones: both packed in reverse parameter order (the order in which backward
+produces gradients) into buckets of at most ``cap_bytes`` of fp32 buffer each.
 Each compressed bucket travels as its codec's wire tensors, one all-gather each; a codec that
 is not ``bucketed`` (``reference``) gets one bucket per tensor, like the DeMo reference.
 Empty tensors (a zero dimension) have nothing to send and are in no bucket.
@@ -130,24 +131,34 @@ def make_buckets(
         )
         (dense if to_dense else compressed).setdefault(g, []).append(i)
 
-    buckets = [Bucket(g, members, dense=True) for g, members in dense.items()]
+    # dense buckets hold at most cap_bytes of fp32 buffer too, so that an all-dense step
+    # (large worlds, a policy's "go dense") still splits into several collectives
+    buckets = [
+        Bucket(g, part, dense=True)
+        for g, members in dense.items()
+        for part in _packed(members, shapes, cap_bytes)
+    ]
     for g, members in compressed.items():
         chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
-        if not codec.bucketed:
-            buckets += [_compressed_bucket(g, [i], shapes, chunk, k, codec, value_dtype) for i in members]
-            continue
-        current: list[int] = []
-        size = 0
-        for i in members:
-            nbytes = 4 * math.prod(shapes[i])
-            if current and size + nbytes > cap_bytes:
-                buckets.append(_compressed_bucket(g, current, shapes, chunk, k, codec, value_dtype))
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        if current:
-            buckets.append(_compressed_bucket(g, current, shapes, chunk, k, codec, value_dtype))
+        parts = [[i] for i in members] if not codec.bucketed else _packed(members, shapes, cap_bytes)
+        buckets += [_compressed_bucket(g, part, shapes, chunk, k, codec, value_dtype) for part in parts]
     return buckets
+
+
+def _packed(members: list[int], shapes: list[tuple[int, ...]], cap_bytes: int) -> list[list[int]]:
+    """``members`` in order, cut into runs of at most ``cap_bytes`` of fp32 buffer (a tensor
+    larger than the cap is a run of its own)."""
+    runs: list[list[int]] = []
+    size = 0
+    for i in members:
+        nbytes = 4 * math.prod(shapes[i])
+        if runs and runs[-1] and size + nbytes <= cap_bytes:
+            runs[-1].append(i)
+            size += nbytes
+        else:
+            runs.append([i])
+            size = nbytes
+    return runs
 
 
 def _compressed_bucket(

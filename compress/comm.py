@@ -313,6 +313,24 @@ class Communicator:
             record,
         )
 
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> Pending:
+        """Start an in-place broadcast from the group's rank ``src``; ``wait()`` gives the
+        tensor. Counted as a pipelined broadcast: every rank but ``src`` receives the bytes
+        once, every rank sends them once."""
+        if not self.distributed:
+            return Pending(None, tensor, self.owner, what, None)
+        group = self._usable_group(what)
+        opts, own = self._options(dist.distributed_c10d.BroadcastOptions(), group, tensor)
+        opts.rootRank = src
+        start = self.timer.mark(tensor.device)
+        work = group.broadcast([tensor], opts)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.sent += nbytes
+        self.received += 0 if self.rank == src else nbytes
+        record = self.timer.launched(what, nbytes, 0 if self.rank == src else nbytes, start)
+        self.timer.watch(record, work)
+        return Pending(work, tensor, self.owner, what, self.timeout, group, own, None, self.timer, record)
+
     def gather_objects(self, obj: object) -> list:
         """All-gather picklable objects (rare and small: error reports; not counted)."""
         if not self.distributed:

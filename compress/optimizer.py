@@ -116,8 +116,11 @@ class DeMo(torch.optim.Optimizer):
             Policies that measure need ``overlap_backward=False``.
         hierarchy: :class:`~cokit.compress.groups.NodeGroups` (e.g. ``node_groups()``, from
             ``LOCAL_WORLD_SIZE``) for a two-level exchange: gradients are averaged densely
-            inside each node (fast links), then compressed payloads go across nodes, between
-            the ranks with the same local rank. ``comm_stats`` counts the two levels
+            inside each node (fast links); bucket ``b`` is then encoded by local rank
+            ``b % ranks per node`` alone, exchanged across nodes between the ranks with that
+            local rank, decoded, and its updated parameters broadcast inside the node, so each
+            rank sends 1/L of the payload across nodes and holds 1/L of the error buffers.
+            ``comm_stats`` counts the two levels
             (``step_intra_*`` fields). Needs ``process_group=None`` and
             ``overlap_backward=False``.
 
@@ -437,18 +440,44 @@ class DeMo(torch.optim.Optimizer):
         finishers = []
         for b, bucket in enumerate(buckets):
             params = [active[i][2] for i in bucket.members]
-            grads = (
-                None if averages is None else _split_like(self._wait(averages[b]), [local(p) for p in params])
-            )
+            grads = None
+            if averages is not None:
+                mean = self._wait(averages[b])
+                if not self._owns(b):  # another rank of the node encodes and sends this bucket
+                    continue
+                grads = _split_like(mean, [local(p) for p in params])
             if decision.skip_sync:
                 self._accumulate(bucket.group, params, grads)
             else:
                 finishers.append(self._launch(bucket, params, grads=grads))
         for finish in finishers:
             finish()
+        if self._intra is not None and not decision.skip_sync:
+            self._share_updates(buckets, active)
         if decision.skip_sync:
             self.skipped_syncs += 1
         return active
+
+    def _owns(self, b: int) -> bool:
+        """hierarchy: bucket ``b`` is encoded, sent and decoded by local rank ``b % ranks per
+        node`` only (its cross-node group holds the owners of the same buckets on every node)."""
+        return self._intra is None or b % self._intra.world_size == self._intra.rank
+
+    def _share_updates(self, buckets: list[Bucket], active) -> None:
+        """hierarchy: every bucket's owner broadcasts its updated parameters inside the node."""
+        intra = self._intra
+        assert intra is not None
+        pending = []
+        for b, bucket in enumerate(buckets):
+            params = [local(active[i][2]) for i in bucket.members]
+            flat = torch.cat([p.reshape(-1) for p in params])
+            owner = b % intra.world_size
+            pending.append((params, intra.broadcast(flat, owner, "intra-node parameter broadcast"), owner))
+        for params, pend, owner in pending:
+            flat = self._wait(pend)
+            if owner != intra.rank:
+                for p, new in zip(params, _split_like(flat, params)):
+                    p.copy_(new)
 
     def _node_averages(self, buckets: list[Bucket], active) -> list[Pending] | None:
         """hierarchy: start the dense average of every bucket's gradients inside the node
