@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{args.mode}: ranks {same_shard} hold {'bit-identical' if len(mine) == 1 else 'DIFFERENT'} weights"
         )
+    # every rank done with every group (the mesh's too) before any tears them down: a rank that
+    # destroys gloo groups while a peer still uses them can abort the peer
+    dist.barrier()
     dist.destroy_process_group()
 
 

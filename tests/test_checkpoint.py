@@ -325,6 +325,7 @@ SAVE_AT, TOTAL = 3, 6
 
 def _dcp_save(rank: int, world: int, folder: str):
     """Train TOTAL steps, saving with DCP after SAVE_AT; return what the resume must match."""
+    os.environ["TRITON_INTERPRET"] = "0"  # a spawned rank: the torch path, like _dcp_resume
     model, opt = _trained(SAVE_AT, rank)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
