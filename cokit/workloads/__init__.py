@@ -1,6 +1,8 @@
 """Training workloads for demos and validation studies: a character-level text corpus and a
-small causal transformer. Everything is deterministic from seeds and needs no download."""
+small causal transformer, and a convolutional autoencoder of scikit-learn's 8x8 digits.
+Everything is deterministic from seeds and needs no download."""
 
+from cokit.workloads.digits_ae import DigitsAEWorkload, DigitsAEWorkloadConfig, DigitsAutoencoder
 from cokit.workloads.model import MODEL_PRESETS, CharTransformer, ModelConfig
 from cokit.workloads.text import CharCorpus, CorpusConfig, TextWorkload, TextWorkloadConfig
 
@@ -9,6 +11,9 @@ __all__ = [
     "CharCorpus",
     "CharTransformer",
     "CorpusConfig",
+    "DigitsAEWorkload",
+    "DigitsAEWorkloadConfig",
+    "DigitsAutoencoder",
     "ModelConfig",
     "TextWorkload",
     "TextWorkloadConfig",
