@@ -5,6 +5,8 @@
 * ``state[i] = {"delta_rank<R>": fp32 buffer}`` for every parameter (zeros before its first
   gradient), ``R`` the global rank: each rank's error buffer differs, so it lives in an entry
   of its own (``torch.distributed.checkpoint`` writes equal keys of several ranks only once);
+  the buffers that are identical on every rank (the adam rule's ``v`` and ``rule_step``, the
+  fp32 ``master`` of ``precision="master"``) sit next to it under plain keys, stored once;
 * ``param_groups[0]["demo"]``: a JSON record shared by the ranks: format, optimizer type, world
   sizes, the settings (``DeMo._settings()`` without the per-group ones, which are the param
   groups themselves), the step counters and the network policy's state;
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from cokit.compress import rules
 from cokit.compress.dtensor import local
 from cokit.compress.stats import CommStats
 
@@ -45,6 +48,8 @@ _RANK_KEY = re.compile(r"^demo_rank(\d+)$")
 _DELTA_KEY = re.compile(r"^delta_rank(\d+)$")
 _WHERE = "DeMo.load_state_dict"
 _IDENTITY = ("rank", "world", "group_rank", "group_world")
+# per-parameter state identical on every rank (update rules, precision): plain keys
+SHARED_KEYS = ("v", "rule_step", "master")
 
 
 def rank_key(rank: int) -> str:
@@ -87,6 +92,9 @@ def pack(opt: DeMo, sd: dict[str, Any]) -> dict[str, Any]:
         # a copy: DCP's load writes into the dict it is given, and nothing may change before
         # load_state_dict has checked the checkpoint
         state[i] = {delta_key(who["rank"]): delta.clone()}
+        for key in SHARED_KEYS:
+            if p in opt.state and key in opt.state[p]:
+                state[i][key] = opt.state[p][key].clone()
     common = {
         "format": FORMAT,
         "optimizer": type(opt).__name__,
@@ -135,6 +143,7 @@ class LoadPlan:
 
     groups: list[dict[str, Any]]
     deltas: list[tuple[torch.Tensor, torch.Tensor]]
+    shared: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
     counters: dict[str, int]
     policy: dict[str, Any] | None
     comm_stats: CommStats | None
@@ -190,7 +199,7 @@ def check_load(opt: DeMo, sd: object, strict: bool) -> LoadPlan:
         keep_rank = _check_world(common, mine, who, strict, warns)
         _check_settings(opt, common, strict, warns)
         key = delta_key(who["rank"])
-    deltas = _check_deltas(opt, sd["state"], id_map, key, keep_rank, fmt, strict, warns)
+    deltas, shared = _check_deltas(opt, sd["state"], id_map, key, keep_rank, fmt, strict, warns)
     counters = {k: common.get(k, 0) for k in ("steps", "skipped_steps", "skipped_syncs")}
     for name, value in counters.items():
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
@@ -207,7 +216,7 @@ def check_load(opt: DeMo, sd: object, strict: bool) -> LoadPlan:
     else:
         warns.append(f"{_WHERE}: comm_stats start again from zero (this rank's record was dropped)")
         stats = CommStats()
-    return LoadPlan(groups, deltas, counters, policy, stats, warns)
+    return LoadPlan(groups, deltas, shared, counters, policy, stats, warns)
 
 
 def _params(opt: DeMo) -> list[torch.Tensor]:
@@ -222,7 +231,7 @@ def _format_of(opt: DeMo, sd: Mapping[str, Any], g0: Mapping[str, Any]) -> int:
     keys = sorted({str(k) for v in entries for k in v})
     if COMMON_KEY in sd and all(set(v) <= {"delta"} for v in entries):
         return 1
-    if keys and all(_DELTA_KEY.match(k) for k in keys):
+    if keys and all(_DELTA_KEY.match(k) or k in SHARED_KEYS for k in keys):
         raise ValueError(
             f"{_WHERE}: the state has DeMo's per-rank buffers but param group 0 has no 'demo' "
             "record: something dropped it (DCP with StateDictOptions(flatten_optimizer_state_dict="
@@ -260,6 +269,8 @@ def _check_groups(opt: DeMo, saved: list[Mapping[str, Any]]) -> list[dict[str, A
                 f"{_WHERE}: param group {gi} parameter {n} is {saved_names[n]!r} in the checkpoint but "
                 f"{names[n]!r} here; build the same model, with its parameters in the same order"
             )
+        # saved before the update rules existed: those ran DeMo's sign rule
+        s = {**rules.RULE_DEFAULTS, **s} if "update_rule" not in s else s
         missing = sorted(set(_group_settings()) - set(s))
         if missing:
             raise ValueError(f"{_WHERE}: saved param group {gi} lacks DeMo's settings {missing}")
@@ -365,12 +376,14 @@ def _check_deltas(
     fmt: int,
     strict: bool,
     warns: list[str],
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(param, fp32 buffer copy)`` for every buffer that loads."""
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
+    """``(param, fp32 buffer copy)`` for every error buffer that loads, and ``(param, {key:
+    copy})`` of the shared buffers (:data:`SHARED_KEYS`)."""
     names = {
         id(p): opt._name(gi, i, p) for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])
     }
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    shared: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
     found: set[int] = set()
     bad: list[str] = []
     for k, entry in state.items():
@@ -380,14 +393,20 @@ def _check_deltas(
                 "checkpoint lists; the file is damaged"
             )
         p = id_map[k]
-        if not isinstance(entry, Mapping) or (keep and set(map(str, entry)) - {key}):
+        if not isinstance(entry, Mapping) or (keep and set(map(str, entry)) - {key, *SHARED_KEYS}):
             others = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
             raise ValueError(
-                f"{_WHERE}: the state of {names[id(p)]} holds {others}, expected {[key]}: it was "
-                "saved by another rank or optimizer"
+                f"{_WHERE}: the state of {names[id(p)]} holds {others}, expected {[key]} (and "
+                f"optionally {list(SHARED_KEYS)}): it was saved by another rank or optimizer"
             )
         if not keep:
             continue
+        extra = _check_shared(entry, local(p), names[id(p)])
+        if extra is None:
+            bad.append(names[id(p)])
+            continue
+        if extra:
+            shared.append((p, extra))
         delta = entry.get(key)
         if delta is None:
             continue
@@ -427,10 +446,40 @@ def _check_deltas(
                     "model as when saving, or pass strict=False to start them from zero"
                 )
             warns.append(f"{_WHERE}: {text}; strict=False: they start from zero")
-    return [
+    deltas = [
         (p, d.detach().to(device=local(p).device, dtype=torch.float32, copy=True).contiguous())
         for p, d in out
     ]
+    return deltas, shared
+
+
+def _check_shared(entry: Mapping[Any, Any], shard: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
+    """Copies of the shared buffers of one parameter's entry (checked: fp32 tensors of the
+    parameter's shape, a step count); None when one holds non-finite values."""
+    out: dict[str, torch.Tensor] = {}
+    for key in SHARED_KEYS:
+        value = entry.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise ValueError(f"{_WHERE}: the {key!r} of {name} is {type(value).__name__}, not a float tensor")
+        want: tuple[int, ...] = () if key == "rule_step" else tuple(shard.shape)
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"{_WHERE}: the {key!r} of {name} has shape {tuple(value.shape)}, expected {want}: "
+                "build the same model as when saving"
+            )
+        if not bool(torch.isfinite(value).all()):
+            return None
+        device = value.device if key == "rule_step" else shard.device  # the step count stays on CPU
+        out[key] = value.detach().to(device=device, dtype=torch.float32, copy=True).contiguous()
+    if ("v" in out) != ("rule_step" in out):
+        raise ValueError(f"{_WHERE}: the adam rule state of {name} has only one of 'v' and 'rule_step'")
+    if "rule_step" in out and not (out["rule_step"] >= 1 and out["rule_step"] == out["rule_step"].round()):
+        raise ValueError(
+            f"{_WHERE}: the 'rule_step' of {name} is {out['rule_step'].item()}, not a count >= 1"
+        )
+    return out
 
 
 def _check_policy(opt: DeMo, saved: object, strict: bool, warns: list[str]) -> dict[str, Any] | None:

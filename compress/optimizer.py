@@ -35,7 +35,7 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from cokit.compress import checkpoint
+from cokit.compress import checkpoint, rules
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Communicator, Pending
@@ -44,6 +44,13 @@ from cokit.compress.groups import NodeGroups, check_process_group
 from cokit.compress.guards import GradMarks, StepGuards, edited_message, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import Decision, NetworkPolicy
+from cokit.compress.precision import (
+    check_precision,
+    master_copy,
+    rounding_generator,
+    warn_if_unmastered,
+    write_update,
+)
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 
@@ -58,6 +65,11 @@ _GROUP_SETTINGS = {
     "compression_topk": int,
     "compression_chunk": int,
     "alpha": float,
+    "update_rule": str,
+    "rule_beta2": float,
+    "rule_eps": float,
+    "ns_steps": int,
+    "rule_fallback": str,
 }
 # Per-parameter status travelling in the step's flag exchange (the low 2 bits of a byte; the
 # other 6 carry part of the settings fingerprint: _add_fingerprint).
@@ -71,8 +83,11 @@ class DeMo(torch.optim.Optimizer):
     Args:
         params: parameters, named parameters or param groups (per-group ``lr``,
             ``weight_decay``, ``compression_decay``, ``compression_topk``,
-            ``compression_chunk``, ``alpha``).
-        lr: learning rate (the update is ``lr * sign(...)``: think Adam-scale values).
+            ``compression_chunk``, ``alpha`` and the update-rule settings below).
+        lr: learning rate (the update is ``lr * rule(decoded)``). Each rule has an lr rule
+            from a tuned AdamW lr (:mod:`cokit.compress.rules`, measured in the README):
+            ``sign`` and ``rms`` update with RMS 1 per element, about 4x AdamW's, ``adam``
+            about 3x, ``newton_schulz`` about AdamW's.
         compression_decay: momentum decay ``beta`` of the error-feedback buffer, in [0, 1].
         compression_topk: coefficients kept per tile (clamped to the tile size).
         compression_chunk: tile side target; each dimension uses its largest divisor <= chunk.
@@ -114,6 +129,22 @@ class DeMo(torch.optim.Optimizer):
             ``delta = decay * delta + lr * grad``, parameters unchanged, counted in
             ``skipped_syncs``). Decision changes are in ``policy_log``. Default: static.
             Policies that measure need ``overlap_backward=False``.
+        update_rule: what the decoded direction ``u`` becomes (:mod:`cokit.compress.rules`):
+            ``"sign"`` (DeMo, default), ``"rms"`` (``u / rms(u)``), ``"adam"`` (a second moment
+            of ``u`` in the state, identical on every rank) or ``"newton_schulz"`` (Muon's
+            orthogonalization for >= 2-D weights; ``rule_fallback`` for the others).
+        rule_beta2, rule_eps: the adam rule's second-moment decay and epsilon.
+        ns_steps: Newton-Schulz iterations of the newton_schulz rule.
+        rule_fallback: ``"adam"`` (default) or ``"sign"``: the rule of < 2-D parameters under
+            newton_schulz.
+        precision: how updates reach fp16/bf16 parameters (:mod:`cokit.compress.precision`):
+            ``"nearest"`` (default: round to nearest; warns once at the first step when such
+            parameters exist, since small updates are lost), ``"master"`` (an fp32 master per
+            such parameter in ``state[p]["master"]`` is updated and rounded into it) or
+            ``"stochastic"`` (unbiased stochastic rounding, drawn from ``seed`` and the step so
+            that every rank rounds alike). The rules, master and stochastic rounding need plain
+            data parallel (not DTensor parameters or hierarchy=).
+        seed: the stochastic rounding seed (the same on every rank).
         hierarchy: :class:`~cokit.compress.groups.NodeGroups` (e.g. ``node_groups()``, from
             ``LOCAL_WORLD_SIZE``) for a two-level exchange: gradients are averaged densely
             inside each node (fast links); bucket ``b`` is then encoded by local rank
@@ -147,8 +178,9 @@ class DeMo(torch.optim.Optimizer):
 
     ``state_dict()`` holds a copy of each parameter's ``delta`` buffer under a key naming the
     rank, with records of the rank, world sizes and settings that ``load_state_dict`` checks
-    before anything changes (:mod:`cokit.compress.checkpoint`); it works with ``torch.save``
-    per rank and with ``torch.distributed.checkpoint``. Each param group also exposes
+    before anything changes, plus the adam rule's ``v`` / ``rule_step`` and the fp32
+    ``master`` under plain keys (identical on every rank; :mod:`cokit.compress.checkpoint`); it
+    works with ``torch.save`` per rank and with ``torch.distributed.checkpoint``. Each param group also exposes
     ``compression_decay`` as ``momentum`` (an alias that momentum-cycling schedulers such as
     ``OneCycleLR`` write; whichever of the two was written since the last step wins). DeMo on a
     ``DistributedDataParallel`` model warns once (``DoubleSyncWarning``): the gradients would
@@ -177,8 +209,18 @@ class DeMo(torch.optim.Optimizer):
         overlap_backward: bool = False,
         policy: NetworkPolicy | str | dict[str, Any] | None = None,
         hierarchy: NodeGroups | None = None,
+        update_rule: str = "sign",
+        rule_beta2: float = 0.999,
+        rule_eps: float = 1e-8,
+        ns_steps: int = 5,
+        rule_fallback: str = "adam",
+        precision: str = "nearest",
+        seed: int = 0,
     ):
         codec = get_codec(payload, owner="DeMo")
+        precision = check_precision("DeMo", precision)
+        if not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63):
+            raise ValueError(f"DeMo: seed must be an integer in [0, 2**63), got {seed!r}")
         network_policy = make_policy(policy)
         if overlap_backward and network_policy.observes:
             raise ValueError(
@@ -216,7 +258,16 @@ class DeMo(torch.optim.Optimizer):
             weight_decay=weight_decay,
             alpha=alpha,
             momentum=compression_decay,  # an alias that momentum-cycling LR schedulers drive
+            update_rule=update_rule,
+            rule_beta2=rule_beta2,
+            rule_eps=rule_eps,
+            ns_steps=ns_steps,
+            rule_fallback=rule_fallback,
         )
+        self.precision = precision
+        self.seed = seed
+        self._precision_checked = False  # warn_if_unmastered runs at the first step
+        self._generators: dict[torch.device, torch.Generator] = {}  # this step's rounding draws
         self.payload = payload
         self.codec = codec
         self.requested_value_dtype = value_dtype
@@ -292,6 +343,20 @@ class DeMo(torch.optim.Optimizer):
         ]
         # hierarchy: the node's dense average runs on the (only) agreement group
         self._intra = self._agree[0] if hierarchy is not None else None
+        for gi, group in enumerate(self.param_groups):
+            self._check_plain_parallel(group, gi)
+
+    def _check_plain_parallel(self, group: dict[str, Any], index: int) -> None:
+        """The update rules and precision modes keep state that must be identical on every
+        rank and see whole tensors: plain data parallel only."""
+        if not hasattr(self, "_agree") or not self._agree:
+            return
+        if group["update_rule"] != "sign" or self.precision != "nearest":
+            raise ValueError(
+                f"DeMo param group {index}: update_rule={group['update_rule']!r} with precision="
+                f"{self.precision!r} needs plain data parallel; with DTensor (FSDP2) parameters or "
+                "hierarchy= use update_rule='sign' and precision='nearest'"
+            )
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -305,6 +370,7 @@ class DeMo(torch.optim.Optimizer):
             param_group = {**param_group, "params": params}
             self._check_group({**self.defaults, **param_group}, len(self.param_groups))
             self._check_same_mesh(param_group["params"])
+            self._check_plain_parallel({**self.defaults, **param_group}, len(self.param_groups))
         super().add_param_group(param_group)
         self._hook_plan = None
         self._bucket_cache.clear()
@@ -328,6 +394,7 @@ class DeMo(torch.optim.Optimizer):
         for key in ("compression_topk", "compression_chunk"):
             if not _positive_int(group[key]):
                 raise ValueError(f"{where}: {key} must be a positive integer, got {group[key]!r}")
+        rules.check_rule_settings(where, group)
         for p in group["params"]:
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, parameter)
             if isinstance(p, torch.Tensor) and p.dtype not in VALUE_DTYPES:
@@ -376,6 +443,8 @@ class DeMo(torch.optim.Optimizer):
         super().load_state_dict({"state": {}, "param_groups": plan.groups})
         for p, delta in plan.deltas:
             self.state[p]["delta"] = delta
+        for p, shared in plan.shared:
+            self.state[p].update(shared)
         self._steps = plan.counters["steps"]
         self.skipped_steps = plan.counters["skipped_steps"]
         self.skipped_syncs = plan.counters["skipped_syncs"]
@@ -402,6 +471,10 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         self._guards.before_step(self.param_groups, self.defaults["compression_decay"])
         entries = self._entries()
+        if not self._precision_checked:
+            warn_if_unmastered("DeMo", [p for _, _, p in entries], self.precision)
+            self._precision_checked = True
+        self._generators = {}
         if self._checked_layout is None:
             self._check_layout(entries)
         if self.overlap_backward:
@@ -625,6 +698,8 @@ class DeMo(torch.optim.Optimizer):
             "nonfinite": self.nonfinite,
             "validate_payload": self.validate_payload,
             "policy": self.policy.describe(),
+            "precision": self.precision,
+            "seed": self.seed,
             "groups": [
                 {k: _plain(g[k], kind) for k, kind in _GROUP_SETTINGS.items()} for g in self.param_groups
             ],
@@ -831,8 +906,10 @@ class DeMo(torch.optim.Optimizer):
         chunk, k = group["compression_chunk"], bucket.topk
         deltas = [self._delta(p) for p in params] if deltas is None else deltas
         grads = [_grad(p) for p in params] if grads is None else grads
+        states = [self.state[p] for p in params]
         params = [local(p) for p in params]  # DTensor parameters are updated through their shard
         timer, device = self.comm.timer, params[0].device
+        fused = group["update_rule"] == "sign" and self.precision == "nearest"  # DeMo's fused decode
 
         if bucket.dense:  # sent in the parameters' dtype, like a DDP of the same model
             wire = functools.reduce(torch.promote_types, (p.dtype for p in params))
@@ -845,7 +922,11 @@ class DeMo(torch.optim.Optimizer):
             def finish_dense() -> None:
                 mean = self._wait(pending)
                 with timer.span("decode", device):
-                    _dense_decode(params, mean, lr, wd)
+                    if fused:
+                        _dense_decode(params, mean, lr, wd)
+                    else:
+                        directions = [u.float() for u in _split_like(mean, params)]
+                        self._apply_rule(group, params, states, directions)
 
             return finish_dense
 
@@ -865,19 +946,66 @@ class DeMo(torch.optim.Optimizer):
             gathered = [self._wait(g) for g in gathers]
             with timer.span("decode", device):
                 indices, values = codec.from_wire(gathered)
+                if fused:
+                    ef_decode(
+                        params,
+                        indices,
+                        values,
+                        lr=lr,
+                        chunk=chunk,
+                        k=k,
+                        weight_decay=wd,
+                        use_sign=True,
+                        validate=self.validate_payload,
+                    )
+                    return
+                # the decoded direction: 0 - 1 * IDCT(mean) into zeroed fp32 scratch, then -1
+                scratch = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
                 ef_decode(
-                    params,
+                    scratch,
                     indices,
                     values,
-                    lr=lr,
+                    lr=1.0,
                     chunk=chunk,
                     k=k,
-                    weight_decay=wd,
-                    use_sign=True,
+                    weight_decay=0.0,
+                    use_sign=False,
                     validate=self.validate_payload,
                 )
+                self._apply_rule(group, params, states, [s.neg_() for s in scratch])
 
         return finish
+
+    def _apply_rule(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        directions: list[torch.Tensor],
+    ) -> None:
+        """``p = p * (1 - lr * wd) - lr * rule(u)`` for decoded directions ``u`` (fp32),
+        computed from the fp32 master when there is one and written with this precision."""
+        lr, wd = float(group["lr"]), float(group["weight_decay"])
+        for p, state, u in zip(params, states, directions):
+            update = rules.apply_rule(u, state, group)
+            master = None
+            if self.precision == "master" and p.dtype != torch.float32:
+                if "master" not in state:
+                    state["master"] = master_copy(p)
+                master = state["master"]
+            base = master if master is not None else p.float()
+            new = base * (1.0 - lr * wd) - lr * update
+            low = p.dtype != torch.float32
+            generator = self._generator(p.device) if low and self.precision == "stochastic" else None
+            write_update(p, new, self.precision, master=master, generator=generator)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This step's stochastic-rounding generator on ``device`` (seeded by seed and step,
+        drawn in bucket order: the same draws on every rank)."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = rounding_generator(self.seed, self._steps, device)
+        return gen
 
     def _full_sync(self, params: list[torch.Tensor]) -> None:
         """Average parameters with a dense all-reduce (one per dtype)."""
