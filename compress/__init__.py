@@ -1,13 +1,15 @@
-"""Compressed gradient exchange: the DeMo optimizer, payload codecs and a DDP comm hook."""
+"""Compressed gradient exchange: the DeMo and SparseLoCo optimizers, payload codecs and a DDP comm hook."""
 
 from cokit.compress.optimizer import DeMo
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec, register_codec
+from cokit.compress.sparseloco import SparseLoCo
 from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
 
 __all__ = [
     "CommStats",
     "DeMo",
     "PayloadCodec",
+    "SparseLoCo",
     "codec_names",
     "get_codec",
     "register_codec",

@@ -22,7 +22,7 @@ from cokit.compress.payload import (
 )
 from cokit.triton_kernels.error_feedback import ef_decode, payload_layout
 
-BUILTIN = ("reference", "compact", "sign")
+BUILTIN = ("reference", "compact", "sign", "int2")
 # Odd tiles: 6x7 (30x42 at chunk 8), prime lengths (tile side 1), a 3-D tensor, 1xN; and tiles
 # of more than 32768 positions (181x199, both prime, at chunk 256), which need int32 indices.
 LAYOUTS = {
@@ -75,12 +75,39 @@ def _selection(plan, world: int, gen: torch.Generator):
     return idx, vals
 
 
+def _int2_reference(plan, value_dtype, vals: torch.Tensor) -> torch.Tensor:
+    """float64 int2 quantizer from the codec's definition: per tile, of the steps rms * c (c in
+    0.25, 0.30, .. 0.75, rounded to the value dtype) the one whose nearest levels (2q - 3) * step,
+    q in 0..3, reconstruct the tile with the least squared error (the smaller on ties)."""
+    out, pos = [], 0
+    factors = [0.25 + 0.05 * i for i in range(11)]
+    for t in plan.tilings:
+        ke = t.k_eff(plan.k)
+        for tile in vals[pos : pos + t.n_tiles * ke].double().view(t.n_tiles, ke):
+            rms = tile.square().mean().sqrt()
+            best = None
+            for c in factors:
+                step = (rms * c).float().to(value_dtype).double()
+                if step == 0:
+                    q = torch.zeros_like(tile)
+                else:
+                    q = (2 * torch.round((tile / step + 3) / 2).clamp(0, 3) - 3) * step
+                err = float((q - tile).square().sum())
+                if best is None or err < best[0] * (1 - 1e-9):  # float64: the first of (near) ties
+                    best = (err, q)
+            out.append(best[1])
+        pos += t.n_tiles * ke
+    return torch.cat(out)
+
+
 def _expected(name: str, plan, value_dtype, vals: torch.Tensor) -> torch.Tensor:
     """What the receiver should see for one rank's fp32 values, from the codec's definition."""
     if name == "reference":
         return vals
     if name == "compact":
         return vals.to(value_dtype)
+    if name == "int2":
+        return _int2_reference(plan, value_dtype, vals)
     out, pos = [], 0
     for t in plan.tilings:  # sign: ±(mean |value| of the tile, in the value dtype)
         ke = t.k_eff(plan.k)
@@ -98,6 +125,8 @@ def _expected_nbytes(name: str, plan, value_dtype) -> int:
         return slots * (8 + 4)
     if name == "compact":
         return _aligned(slots * isz) + _aligned(slots * value_dtype.itemsize)
+    if name == "int2":  # 2-bit codes, four per byte, and one step per tile
+        return _aligned(slots * isz) + _aligned(-(-slots // 4)) + _aligned(tiles * value_dtype.itemsize)
     return _aligned(slots * isz) + _aligned(-(-slots // 8)) + _aligned(tiles * value_dtype.itemsize)
 
 
@@ -120,9 +149,12 @@ def test_builtin_codecs_round_trip_random_selections(name, value_dtype, layout, 
     gathered = [torch.stack([wires[j].reshape(-1) for wires in sent]) for j in range(len(codec.wire))]
     got_idx, got_vals = codec.from_wire(gathered)
     assert got_idx.shape == got_vals.shape == (world, plan.payload_numel)
+    # int2 picks its step from an fp32 RMS: equal to the float64 reference up to fp32 rounding
+    tol = {"rtol": 1e-6, "atol": 0.0} if name == "int2" else {"rtol": 0.0, "atol": 0.0}
     for r in range(world):
         assert torch.equal(got_idx[r].long(), idx[r].long())
-        assert torch.equal(got_vals[r].float(), _expected(name, plan, codec.value_dtype, vals[r]).float())
+        want_vals = _expected(name, plan, codec.value_dtype, vals[r])
+        torch.testing.assert_close(got_vals[r].double(), want_vals.double(), **tol)
 
     # the decoded payload is what ef_decode takes: same update as from the exact selection
     params = [torch.randn(s, generator=gen) for s in shapes]
@@ -131,12 +163,43 @@ def test_builtin_codecs_round_trip_random_selections(name, value_dtype, layout, 
     exact = torch.stack([_expected(name, plan, codec.value_dtype, v).float() for v in vals])
     ef_decode(want, torch.stack(idx).long(), exact, lr=0.01, chunk=chunk, k=k, validate=True)
     for a, b in zip(params, want):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("value_dtype", [torch.bfloat16, torch.float16])
+def test_int2_takes_low_precision_values_and_reconstructs_better_than_a_max_scale(value_dtype):
+    plan = payload_layout([(64, 64), (96,)], 32, 16)
+    codec = get_codec("int2")(plan, torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    vals = (torch.randn(plan.payload_numel, generator=gen) ** 3).to(value_dtype)  # heavy tails
+    idx = torch.zeros(plan.payload_numel, dtype=plan.index_dtype)
+    _, got = codec.from_wire([w.reshape(1, -1) for w in codec.to_wire(idx, vals)])
+    v = vals.double()
+    torch.testing.assert_close(
+        got[0].double(), _int2_reference(plan, torch.bfloat16, v.float()), rtol=1e-6, atol=0
+    )
+    levels = set(torch.unique(got[0].abs()).tolist())
+    assert len(levels) > 2  # the steps differ per tile (searched), not one global scale
+    err = float((got[0].double() - v).norm() / v.norm())
+    out, pos = [], 0  # the rejected alternative: step = max|v| / 3 per tile
+    for t in plan.tilings:
+        ke = t.k_eff(plan.k)
+        tile = v[pos : pos + t.n_tiles * ke].view(t.n_tiles, ke)
+        step = tile.abs().amax(1, keepdim=True) / 3
+        out.append(((2 * torch.round((tile / step + 3) / 2).clamp(0, 3) - 3) * step).flatten())
+        pos += t.n_tiles * ke
+    max_err = float((torch.cat(out) - v).norm() / v.norm())
+    assert err < max_err
+    zero = codec.to_wire(idx, torch.zeros(plan.payload_numel, dtype=value_dtype))
+    assert not codec.from_wire([w.reshape(1, -1) for w in zero])[1].any()  # all-zero tiles decode to 0
 
 
 def test_the_value_dtype_applies_as_each_codec_says():
     plan = payload_layout([(16, 16)], 8, 3)
-    ref, compact, sign = (get_codec(n)(plan, torch.float16) for n in BUILTIN)
+    ref, compact, sign = (get_codec(n)(plan, torch.float16) for n in ("reference", "compact", "sign"))
+    int2 = get_codec("int2")(plan, torch.float16)
+    assert int2.value_dtype == torch.float16 and int2.encode_dtype == torch.float32  # steps of fp32
+    assert int2.bucketed and int2.dense_fallback and [w.name for w in int2.wire] == ["payload"]
     assert ref.value_dtype == ref.encode_dtype == torch.float32  # the reference always sends fp32
     assert compact.value_dtype == compact.encode_dtype == torch.float16
     assert sign.value_dtype == torch.float16 and sign.encode_dtype == torch.float32  # scales of fp32
@@ -307,3 +370,52 @@ def test_a_registered_user_codec_trains_on_gloo_with_demo_and_the_ddp_hook():
     hook_sent += 2 * (world - 1) * world * 4 // world  # + the per-rank non-finite flags (one bucket)
     hook = results[0][toy + " hook"][1]
     assert hook["steps"] == 2 and hook["step_sent_bytes"] == hook_sent
+
+
+def _demo_int2_run(rank: int, world: int):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"  # torch path in the workers
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(64, 24, generator=g), torch.randn(64, 3, generator=g)
+    torch.manual_seed(0)
+    model = _Net()
+    opt = DeMo(model.parameters(), lr=3e-3, compression_topk=4, compression_chunk=8, payload="int2")
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    buckets = opt._buckets([(0, i, p) for i, p in enumerate(model.parameters())])
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "losses": losses,
+        "stats": byte_counts(opt.comm_stats.as_dict()),
+        "payload": sum(b.codec.nbytes for b in buckets if not b.dense),
+    }
+
+
+@pytest.mark.distributed
+def test_demo_trains_with_the_int2_codec_on_gloo():
+    world = 2
+    results = run_gloo(world, _demo_int2_run)
+    for r in results:
+        for a, b in zip(r["params"], results[0]["params"]):
+            assert torch.equal(a, b)  # ranks agree bit for bit
+    assert results[0]["losses"][-1] < 0.9 * results[0]["losses"][0]
+    from cokit.compress.buckets import sends_dense
+
+    shapes = [tuple(p.shape) for p in _Net().parameters()]
+    int2 = get_codec("int2")
+    dense = [s for s in shapes if sends_dense(s, 8, 4, int2, torch.bfloat16, world)]
+    assert dense == [(3,)]  # the 3-element bias: its payload would not be smaller
+    plan = payload_layout([s for s in shapes if s not in dense], 8, 4)  # one bucket
+    codec = int2(plan, torch.bfloat16)
+    assert codec.nbytes == _expected_nbytes("int2", plan, torch.bfloat16) == results[0]["payload"]
+    dense_numel = sum(math.prod(s) for s in dense)
+    expected = (
+        (world - 1) * len(shapes) + (world - 1) * codec.nbytes + 2 * (world - 1) * 4 * dense_numel // world
+    )
+    assert results[0]["stats"]["step_sent_bytes"] == expected
