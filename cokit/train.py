@@ -8,6 +8,9 @@ the bytes this rank put on the wire. Built in:
 * ``"sgd"`` -- the same exchange, then ``torch.optim.SGD`` (pass ``momentum`` in ``options``).
 * ``"demo"`` -- ``cokit.compress.DeMo``: it does its own (compressed) communication; bytes from its
   ``comm_stats``.
+* ``"sparseloco"`` -- ``cokit.compress.SparseLoCo``: local steps of an inner optimizer (``inner``:
+  ``"adamw"`` or ``"sgd"``, at ``lr`` and ``weight_decay``), a compressed pseudo-gradient sync every
+  ``sync_every`` steps; bytes amortized per step (non-sync steps send 0).
 
 More can be added with :func:`register_method`. :func:`run_method` runs one method on every rank
 of an initialised process group; :func:`run_distributed` starts that group: ``world_size``
@@ -122,6 +125,11 @@ class Method(ABC):
     def zero_grad(self) -> None:
         """Clear the gradients."""
 
+    def evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """Where held-out loss is measured: the weights every rank shares. Methods that step
+        locally between syncs swap in the last sync's weights here; the others change nothing."""
+        return contextlib.nullcontext()
+
 
 MethodBuilder = Callable[[MethodSpec, nn.Module, "dist.ProcessGroup | None"], Method]
 METHODS: dict[str, MethodBuilder] = {}
@@ -233,6 +241,55 @@ class DeMoMethod(Method):
 
 
 register_method("demo")(DeMoMethod)
+
+INNER_OPTIMIZERS = ("adamw", "sgd")
+
+
+class SparseLoCoMethod(Method):
+    """``cokit.compress.SparseLoCo``: ``options`` are its keyword arguments, with ``inner`` a name
+    (``"adamw"``, the default, or ``"sgd"``) and the inner lr / weight decay from the spec."""
+
+    def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        from cokit.compress import SparseLoCo  # lazy, like DeMo
+
+        options = dict(spec.options)
+        inner = options.pop("inner", "adamw")
+        if inner not in INNER_OPTIMIZERS:
+            raise ValueError(
+                f"method {spec.display!r}: inner must be one of {INNER_OPTIMIZERS}, got {inner!r}"
+            )
+        kind = torch.optim.AdamW if inner == "adamw" else torch.optim.SGD
+        inner_options = options.pop("inner_options", {})
+
+        def build(params: Any) -> torch.optim.Optimizer:
+            return kind(params, lr=spec.lr, weight_decay=spec.weight_decay, **inner_options)
+
+        self.optimizer = SparseLoCo(
+            model.parameters(),
+            build,
+            process_group=group,
+            **{"timeout": spec.timeout, **options},
+        )
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """SparseLoCo's own byte and timing counts (0 bytes on steps without a sync)."""
+        return self.optimizer.comm_stats  # type: ignore[attr-defined]  # a SparseLoCo
+
+    def step(self) -> tuple[int, int]:
+        self.optimizer.step()
+        stats = self.comm_stats
+        return int(stats.step_sent_bytes), int(stats.step_dense_bytes)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def evaluation(self) -> contextlib.AbstractContextManager[None]:
+        """The last sync's weights (``theta_global``), the same on every rank."""
+        return self.optimizer.synchronized()  # type: ignore[attr-defined]  # a SparseLoCo
+
+
+register_method("sparseloco")(SparseLoCoMethod)
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,6 +435,7 @@ def run_method(
     log: Log | None = None,
     time_budget_s: float | None = None,
     on_start: Callable[[Method], None] | None = None,
+    on_end: Callable[[nn.Module], None] | None = None,
     telemetry_dir: str | os.PathLike | None = None,
     telemetry_run: str | None = None,
 ) -> RunResult:
@@ -389,7 +447,9 @@ def run_method(
     steps and at the end. ``log`` (used on rank 0 only) receives one progress line per
     evaluation. ``time_budget_s`` ends the run at the first evaluation after that much wall
     time (the ranks' mean, so all stop together). ``on_start(method)`` runs on every rank
-    once the method is built, just before the clock starts (e.g. to wrap its communicator).
+    once the method is built, just before the clock starts (e.g. to wrap its communicator);
+    ``on_end(model)`` on every rank after the last step, with the weights that evaluations see
+    (:meth:`Method.evaluation`: for SparseLoCo/DiLoCo the last sync's).
     ``telemetry_dir``: each rank writes a :class:`cokit.telemetry.Monitor` stream there (run
     ``telemetry_run``, default the method's display name; evaluations are left out of its
     step times). The result is complete on every rank.
@@ -415,6 +475,10 @@ def run_method(
     pending: list[float] = []  # local train losses not yet averaged over ranks
     say = log if (log is not None and rank == 0) else None
 
+    def held_out_sum() -> torch.Tensor:
+        with method.evaluation():
+            return _heldout_sum(workload, model, heldout, rank, world)
+
     def checkpoint(step: int) -> bool:
         """Average pending train losses over ranks and evaluate held-out loss (one collective);
         True when the time budget is spent."""
@@ -422,7 +486,7 @@ def run_method(
         buf = torch.cat(
             [
                 torch.tensor(pending, dtype=torch.float64, device=device),
-                _heldout_sum(workload, model, heldout, rank, world),
+                held_out_sum(),
                 clock,
             ]
         )
@@ -487,7 +551,10 @@ def run_method(
         raise
     if monitor is not None:
         monitor.close()
-    result.max_replica_diff = _max_replica_diff(model, group)
+    with method.evaluation():
+        result.max_replica_diff = _max_replica_diff(model, group)
+        if on_end is not None:
+            on_end(model)
     return result
 
 

@@ -9,8 +9,17 @@ from typing import Any
 
 from cokit.display import pyplot
 from cokit.files import atomic_savefig
+from cokit.validation.report import amortized_bytes
 
 _DEMO = re.compile(r"demo-compact-k(\d+)-c(\d+)")
+# families after DeMo's sign rule: one hue each, solid for the first variant, dashed after
+_FAMILY_HUES = (
+    ("demo-rms-", "tab:green"),
+    ("demo-adam-", "tab:cyan"),
+    ("demo-ns-", "tab:brown"),
+    ("sparseloco-", "tab:pink"),
+    ("diloco-", "tab:olive"),
+)
 
 
 def style(method: str) -> dict[str, Any]:
@@ -37,6 +46,15 @@ def style(method: str) -> dict[str, Any]:
             "ls": "-" if chunk == 64 else "--",
             "lw": 2.0 if (k, chunk) == (32, 64) else 1.1,
         }
+    for prefix, hue in _FAMILY_HUES:
+        if method.startswith(prefix):
+            dashed = (
+                "-k8-" in method
+                or "-h30" in method
+                or method.endswith(("-dct", "-sign"))
+                or "-k16-" in method
+            )
+            return {"color": hue, "ls": "--" if dashed else "-", "lw": 1.6}
     return {"color": "tab:purple", "ls": "-", "lw": 1.2}
 
 
@@ -46,7 +64,12 @@ def _evals(rec: dict) -> tuple[list[int], list[float]]:
 
 
 def plot_curves(
-    out_dir: str, workload: str, records: list[dict], uniform: float | None, title: str
+    out_dir: str,
+    workload: str,
+    records: list[dict],
+    uniform: float | None,
+    title: str,
+    baseline: str = "uniform-guess loss",
 ) -> list[str]:
     """``<workload>_heldout_vs_step.png`` and ``<workload>_heldout_vs_bytes.png``: one line per
     method (its best lr, seed 0); the bytes axis is cumulative bytes sent per rank (log)."""
@@ -71,7 +94,7 @@ def plot_curves(
                 **style(rec["method"]),
             )
         if uniform is not None and kind == "step":
-            ax.axhline(uniform, color="gray", ls=":", lw=1, label="uniform guess")
+            ax.axhline(uniform, color="gray", ls=":", lw=1, label=baseline)
         if kind == "bytes":
             ax.set_xscale("log")
             ax.set_xlabel("cumulative bytes sent per rank")
@@ -101,7 +124,7 @@ def plot_pareto(
     plt = pyplot()
     fig, (ax_k, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
     final = {r["method"]: r["summary"]["final_heldout_loss"] for r in records}
-    per_step = {r["method"]: r["summary"]["bytes_per_step"] for r in records}
+    per_step = {r["method"]: amortized_bytes(r["summary"]) for r in records}
     grid: dict[int, list[tuple[int, float]]] = {}
     for method, loss in final.items():
         m = _DEMO.fullmatch(method)

@@ -64,6 +64,13 @@ def best_lr(records: list[dict]) -> float | None:
     return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
 
 
+def amortized_bytes(summary: dict) -> float:
+    """Bytes sent per rank per step, averaged over the run (a method that syncs every H steps
+    sends nothing on the others; the median would say 0)."""
+    mean = summary.get("mean_bytes_per_step")
+    return float(summary["bytes_per_step"] if mean is None else mean)
+
+
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
@@ -97,8 +104,9 @@ def aggregate(records: list[dict], methods: list[str], lrs_tried: dict[str, int]
             losses = [r["summary"]["final_heldout_loss"] for r in at]
             row["final_heldout_loss_min"], row["final_heldout_loss_max"] = min(losses), max(losses)
             s0 = next(r for r in at if r["seed"] == min(x["seed"] for x in at))["summary"]
-            for f in ("bytes_per_step", "total_bytes_sent", "ratio_to_dense"):
+            for f in ("total_bytes_sent", "ratio_to_dense"):
                 row[f] = s0[f]
+            row["bytes_per_step"] = amortized_bytes(s0)
             for f in ("time_per_step_s", "opt_time_per_step_s"):
                 row[f] = statistics.median(r["summary"][f] for r in at)
         rows.append(row)
@@ -129,14 +137,16 @@ def _fmt(mean: float | None, std: float | None, digits: int = 3, pct: bool = Fal
     return s + (f" ± {std * scale:.{digits}f}" if std is not None else "")
 
 
-def markdown_table(rows: list[dict], workload: str, steps: int, uniform: float | None) -> str:
+def markdown_table(
+    rows: list[dict], workload: str, steps: int, uniform: float | None, baseline: str = "uniform-guess loss"
+) -> str:
     """The per-workload table in markdown."""
     head = (
         "| method | lr (best of N) | seeds | train loss | held-out loss | Δ vs AdamW | held-out acc % "
         "| bytes/step/rank | total bytes/rank | ratio to dense | time/step | opt/step |"
     )
     lines = [
-        f"**{workload}** ({steps} steps" + (f"; uniform-guess loss {uniform:.3f}" if uniform else "") + ")",
+        f"**{workload}** ({steps} steps" + (f"; {baseline} {uniform:.3f}" if uniform else "") + ")",
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
@@ -159,7 +169,9 @@ def markdown_table(rows: list[dict], workload: str, steps: int, uniform: float |
                     _fmt(r.get("final_train_loss_mean"), r.get("final_train_loss_std")),
                     _fmt(r.get("final_heldout_loss_mean"), r.get("final_heldout_loss_std")),
                     "-" if d is None else f"{d:+.3f}",
-                    _fmt(r.get("heldout_accuracy_mean"), r.get("heldout_accuracy_std"), 1, pct=True),
+                    "-"
+                    if r.get("heldout_accuracy_mean") is None and r.get("final_heldout_loss_mean") is not None
+                    else _fmt(r.get("heldout_accuracy_mean"), r.get("heldout_accuracy_std"), 1, pct=True),
                     human_bytes(r.get("bytes_per_step")),
                     human_bytes(r.get("total_bytes_sent")),
                     "-" if ratio is None else f"{ratio:.1f}x",
@@ -175,10 +187,15 @@ def markdown_table(rows: list[dict], workload: str, steps: int, uniform: float |
 
 
 def write_report(
-    out_dir: str, info: dict[str, Any], records: dict[str, list[dict]], cfg: Any
+    out_dir: str,
+    info: dict[str, Any],
+    records: dict[str, list[dict]],
+    cfg: Any,
+    longer: dict[str, list[dict]] | None = None,
 ) -> dict[str, Any]:
     """Write ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots; return the
-    study document (with ``table_markdown`` and ``files``)."""
+    study document (with ``table_markdown`` and ``files``). ``longer``: per workload, the runs
+    at the longer horizon (phase 3)."""
     from cokit.validation.plots import plot_curves, plot_pareto
 
     files: list[str] = []
@@ -192,22 +209,36 @@ def write_report(
         for r in rows:
             r["workload"] = wl.name
         tables[wl.name] = rows
-        uniform = info.get("workload_info", {}).get(wl.name, {}).get("uniform_loss")
-        md_parts.append(markdown_table(rows, wl.name, wl.steps, uniform))
+        about = info.get("workload_info", {}).get(wl.name, {})
+        uniform, baseline = about.get("uniform_loss"), about.get("baseline_label", "uniform-guess loss")
+        md_parts.append(markdown_table(rows, wl.name, wl.steps, uniform, baseline))
         best = {r["method"]: r["best_lr"] for r in rows if r["best_lr"] is not None}
         chosen = [
             r for r in recs if r["seed"] == 0 and r.get("status") == "ok" and best.get(r["method"]) == r["lr"]
         ]
         chosen.sort(key=lambda r: cfg.methods.index(r["method"]))
         points = [
-            (r["method"], float(r["summary"]["bytes_per_step"]), r["summary"]["final_heldout_loss"])
+            (r["method"], amortized_bytes(r["summary"]), r["summary"]["final_heldout_loss"])
             for r in chosen
-            if r["summary"]["bytes_per_step"] > 0
+            if amortized_bytes(r["summary"]) > 0
         ]
         pareto[wl.name] = pareto_front(points)
+        if pareto[wl.name]:
+            md_parts.append(
+                f"Pareto front of **{wl.name}** (held-out loss vs bytes per step, best lr, seed 0; "
+                "fewest bytes first): " + ", ".join(pareto[wl.name])
+            )
         if chosen:
-            files += plot_curves(out_dir, wl.name, chosen, uniform, _title(info, wl))
+            files += plot_curves(out_dir, wl.name, chosen, uniform, _title(info, wl), baseline)
             files.append(plot_pareto(out_dir, wl.name, chosen, pareto[wl.name], uniform, _title(info, wl)))
+    target = target_check(tables, info.get("target"))
+    if target:
+        md_parts.append(target_markdown(target))
+    horizon = {
+        wl: horizon_rows(tables[wl], recs) for wl, recs in (longer or {}).items() if recs and wl in tables
+    }
+    for wl, rows in horizon.items():
+        md_parts.append(horizon_markdown(wl, rows))
     md_parts.append(_footnotes(info))
     md = "\n\n".join(md_parts) + "\n"
     atomic_write_text(os.path.join(out_dir, "table.md"), md)
@@ -220,14 +251,144 @@ def write_report(
     buf = io.StringIO(newline="")
     w = csv.DictWriter(buf, fieldnames=RUN_FIELDS, extrasaction="ignore")
     w.writeheader()
-    for recs in records.values():
+    for recs in [*records.values(), *(longer or {}).values()]:
         for r in sorted(recs, key=lambda r: (r["method"], r["lr"], r["seed"])):
             w.writerow({**r, **r.get("summary", {})})
     atomic_write_text(os.path.join(out_dir, "runs.csv"), buf.getvalue())
     files = ["table.md", "table.csv", "runs.csv", "study.json", *files]
-    doc = {**info, "tables": tables, "pareto_front": pareto, "files": files, "table_markdown": md}
+    doc = {
+        **info,
+        "tables": tables,
+        "pareto_front": pareto,
+        "target_check": target,
+        "long_horizon_rows": horizon,
+        "files": files,
+        "table_markdown": md,
+    }
     atomic_write_text(os.path.join(out_dir, "study.json"), json.dumps(doc, indent=1, default=str))
     return doc
+
+
+def target_check(tables: dict[str, list[dict]], target: dict | None) -> dict[str, Any] | None:
+    """Issue 13's target on ``target["workload"]``: the best method (by mean held-out loss over
+    its seeds) at >= ``min_ratio_to_dense`` x fewer bytes, against AdamW's mean; None without
+    an AdamW row or the workload."""
+    if not target or target["workload"] not in tables:
+        return None
+    rows = tables[target["workload"]]
+    base = next((r for r in rows if r["method"] == "adamw" and r.get("final_heldout_loss_mean")), None)
+    if base is None:
+        return None
+    eligible = [
+        r
+        for r in rows
+        if r.get("final_heldout_loss_mean") is not None
+        and (r.get("ratio_to_dense") or 0.0) >= target["min_ratio_to_dense"]
+    ]
+    best = min(eligible, key=lambda r: r["final_heldout_loss_mean"]) if eligible else None
+    out: dict[str, Any] = {
+        **target,
+        "adamw_mean": base["final_heldout_loss_mean"],
+        "adamw_std": base.get("final_heldout_loss_std"),
+        "adamw_seeds": base["seeds"],
+        "method": None,
+        "met": False,
+    }
+    if best is not None:
+        rel = best["final_heldout_loss_mean"] / base["final_heldout_loss_mean"] - 1.0
+        out.update(
+            method=best["method"],
+            mean=best["final_heldout_loss_mean"],
+            std=best.get("final_heldout_loss_std"),
+            seeds=best["seeds"],
+            ratio_to_dense=best["ratio_to_dense"],
+            relative_delta=rel,
+            met=rel <= target["max_delta_vs_adamw"] and best["seeds"] >= 3,
+        )
+    return out
+
+
+def target_markdown(t: dict[str, Any]) -> str:
+    """The target check as a short paragraph."""
+    head = (
+        f"**Target** ({t['workload']}, matched steps): held-out loss within "
+        f"{100 * t['max_delta_vs_adamw']:g}% of AdamW's mean "
+        f"({_fmt(t['adamw_mean'], t['adamw_std'])}, {t['adamw_seeds']} seeds) at >= "
+        f"{t['min_ratio_to_dense']:g}x fewer bytes per step, 3 seeds. "
+    )
+    if t["method"] is None:
+        return head + f"No method reached {t['min_ratio_to_dense']:g}x: **missed**."
+    verdict = (
+        "**met**"
+        if t["met"]
+        else (
+            f"**missed** by {100 * (t['relative_delta'] - t['max_delta_vs_adamw']):.1f} percentage points"
+            if t["relative_delta"] > t["max_delta_vs_adamw"]
+            else "**not confirmed** (fewer than 3 seeds)"
+        )
+    )
+    return head + (
+        f"Best such method: `{t['method']}`, {_fmt(t['mean'], t['std'])} ({t['seeds']} seeds), "
+        f"{100 * t['relative_delta']:+.1f}% vs AdamW at {t['ratio_to_dense']:.0f}x fewer bytes: {verdict}."
+    )
+
+
+def horizon_rows(rows: list[dict], longer: list[dict]) -> list[dict[str, Any]]:
+    """Per method of the longer runs: held-out loss at the study's steps (seed 0, same lr) and
+    at the longer horizon, each with its relative gap to AdamW at the same horizon."""
+    short = {r["method"]: r for r in rows}
+    out = []
+    for rec in sorted(longer, key=lambda r: r["method"] != "adamw"):
+        if rec.get("status") != "ok":
+            out.append({"method": rec["method"], "status": rec.get("status")})
+            continue
+        evals = {e["step"]: e["heldout_loss"] for e in rec["evals"] if e["heldout_loss"] is not None}
+        out.append(
+            {
+                "method": rec["method"],
+                "lr": rec["lr"],
+                "steps": rec["steps"],
+                "status": "ok",
+                "heldout_at_steps": evals,
+                "final_heldout_loss": rec["summary"]["final_heldout_loss"],
+                "short_heldout_loss": short.get(rec["method"], {}).get("final_heldout_loss_min"),
+                "ratio_to_dense": rec["summary"]["ratio_to_dense"],
+            }
+        )
+    base = next((r for r in out if r["method"] == "adamw" and r["status"] == "ok"), None)
+    for r in out:
+        if base is None or r["status"] != "ok":
+            continue
+        common = sorted(set(r["heldout_at_steps"]) & set(base["heldout_at_steps"]))
+        r["gap_vs_adamw"] = {s: r["heldout_at_steps"][s] / base["heldout_at_steps"][s] - 1.0 for s in common}
+    return out
+
+
+def horizon_markdown(workload: str, rows: list[dict[str, Any]]) -> str:
+    """The longer-horizon table: held-out loss and relative gap to AdamW at a few steps."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return f"**{workload}, longer horizon**: every run failed."
+    steps = sorted(ok[0]["heldout_at_steps"])
+    picks = sorted({steps[len(steps) // 3], steps[(2 * len(steps)) // 3], steps[-1]} - {0})
+    head = "| method | lr | " + " | ".join(f"held-out @ {s} (gap vs AdamW)" for s in picks) + " |"
+    lines = [
+        f"**{workload}, longer horizon** ({ok[0]['steps']} steps, seed 0, each at its best lr of the "
+        "study's steps; does the gap to AdamW close or grow?)",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['method']} | - | " + " | ".join(r["status"] for _ in picks) + " |")
+            continue
+        cells = []
+        for s in picks:
+            v, gap = r["heldout_at_steps"].get(s), r.get("gap_vs_adamw", {}).get(s)
+            cells.append("-" if v is None else f"{v:.3f}" + ("" if gap is None else f" ({100 * gap:+.1f}%)"))
+        lines.append(f"| {r['method']} | {r['lr']:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _title(info: dict, wl: Any) -> str:
@@ -252,9 +413,10 @@ def _footnotes(info: dict) -> str:
     return (
         'lr "edge": the best lr is the smallest or largest of the grid (a wider grid might do '
         "better). Train loss: mean of the last 10% of steps. Held-out loss/accuracy: after the last step "
-        "(text: next-character top-1 accuracy). Bytes: sent per rank per step (median; ring "
-        "all-reduce of fp32 gradients for dense methods; PowerSGD's 10% dense warm-up counts in its "
-        "total), ratio to dense = dense all-reduce bytes / bytes sent over the run. Times: medians "
+        "(text: next-character top-1 accuracy). Bytes: sent per rank per step, amortized (the mean "
+        "over the run, so methods that sync every H steps compare with those that send every step; "
+        "ring all-reduce of fp32 gradients for dense methods; PowerSGD's 10% dense warm-up counts), "
+        "ratio to dense = dense all-reduce bytes / bytes sent over the run. Times: medians "
         "per step on a shared CPU with more ranks than cores; opt/step is the exchange + update "
         "after backward (PowerSGD's exchange runs inside backward, in DDP's hook, so its opt/step "
         "leaves it out). CPU/gloo times say nothing about GPU speed."

@@ -42,17 +42,14 @@ class Job:
 
 class StudyWorkload:
     """Wraps a workload: models come wrapped in :class:`EngineSlot` (so DDP-based methods can
-    hook the forward pass) and the last model built is kept for the final accuracy. The held-out
-    batches are built once and reused by every run."""
+    hook the forward pass). The held-out batches are built once and reused by every run."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.last_model: EngineSlot | None = None
         self._heldout: list[Any] | None = None
 
     def build_model(self, seed: int) -> nn.Module:
-        self.last_model = EngineSlot(self.inner.build_model(seed))
-        return self.last_model
+        return EngineSlot(self.inner.build_model(seed))
 
     def train_batch(self, seed: int, step: int, rank: int, world_size: int) -> Any:
         return self.inner.train_batch(seed, step, rank, world_size)
@@ -72,7 +69,10 @@ class StudyWorkload:
 @torch.no_grad()
 def heldout_accuracy(model: nn.Module, heldout: list[Any], rank: int, world: int) -> float:
     """Top-1 accuracy over all held-out targets (next character, or class): this rank's share
-    (batches ``rank::world``) counted on the device, summed over ranks when ``world > 1``."""
+    (batches ``rank::world``) counted on the device, summed over ranks when ``world > 1``.
+    NaN for workloads without labels (held-out batches that are not ``(inputs, labels)``)."""
+    if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in heldout):
+        return math.nan
     model.eval()
     counts = torch.zeros(2, dtype=torch.float64, device=_device_of(model))  # NCCL/RCCL: GPU tensors
     for x, y in heldout[rank::world]:
@@ -169,6 +169,11 @@ def run_jobs(
         t0 = time.perf_counter()
         result, acc, error = None, math.nan, None
         try:
+            accuracy: list[float] = []
+
+            def measure(model: nn.Module, out: list[float] = accuracy) -> None:
+                out.append(heldout_accuracy(model, workload.heldout_batches(), rank, world_size))
+
             result = run_method(
                 job.spec,
                 workload,
@@ -176,11 +181,11 @@ def run_jobs(
                 job.seed,
                 eval_every=job.eval_every,
                 log=log,
+                on_end=measure,
                 telemetry_dir=job.telemetry_dir,
                 telemetry_run=job.telemetry_run,
             )
-            assert workload.last_model is not None  # run_method built one
-            acc = heldout_accuracy(workload.last_model, workload.heldout_batches(), rank, world_size)
+            acc = accuracy[0]
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:2000]
             if verbose and rank == 0:
@@ -193,7 +198,7 @@ def run_jobs(
             s = doc.get("summary", {})
             detail = (
                 f"held-out {s['final_heldout_loss']}  acc {s['heldout_accuracy']}  "
-                f"{s['bytes_per_step']} B/step"
+                f"{s['mean_bytes_per_step']:.0f} B/step"
                 if s
                 else doc.get("error", "")[:200]
             )

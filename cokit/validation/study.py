@@ -1,20 +1,24 @@
-"""The validation study: DeMo vs AdamW vs SGD-momentum vs PowerSGD at small scale.
+"""The validation study: AdamW, SGD-momentum, PowerSGD, DeMo (four inner update rules),
+SparseLoCo and DiLoCo at small scale.
 
     cokit bench validate               # full mode -> benchmarks/results/validation/
     cokit bench validate --quick       # < 10 minutes on 2 CPU cores -> benchmarks/out/validation-quick/
     python benchmarks/validate_compression.py --quick    # the same
 
-Two workloads, nothing downloaded: ``text`` (the demo's character-level transformer on the
-Python standard library's own sources) and ``digits`` (an MLP on scikit-learn's bundled 8x8
-digits). Every method trains the same model from the same seed on the same batches for the
-same number of steps, on ``--world-size`` local gloo ranks (CPU). Each method runs a small
-learning-rate grid (4 values, seed 0); the lr with the lowest final held-out loss is reported, and the
-headline methods are rerun at that lr with more seeds (mean and spread).
+Three workloads, nothing downloaded: ``text`` (the demo's character-level transformer on the
+Python standard library's own sources), ``digits`` (an MLP on scikit-learn's bundled 8x8
+digits) and ``digits-ae`` (a convolutional autoencoder of the same images). Every method
+trains the same model from the same seed on the same batches for the same number of steps, on
+``--world-size`` local gloo ranks (CPU). Each method runs a small learning-rate grid (4 values,
+seed 0); the lr with the lowest final held-out loss is reported.
 
 Phases, each resumable (a run whose JSON exists with the same configuration is skipped):
 1. the lr grid of every method on every workload (seed 0);
-2. the headline methods at their best lr, seeds 1..N-1;
-3. the report: ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots.
+2. at their best lr, seeds 1..N-1: the fixed headline methods, and per family the best
+   configuration and the best one at >= 100x fewer bytes than dense;
+3. (full) AdamW and the best compressed configuration at >= 100x fewer bytes, at 3x the steps;
+4. the report: ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots, with
+   the Pareto front of held-out loss vs bytes per step and issue 13's target check.
 
 Every run also writes its per-step telemetry (each rank's JSONL in
 ``<out>/telemetry/<workload>-<method>-lr<lr>-s<seed>/``; ``cokit dashboard <out>`` draws it,
@@ -47,6 +51,15 @@ DEFAULT_OUT = {
 DEMO_KS = (4, 8, 16, 32, 64)
 DEMO_CHUNKS = (32, 64)
 HEADLINE = ("adamw", "powersgd-r4", "demo-compact-k32-c64")
+# DeMo with another inner update rule: label part -> (family, DeMo's update_rule name)
+RULE_FAMILIES = {"rms": "demo-rms", "adam": "demo-adam", "ns": "demo-ns"}
+RULE_NAMES = {"rms": "rms", "adam": "adam", "ns": "newton_schulz"}
+RULE_KS = (8, 32)
+# The compression target of issue 13: at least this many times fewer bytes than dense.
+TARGET_RATIO = 100.0
+TARGET_DELTA = 0.03  # held-out loss within 3% of AdamW's mean
+LONG_FACTOR = 3  # the longer horizon: this many times the workload's steps
+COMPRESSED_FAMILIES = ("demo", "demo-rms", "demo-adam", "demo-ns", "sparseloco", "diloco")
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,7 +71,7 @@ class MethodDef:
     """A method of the study: its label, family (for lr grids and colours) and runner options."""
 
     label: str
-    family: str  # adamw | sgd | powersgd | demo
+    family: str  # adamw | sgd | powersgd | demo | demo-rms | demo-adam | demo-ns | sparseloco | diloco
     runner: str  # the cokit.train method name
     options: tuple[tuple[str, Any], ...] = ()
     about: str = ""
@@ -69,6 +82,45 @@ class MethodDef:
         if self.runner == "powersgd":
             opts.update(start_iter=max(2, steps // 10), seed=seed)
         return MethodSpec(self.runner, lr, options=opts, label=self.label)
+
+
+def _infrequent_methods() -> list[tuple[str, tuple[tuple[str, Any], ...], str]]:
+    """SparseLoCo (top-k pseudo-gradients, error feedback, low-bit values) and DiLoCo (dense
+    pseudo-gradients, outer Nesterov): label, options, description. The lr is the inner AdamW's."""
+    out: list[tuple[str, tuple[tuple[str, Any], ...], str]] = []
+    for h, k, payload, dct in (
+        (5, 64, "int2", False),
+        (10, 64, "int2", False),
+        (30, 64, "int2", False),
+        (10, 64, "int2", True),
+        (10, 64, "sign", False),
+        (10, 16, "int2", False),
+    ):
+        label = f"sparseloco-h{h}-k{k}-{payload}" + ("-dct" if dct else "")
+        opts = (("sync_every", h), ("topk", k), ("chunk", 64), ("payload", payload), ("dct", dct))
+        about = (
+            f"SparseLoCo: {h} local AdamW steps, then top-{k} per 64-tile"
+            + (" DCT coefficients" if dct else "")
+            + f" of the error-fed pseudo-gradient, {payload} values"
+        )
+        out.append((label, opts, about))
+    for h in (10, 30):
+        dense: tuple[tuple[str, Any], ...] = (
+            ("sync_every", h),
+            ("topk", None),
+            ("outer", "nesterov"),
+            ("outer_lr", 0.7),
+            ("outer_momentum", 0.9),
+        )
+        out.append(
+            (
+                f"diloco-h{h}",
+                dense,
+                f"DiLoCo: {h} local AdamW steps, dense pseudo-gradient "
+                "all-reduce, outer Nesterov (lr 0.7, momentum 0.9)",
+            )
+        )
+    return out
 
 
 def method_catalog() -> dict[str, MethodDef]:
@@ -115,6 +167,25 @@ def method_catalog() -> dict[str, MethodDef]:
                     about=f"DeMo k={k} chunk={chunk}, compact payload (int16 idx + bf16 values)",
                 )
             )
+    for rule, family in RULE_FAMILIES.items():
+        for k in RULE_KS:
+            ms.append(
+                MethodDef(
+                    f"demo-{rule}-k{k}-c64",
+                    family,
+                    "demo",
+                    (
+                        ("compression_topk", k),
+                        ("compression_chunk", 64),
+                        ("payload", "compact"),
+                        ("update_rule", RULE_NAMES[rule]),
+                    ),
+                    about=f"DeMo k={k} chunk=64 compact, {RULE_NAMES[rule]} update rule on the "
+                    "decoded direction",
+                )
+            )
+    for label, opts, about in _infrequent_methods():
+        ms.append(MethodDef(label, label.split("-")[0], "sparseloco", opts, about=about))
     return {m.label: m for m in ms}
 
 
@@ -129,8 +200,11 @@ class WorkloadDef:
     lrs: tuple[tuple[str, tuple[float, ...]], ...]
 
     def grid(self, family: str, points: int) -> tuple[float, ...]:
-        """The family's lr grid: all of it, or (``points == 1``) one value from its middle."""
-        grid = dict(self.lrs)[family]
+        """The family's lr grid: all of it, or (``points == 1``) one value from its middle.
+        Families without a grid of their own use AdamW's: their lr rules say AdamW's lr carries
+        over (DeMo's update rules; the inner AdamW of SparseLoCo and DiLoCo)."""
+        lrs = dict(self.lrs)
+        grid = lrs.get(family, lrs["adamw"])
         return grid if points >= len(grid) else (grid[len(grid) // 2],)
 
 
@@ -151,9 +225,17 @@ _DIGITS_LRS = (
 )
 
 
+_AE_LRS = (
+    ("adamw", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("sgd", (0.03, 0.1, 0.3, 1.0)),  # 0.01..0.3 put the best (0.3) on the edge
+    ("powersgd", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("demo", (1e-3, 3e-3, 1e-2, 3e-2)),
+)
+
+
 def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
-    """The two workloads sized for ``preset`` (``steps`` overrides both step budgets)."""
-    from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
+    """The three workloads sized for ``preset`` (``steps`` overrides every step budget)."""
+    from cokit.workloads import CorpusConfig, DigitsAEWorkloadConfig, ModelConfig, TextWorkloadConfig
     from cokit.workloads.digits import DigitsWorkloadConfig
     from cokit.workloads.text import VOCAB_SIZE
 
@@ -165,7 +247,8 @@ def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
             eval_batches=2,
         )
         digits = DigitsWorkloadConfig(hidden=(32,), batch_size=8)
-        budget = {"text": (4, 2), "digits": (4, 2)}
+        ae = DigitsAEWorkloadConfig(channels=(4, 8, 8), latent=4, batch_size=8)
+        budget = {"text": (4, 2), "digits": (4, 2), "digits-ae": (4, 2)}
     else:
         text = TextWorkloadConfig(
             corpus=CorpusConfig(max_chars=400_000),
@@ -174,13 +257,18 @@ def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
             eval_batches=8,
         )
         digits = DigitsWorkloadConfig(hidden=(128, 128), batch_size=32)
+        ae = DigitsAEWorkloadConfig(batch_size=32)
         budget = (
-            {"text": (250, 25), "digits": (200, 20)}
+            {"text": (250, 25), "digits": (200, 20), "digits-ae": (200, 20)}
             if preset == "full"
-            else {"text": (100, 10), "digits": (100, 10)}
+            else {"text": (100, 10), "digits": (100, 10), "digits-ae": (100, 10)}
         )
     out = []
-    for name, factory, lrs in (("text", text, _TEXT_LRS), ("digits", digits, _DIGITS_LRS)):
+    for name, factory, lrs in (
+        ("text", text, _TEXT_LRS),
+        ("digits", digits, _DIGITS_LRS),
+        ("digits-ae", ae, _AE_LRS),
+    ):
         n, every = budget[name]
         if steps is not None:
             n, every = steps, max(1, min(every, steps // 4 or 1))
@@ -204,6 +292,7 @@ class StudyConfig:
     headline: list[str]
     seeds: int
     lr_points: int
+    long_horizon: bool = False  # phase 3: AdamW and the best >= 100x method at 3x the steps
     verbose: bool = False
     telemetry: bool = True  # each run writes out_dir/telemetry/<workload>-<method>-lr<lr>-s<seed>/
     methods_by_label: dict[str, MethodDef] = field(default_factory=method_catalog, repr=False)
@@ -222,6 +311,7 @@ def make_config(
     seeds: int | None = None,
     lr_points: int | None = None,
     steps: int | None = None,
+    long_horizon: bool | None = None,
     verbose: bool = False,
     telemetry: bool = True,
 ) -> StudyConfig:
@@ -280,6 +370,7 @@ def make_config(
         headline=[m for m in HEADLINE if m in methods],
         seeds=seeds,
         lr_points=points,
+        long_horizon=preset == "full" if long_horizon is None else long_horizon,
         verbose=verbose,
         telemetry=telemetry,
     )
@@ -360,13 +451,77 @@ def sweep_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
     ]
 
 
+def _best_seed0(records: list[dict], min_ratio: float = 0.0) -> dict | None:
+    """The seed-0 run with the lowest finite final held-out loss among ``records`` (at least
+    ``min_ratio`` times fewer bytes than dense), or None."""
+    ok = [
+        r
+        for r in records
+        if r.get("status") == "ok"
+        and r["seed"] == 0
+        and r["summary"]["final_heldout_loss"] is not None
+        and (r["summary"]["ratio_to_dense"] or 0.0) >= min_ratio
+    ]
+    return min(ok, key=lambda r: r["summary"]["final_heldout_loss"]) if ok else None
+
+
+def headline_methods(cfg: StudyConfig, sweep_records: list[dict]) -> list[str]:
+    """The methods that get more seeds: the fixed headline ones, then per family the best
+    configuration (seed 0, best lr) and the best one at >= ``TARGET_RATIO`` x fewer bytes."""
+    out = list(cfg.headline)
+    families = dict.fromkeys(cfg.method(m).family for m in cfg.methods)
+    for fam in families:
+        mine = [
+            r for r in sweep_records if r["method"] in cfg.methods and cfg.method(r["method"]).family == fam
+        ]
+        for min_ratio in (0.0, TARGET_RATIO):
+            best = _best_seed0(mine, min_ratio)
+            if best is not None and best["method"] not in out:
+                out.append(best["method"])
+    return out
+
+
 def seed_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
     """Phase 2: the headline methods at their best lr (from phase 1's run JSONs), seeds 1..seeds-1."""
     jobs: list = []
-    for m in cfg.headline:
+    for m in headline_methods(cfg, sweep_records):
         lr = best_lr([r for r in sweep_records if r["method"] == m])
         if lr is not None:
             jobs.extend(make_job(cfg, wl, m, lr, s) for s in range(1, cfg.seeds))
+    return jobs
+
+
+def long_workload(wl: WorkloadDef) -> WorkloadDef:
+    """``wl`` with ``LONG_FACTOR`` times the steps (its runs live under ``runs/<name>-x3/``)."""
+    return dataclasses.replace(
+        wl,
+        name=f"{wl.name}-x{LONG_FACTOR}",
+        steps=wl.steps * LONG_FACTOR,
+        eval_every=wl.eval_every * LONG_FACTOR,
+    )
+
+
+def long_methods(cfg: StudyConfig, sweep_records: list[dict]) -> list[str]:
+    """Phase 3's methods: AdamW and the best compressed configuration at >= ``TARGET_RATIO`` x
+    fewer bytes (seed 0 of phase 1)."""
+    compressed = [
+        r
+        for r in sweep_records
+        if r["method"] in cfg.methods and cfg.method(r["method"]).family in COMPRESSED_FAMILIES
+    ]
+    best = _best_seed0(compressed, TARGET_RATIO)
+    out = ["adamw"] if "adamw" in cfg.methods else []
+    return out + ([best["method"]] if best is not None else [])
+
+
+def long_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
+    """Phase 3: :func:`long_methods` at their best lr of phase 1, seed 0, ``LONG_FACTOR`` x the steps."""
+    longer = long_workload(wl)
+    jobs = []
+    for m in long_methods(cfg, sweep_records):
+        lr = best_lr([r for r in sweep_records if r["method"] == m])
+        if lr is not None:
+            jobs.append(make_job(cfg, longer, m, lr, 0))
     return jobs
 
 
@@ -438,6 +593,16 @@ def describe(cfg: StudyConfig) -> dict[str, Any]:
         "backend": "gloo",
         "seeds": cfg.seeds,
         "lr_points": cfg.lr_points,
+        "long_horizon": cfg.long_horizon
+        and {
+            "factor": LONG_FACTOR,
+            "methods": f"adamw and the best compressed method at >= {TARGET_RATIO:g}x fewer bytes",
+        },
+        "target": {
+            "workload": "text",
+            "max_delta_vs_adamw": TARGET_DELTA,
+            "min_ratio_to_dense": TARGET_RATIO,
+        },
         "methods": {m: cfg.method(m).about for m in cfg.methods},
         "headline": cfg.headline,
         "workloads": wls,
@@ -463,6 +628,13 @@ def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
                 f"headline seeds 1..{cfg.seeds - 1} at the best lr",
                 run,
             )
+    longer: dict[str, list[dict]] = {}
+    if cfg.long_horizon:
+        for wl in cfg.workloads:
+            sweep = [r for r in records[wl.name] if r["seed"] == 0]
+            longer[wl.name] = _execute(
+                cfg, long_workload(wl), long_jobs(cfg, wl, sweep), f"{LONG_FACTOR}x the steps, seed 0", run
+            )
     info = {
         **describe(cfg),
         "machine": machine_info(),
@@ -471,7 +643,7 @@ def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
         "run_time_s_all_runs": round(sum(r.get("elapsed_s", 0.0) for rs in records.values() for r in rs), 1),
         "workload_info": _workload_info(cfg, records),
     }
-    return write_report(cfg.out_dir, info, records, cfg)
+    return write_report(cfg.out_dir, info, records, cfg, longer)
 
 
 def _workload_info(cfg: StudyConfig, records: dict[str, list[dict]]) -> dict[str, Any]:
@@ -512,7 +684,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "full, benchmarks/out/validation-<preset> otherwise)",
     )
     p.add_argument("--world-size", type=int, default=None, help="gloo ranks to spawn (default 4; toy: 2)")
-    p.add_argument("--workloads", default=None, help="comma list of text,digits (default both)")
+    p.add_argument(
+        "--workloads", default=None, help="comma list of text,digits,digits-ae (default: all three)"
+    )
     p.add_argument(
         "--methods",
         default=None,
@@ -526,7 +700,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=(1, GRID_POINTS),
         help=f"{GRID_POINTS}: each method's lr grid (default); 1: one value from its middle",
     )
-    p.add_argument("--steps", type=int, default=None, help="override the steps of both workloads")
+    p.add_argument("--steps", type=int, default=None, help="override the steps of every workload")
+    p.add_argument(
+        "--long-horizon",
+        choices=("on", "off"),
+        default=None,
+        help=f"phase 3: AdamW and the best >= {TARGET_RATIO:g}x-compressed method at {LONG_FACTOR}x the "
+        "steps (default: on for full)",
+    )
     p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
     p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
     p.add_argument("--verbose", action="store_true", help="a progress line per evaluation, tracebacks")
@@ -558,6 +739,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         seeds=args.seeds,
         lr_points=args.lr_points,
         steps=args.steps,
+        long_horizon=None if args.long_horizon is None else args.long_horizon == "on",
         verbose=args.verbose,
         telemetry=not getattr(args, "no_telemetry", False),
     )
@@ -568,7 +750,7 @@ def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> i
     print the table; return an exit code."""
     if args.list_methods:
         for label, m in method_catalog().items():
-            print(f"{label:24s} {m.about}")
+            print(f"{label:28s} {m.about}")
         return 0
     cfg = config_from_args(args) if cfg is None else cfg
     print(
