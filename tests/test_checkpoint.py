@@ -1,4 +1,9 @@
-"""DeMo checkpoints: records, checks before anything changes, strict=False, and DCP resume."""
+"""DeMo checkpoints: records, checks before anything changes, strict=False, and DCP resume.
+
+The gloo scenarios run in four spawned worlds (tests/gloo_cases.py, fixture ``worlds``):
+world 2 saves, world 3 loads those files and saves its own, then each world resumes (and
+loads the other's DCP checkpoint) in fresh processes.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from cokit.compress import DeMo
 from cokit.compress.checkpoint import records, relaxed_loading
-from tests.distributed import run_gloo
+from tests.gloo_cases import Case, run_cases
 
 KW = dict(lr=3e-3, compression_topk=4, compression_chunk=8)
 
@@ -297,8 +302,8 @@ def _other_world(rank: int, world: int, folder: str):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_plain_files_load_only_on_their_own_rank_and_world_size(tmp_path):
-    r0, r1 = run_gloo(2, _plain_ranks, str(tmp_path))
+def test_plain_files_load_only_on_their_own_rank_and_world_size(worlds):
+    r0, r1 = worlds[2]["plain"]
     assert r0["rank0 only"] is None and r0["own"] is None and r1["own"] is None
     message, unchanged = r1["rank0 only"]
     assert "records of rank(s) [0], this is rank 1" in message and "save on every rank" in message
@@ -310,7 +315,7 @@ def test_plain_files_load_only_on_their_own_rank_and_world_size(tmp_path):
         assert any("dropped this rank's error buffers" in w for w in warned)
         assert n_state == 0 and steps == 3  # buffers dropped, counters kept
 
-    for strict, warned, n_state, steps in run_gloo(3, _other_world, str(tmp_path)):
+    for strict, warned, n_state, steps in worlds[3]["plain, world 2's files"]:
         assert strict is not None
         assert "saved at world size 2 (DeMo group size 2), this run has world size 3" in strict
         assert "strict=False" in strict
@@ -393,25 +398,34 @@ def _totals(stats: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dcp_runs(tmp_path_factory):
-    """An uninterrupted run at world 2 and 3, each saving a DCP checkpoint after SAVE_AT steps."""
-    out = {}
-    for world in (2, 3):
-        folder = tmp_path_factory.mktemp(f"dcp{world}")
-        out[world] = (str(folder), run_gloo(world, _dcp_save, str(folder)))
+def worlds(tmp_path_factory) -> dict[int, dict[str, Any]]:
+    """Per world size (2, 3), each scenario's results by rank, and ``"folder"``: its DCP
+    checkpoint. The uninterrupted runs save a DCP checkpoint after SAVE_AT steps; the
+    resumes and the loads of the other world's DCP checkpoint run in fresh processes."""
+    plain = str(tmp_path_factory.mktemp("plain"))
+    dcp_at = {w: str(tmp_path_factory.mktemp(f"dcp{w}")) for w in (2, 3)}
+    out: dict[int, dict[str, Any]] = {w: {"folder": dcp_at[w]} for w in (2, 3)}
+    out[2].update(run_cases(2, [Case("plain", _plain_ranks, (plain,)), Case("dcp", _dcp_save, (dcp_at[2],))]))
+    cases = [Case("plain, world 2's files", _other_world, (plain,)), Case("dcp", _dcp_save, (dcp_at[3],))]
+    out[3].update(run_cases(3, [*cases, Case("dcp, other world", _dcp_other_world, (dcp_at[2],))]))
+    for world, other in ((2, 3), (3, 2)):
+        cases = [Case("resumed", _dcp_resume, (dcp_at[world],))]
+        if world == 2:  # (world 3 loaded world 2's checkpoint above)
+            cases.append(Case("dcp, other world", _dcp_other_world, (dcp_at[other],)))
+        out[world].update(run_cases(world, cases))
     return out
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_dcp_resume_is_identical_to_an_uninterrupted_run(dcp_runs, world):
-    folder, uninterrupted = dcp_runs[world]
+def test_dcp_resume_is_identical_to_an_uninterrupted_run(worlds, world):
+    folder, uninterrupted = worlds[world]["folder"], worlds[world]["dcp"]
     keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     for fqn in ("0.weight", "0.bias", "2.weight", "2.bias"):  # each rank's buffer: its own entry
         assert all(f"optim.state.{fqn}.delta_rank{r}" in keys for r in range(world))
     assert all(f"optim.param_groups.0.demo_rank{r}" in keys for r in range(world))
-    resumed = run_gloo(world, _dcp_resume, folder)
+    resumed = worlds[world]["resumed"]
     for (saved, final), (loaded, after) in zip(uninterrupted, resumed):
         assert loaded["records"]["common"] == saved["records"]["common"]  # counters, policy, settings
         (rank,) = saved["records"]["ranks"]
@@ -426,9 +440,9 @@ def test_dcp_resume_is_identical_to_an_uninterrupted_run(dcp_runs, world):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_dcp_checkpoints_refuse_another_world_size(dcp_runs):
-    smaller = run_gloo(2, _dcp_other_world, dcp_runs[3][0])  # DeMo's own check
-    larger = run_gloo(3, _dcp_other_world, dcp_runs[2][0])  # DCP finds no entry for rank 2
+def test_dcp_checkpoints_refuse_another_world_size(worlds):
+    smaller = worlds[2]["dcp, other world"]  # DeMo's own check
+    larger = worlds[3]["dcp, other world"]  # DCP finds no entry for rank 2
     for _failure, _, kept in smaller + larger:
         assert kept, "a refused DCP load changed the live error buffers"
     for failure, _, _ in smaller:

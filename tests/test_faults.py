@@ -4,7 +4,8 @@ A collective that times out or fails aborts its process group: the error says to
 from the last checkpoint, a retry fails at once (no hang, no SIGABRT) and the process
 exits within seconds. Spawned ranks never outlive their parent. Under ``torchrun
 --max-restarts`` with per-rank checkpoints a run killed midway ends bit-identical to an
-uninterrupted one. Ranks run as real processes on loopback.
+uninterrupted one. Ranks run as real processes on loopback; the timeout and slow-rank
+scenarios share one spawned world (tests/gloo_cases.py, fixture ``world2``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_gloo
+from gloo_cases import Case, run_cases
 
 from cokit.compress import DeMo
 from cokit.compress.comm import Communicator, parse_timeout
@@ -114,20 +115,6 @@ def _inf_steps(rank: int, world: int, timeout):
     return params[0].detach().clone(), mean
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_timeout_inf_trains_like_no_timeout_across_ranks():
-    unlimited = run_gloo(2, _inf_steps, math.inf)
-    limited = run_gloo(2, _inf_steps, 30.0)
-    for (p_inf, mean), (p_30, _) in zip(unlimited, limited):
-        assert torch.equal(p_inf, p_30)
-        assert torch.equal(mean, torch.full((3,), 0.5))
-    assert torch.equal(unlimited[0][0], unlimited[1][0])
-
-
-# ----------------------------------------------------------------------------- a slow rank
-
-
 def _slow_rank(rank: int, world: int, delay_s: float):
     os.environ["TRITON_INTERPRET"] = "0"
     g = torch.Generator().manual_seed(0)
@@ -141,11 +128,31 @@ def _slow_rank(rank: int, world: int, delay_s: float):
     return params[0].detach().clone()
 
 
+@pytest.fixture(scope="module")
+def world2() -> dict[str, list]:
+    """The timeout scenarios in one world of 2 ranks, each with its own optimizer."""
+    cases = [Case("inf", _inf_steps, (math.inf,)), Case("30 s", _inf_steps, (30.0,))]
+    cases += [Case("late", _slow_rank, (5.0,)), Case("prompt", _slow_rank, (0.0,))]
+    return run_cases(2, cases)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_rank_5s_late_within_a_10s_timeout_continues_bit_identically():
-    late = run_gloo(2, _slow_rank, 5.0)
-    prompt = run_gloo(2, _slow_rank, 0.0)
+def test_timeout_inf_trains_like_no_timeout_across_ranks(world2):
+    unlimited, limited = world2["inf"], world2["30 s"]
+    for (p_inf, mean), (p_30, _) in zip(unlimited, limited):
+        assert torch.equal(p_inf, p_30)
+        assert torch.equal(mean, torch.full((3,), 0.5))
+    assert torch.equal(unlimited[0][0], unlimited[1][0])
+
+
+# ----------------------------------------------------------------------------- a slow rank
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_rank_5s_late_within_a_10s_timeout_continues_bit_identically(world2):
+    late, prompt = world2["late"], world2["prompt"]
     assert all(torch.equal(a, b) for a, b in zip(late, prompt))
 
 

@@ -2,6 +2,8 @@
 
 The reference (tests/fsdp_workers.py) is a plain DeMo stepping the same shard slices with
 the gradients FSDP would reduce-scatter; DeMo on the DTensor shards must match it exactly.
+The scenarios of one world size share one spawned world (tests/gloo_cases.py); the DCP
+resume runs in a second one: fresh processes.
 """
 
 from __future__ import annotations
@@ -9,12 +11,47 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_gloo
 from tests.fsdp_workers import bad_setups, dcp_run, nonfinite_shard, train_and_reference
+from tests.gloo_cases import Case, run_cases
 
 pytest.importorskip("torch.distributed.fsdp")
 
 STEPS = 8
+DCP = dict(save_at=3, steps=6)
+BAD = {
+    4: {
+        "replicate placement": "Replicate() on mesh dimension 'replicate'",
+        "group overlaps mesh": "the exchange group must hold one rank per shard position",
+    },
+    2: {
+        "mixed": "give DeMo either only DTensor parameters",
+        "overlap_backward": "overlap_backward=True works with plain data parallel only",
+        "hierarchy": "hierarchy= is for plain data parallel",
+    },
+}
+WORLDS = {2: 1, 4: 2}  # world size: replicas (FSDP2 on 2 ranks, HSDP 2 x 2)
+
+
+def _dcp(replicas: int, folder: str, resume: bool) -> Case:
+    return Case(
+        "resumed" if resume else "dcp", dcp_run, (replicas, folder, DCP["save_at"], DCP["steps"], resume)
+    )
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[int, dict[str, list]]:
+    """Each world size's scenarios in one world, then the DCP resume in fresh processes. The
+    error-mode non-finite case goes last: it raises on purpose."""
+    out = {}
+    for world, replicas in WORLDS.items():
+        folder = str(tmp_path_factory.mktemp(f"dcp{world}") / "ckpt")
+        cases = [Case("train", train_and_reference, (replicas, STEPS)), _dcp(replicas, folder, False)]
+        cases.append(Case("bad", bad_setups, (list(BAD[world]),)))
+        if world == 2:
+            cases += [Case(f"nonfinite {mode}", nonfinite_shard, (mode,)) for mode in ("skip", "error")]
+        out[world] = run_cases(world, cases)
+        out[world].update(run_cases(world, [_dcp(replicas, folder, True)]))  # fresh processes
+    return out
 
 
 def _exact(results) -> None:
@@ -23,8 +60,8 @@ def _exact(results) -> None:
             assert torch.equal(got, want), f"rank {out['rank']}: max diff {(got - want).abs().max()}"
 
 
-def test_fsdp2_matches_demo_on_the_shards():
-    results = run_gloo(2, train_and_reference, 1, STEPS)
+def test_fsdp2_matches_demo_on_the_shards(worlds):
+    results = worlds[2]["train"]
     _exact(results)
     shapes = [[tuple(t.shape) for t in out["local"]] for out in results]
     assert shapes[0] != shapes[1], "uneven shards expected (7 and 5 rows over 2 ranks)"
@@ -37,8 +74,8 @@ def test_fsdp2_matches_demo_on_the_shards():
         assert stats["group_size"] == 1 and stats["intra_group_size"] == 2
 
 
-def test_hsdp_2x2_matches_reference_and_replicas_are_identical():
-    results = run_gloo(4, train_and_reference, 2, STEPS)
+def test_hsdp_2x2_matches_reference_and_replicas_are_identical(worlds):
+    results = worlds[4]["train"]
     _exact(results)
     by_position = {}
     for out in results:
@@ -58,8 +95,8 @@ def test_hsdp_2x2_matches_reference_and_replicas_are_identical():
 
 
 @pytest.mark.parametrize("mode", ["skip", "error"])
-def test_a_nonfinite_shard_on_one_rank_stops_every_rank(mode):
-    results = run_gloo(2, nonfinite_shard, mode)
+def test_a_nonfinite_shard_on_one_rank_stops_every_rank(worlds, mode):
+    results = worlds[2][f"nonfinite {mode}"]
     for out in results:
         assert out["unchanged"]
         if mode == "skip":
@@ -68,32 +105,17 @@ def test_a_nonfinite_shard_on_one_rank_stops_every_rank(mode):
             assert out["error"] is not None and "on rank 1" in out["error"]
 
 
-BAD = {
-    4: {
-        "replicate placement": "Replicate() on mesh dimension 'replicate'",
-        "group overlaps mesh": "the exchange group must hold one rank per shard position",
-    },
-    2: {
-        "mixed": "give DeMo either only DTensor parameters",
-        "overlap_backward": "overlap_backward=True works with plain data parallel only",
-        "hierarchy": "hierarchy= is for plain data parallel",
-    },
-}
-
-
 @pytest.mark.parametrize("world", sorted(BAD))
-def test_bad_fsdp_setups_are_refused(world):
-    for texts in run_gloo(world, bad_setups, list(BAD[world])):
+def test_bad_fsdp_setups_are_refused(worlds, world):
+    for texts in worlds[world]["bad"]:
         for case, expected in BAD[world].items():
             assert expected in texts[case], (case, texts[case])
 
 
-@pytest.mark.parametrize(("world", "replicas"), [(2, 1), (4, 2)])
-def test_dcp_save_kill_load_continue_matches_an_uninterrupted_run(tmp_path, world, replicas):
-    folder = str(tmp_path / "ckpt")
-    uninterrupted = run_gloo(world, dcp_run, replicas, folder, 3, 6, False)
-    resumed = run_gloo(world, dcp_run, replicas, folder, 3, 6, True)  # fresh processes
+@pytest.mark.parametrize("world", sorted(WORLDS))
+def test_dcp_save_kill_load_continue_matches_an_uninterrupted_run(worlds, world):
+    uninterrupted, resumed = worlds[world]["dcp"], worlds[world]["resumed"]
     for whole, again in zip(uninterrupted, resumed, strict=True):
-        assert again["steps"] == whole["steps"] == 6
+        assert again["steps"] == whole["steps"] == DCP["steps"]
         for a, b in zip(whole["local"] + whole["deltas"], again["local"] + again["deltas"], strict=True):
             assert torch.equal(a, b)

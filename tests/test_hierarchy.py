@@ -2,16 +2,18 @@
 
 World 4 as 2 nodes x 2 ranks: a dense average inside each node, then compressed payloads
 between the ranks that share a local rank. The reference is a plain DeMo over the same
-cross-node group whose gradients are the node's mean, computed batch by batch.
+cross-node group whose gradients are the node's mean, computed batch by batch. Every
+scenario runs in one 4-rank world (tests/gloo_cases.py): one start-up for the module.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_gloo
+from gloo_cases import Case, run_cases
 
 from cokit.compress import DeMo
 from cokit.compress.groups import NodeGroups, node_groups
@@ -67,8 +69,23 @@ def _train(rank: int, world: int, per_node: int, nan_rank: int | None = None):
     }
 
 
-def test_two_nodes_of_two_match_the_node_mean_reference_and_stay_identical():
-    results = run_gloo(4, _train, 2)
+def _all_bad_groups(rank: int, world: int) -> dict[str, str]:
+    return {case: _bad_groups(rank, world, case) for case in BAD}
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict[str, list]:
+    """Every scenario of this module, in one world of 4 ranks (2 nodes x 2)."""
+    cases = [
+        Case("plain", _train, (2,)),
+        Case("nan on rank 1", _train, (2, 1)),
+        Case("bad groups", _all_bad_groups),
+    ]
+    return run_cases(4, cases)
+
+
+def test_two_nodes_of_two_match_the_node_mean_reference_and_stay_identical(world4):
+    results = world4["plain"]
     first = results[0]["params"]
     for out in results:
         for got, want, rank0 in zip(out["params"], out["ref"], first, strict=True):
@@ -94,8 +111,8 @@ def test_two_nodes_of_two_match_the_node_mean_reference_and_stay_identical():
         assert stats["step_dense_bytes"] == ring_allreduce_bytes(out["grad_bytes"], 4)
 
 
-def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_node():
-    results = run_gloo(4, _train, 2, 1)
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_node(world4):
+    results = world4["nan on rank 1"]
     for out in results:
         assert out["skipped"] == 1
         for got, want in zip(out["params"], out["ref"], strict=True):
@@ -143,11 +160,7 @@ BAD = {
 }
 
 
-def _all_bad_groups(rank: int, world: int) -> dict[str, str]:
-    return {case: _bad_groups(rank, world, case) for case in BAD}
-
-
-def test_node_groups_that_do_not_tile_the_world_are_refused():
-    for texts in run_gloo(4, _all_bad_groups):
+def test_node_groups_that_do_not_tile_the_world_are_refused(world4):
+    for texts in world4["bad groups"]:
         for case, expected in BAD.items():
             assert expected in texts[case], (case, texts[case])

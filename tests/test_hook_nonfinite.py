@@ -1,4 +1,7 @@
-"""The DDP hook with a non-finite gradient on one rank, empty parameters, bad settings (issue 16)."""
+"""The DDP hook with a non-finite gradient on one rank, empty parameters, bad settings (issue 16).
+
+The 2-rank scenarios share one spawned world (tests/gloo_cases.py, fixture ``world2``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import os
 import pytest
 import torch
 from distributed import run_gloo
+from gloo_cases import Case, run_cases
 from helpers import byte_counts
 
 from cokit.compress.hooks import DCTTopKState, dct_topk_hook
@@ -84,40 +88,6 @@ def _train(rank: int, world: int, nonfinite: str, inject: bool, leave_out: bool)
     return out
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_skip_one_rank_inf_leaves_every_buffer_and_equals_a_run_without_that_step():
-    bad = run_gloo(2, _train, "skip", True, False)
-    reference = run_gloo(2, _train, "skip", False, True)
-    for rank, r in enumerate(bad):
-        assert r["n_buckets"] == 2  # the bad weight is in one bucket: the other one is dropped too
-        assert r["finite_grads"] == [step != BAD_STEP for step in range(STEPS)]  # NaN on every rank
-        assert r["buffers_unchanged"] and r["skipped"] == 1 and not r["errors"]
-        assert all(torch.isfinite(b).all() for b in r["buffers"])
-        for a, b in zip(r["params"], bad[0]["params"]):
-            assert torch.equal(a, b)  # ranks bit-identical
-        for a, b in zip(r["buffers"], reference[rank]["buffers"]):
-            assert torch.equal(a, b)  # every rank's error buffers as if the step never happened
-        for a, b in zip(r["params"], reference[0]["params"]):
-            assert torch.equal(a, b)  # GradScaler skipped the step on every rank
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_error_one_rank_inf_raises_on_every_rank_and_changes_no_buffer():
-    results = run_gloo(2, _train, "error", True, False)
-    for r in results:
-        assert len(r["errors"]) == 1, r["errors"]  # raised from backward() on every rank
-        message = r["errors"][0]
-        assert "FloatingPointError: DCTTopKState: non-finite gradient in DDP bucket 1 on rank 1" in message
-        assert "no error buffer changed" in message
-        assert r["buffers_unchanged"] and r["skipped"] == 0
-        assert all(r["finite_grads"][BAD_STEP + 1 :])  # training goes on after the error
-        assert all(torch.isfinite(b).all() for b in r["buffers"])
-        for a, b in zip(r["params"], results[0]["params"]):
-            assert torch.equal(a, b)
-
-
 def _empty_param(rank: int, world: int):
     os.environ["TRITON_INTERPRET"] = "0"
     x, y = _data(rank)
@@ -134,10 +104,57 @@ def _empty_param(rank: int, world: int):
     return out
 
 
+@pytest.fixture(scope="module")
+def world2() -> dict[str, list]:
+    """The 2-rank scenarios in one world; the one that raises on purpose goes last."""
+    return run_cases(
+        2,
+        [
+            Case("skip", _train, ("skip", True, False)),
+            Case("without the step", _train, ("skip", False, True)),
+            Case("empty", _empty_param),
+            Case("error", _train, ("error", True, False)),
+        ],
+    )
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_an_empty_parameter_in_a_hook_bucket_sends_nothing():
-    for plain, with_empty in run_gloo(2, _empty_param):
+def test_skip_one_rank_inf_leaves_every_buffer_and_equals_a_run_without_that_step(world2):
+    bad, reference = world2["skip"], world2["without the step"]
+    for rank, r in enumerate(bad):
+        assert r["n_buckets"] == 2  # the bad weight is in one bucket: the other one is dropped too
+        assert r["finite_grads"] == [step != BAD_STEP for step in range(STEPS)]  # NaN on every rank
+        assert r["buffers_unchanged"] and r["skipped"] == 1 and not r["errors"]
+        assert all(torch.isfinite(b).all() for b in r["buffers"])
+        for a, b in zip(r["params"], bad[0]["params"]):
+            assert torch.equal(a, b)  # ranks bit-identical
+        for a, b in zip(r["buffers"], reference[rank]["buffers"]):
+            assert torch.equal(a, b)  # every rank's error buffers as if the step never happened
+        for a, b in zip(r["params"], reference[0]["params"]):
+            assert torch.equal(a, b)  # GradScaler skipped the step on every rank
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_error_one_rank_inf_raises_on_every_rank_and_changes_no_buffer(world2):
+    results = world2["error"]
+    for r in results:
+        assert len(r["errors"]) == 1, r["errors"]  # raised from backward() on every rank
+        message = r["errors"][0]
+        assert "FloatingPointError: DCTTopKState: non-finite gradient in DDP bucket 1 on rank 1" in message
+        assert "no error buffer changed" in message
+        assert r["buffers_unchanged"] and r["skipped"] == 0
+        assert all(r["finite_grads"][BAD_STEP + 1 :])  # training goes on after the error
+        assert all(torch.isfinite(b).all() for b in r["buffers"])
+        for a, b in zip(r["params"], results[0]["params"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_empty_parameter_in_a_hook_bucket_sends_nothing(world2):
+    for plain, with_empty in world2["empty"]:
         assert all(torch.equal(a, b) for a, b in zip(plain[0], with_empty[0]))
         assert with_empty[1] == plain[1]
 

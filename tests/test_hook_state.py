@@ -3,6 +3,8 @@
 A reference run trains STEPS steps and saves model, optimizer and hook state after some of
 them; fresh processes build a new DDP (whose first iteration uses DDP's initial buckets, not
 the rebuilt ones the reference was using), restore, finish the run and must end bit-identical.
+The gloo scenarios share four spawned worlds (tests/gloo_cases.py, fixture ``worlds``): the
+references and the bad loads of each world size in one, the resumes in fresh processes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import re
 
 import pytest
 import torch
-from distributed import run_gloo
+from gloo_cases import Case, run_cases
 
 from cokit.compress.hooks import DCTTopKState, dct_topk_hook
 
@@ -123,12 +125,32 @@ def _same_state(a: dict, b: dict) -> bool:
     return all(same.values()) and all(a["comm_stats"][k] == b["comm_stats"][k] for k in stats) and buffers
 
 
+RESUMES = {2: (0, 2), 3: (0,)}  # world size: warmup steps of the resume scenarios
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[int, dict[str, list]]:
+    """Per world size: the references (and, at world 2, the bad loads and the pickled group;
+    at world 3, loading world 2's files) in one world, then every resume in fresh processes."""
+    bad = str(tmp_path_factory.mktemp("bad"))
+    out = {}
+    for world, warmups in RESUMES.items():
+        folders = {w: str(tmp_path_factory.mktemp(f"resume{world}-{w}")) for w in warmups}
+        cases = [Case(f"reference {w}", _reference, (w, folders[w])) for w in warmups]
+        if world == 2:
+            cases += [Case("bad loads", _bad_loads, (bad,)), Case("group note", _group_note)]
+        else:  # the files world 2 wrote in "bad loads"
+            cases.append(Case("other world", _other_world, (bad,)))
+        out[world] = run_cases(world, cases)
+        out[world].update(run_cases(world, [Case(f"resume {w}", _resume, (w, folders[w])) for w in warmups]))
+    return out
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world, warmup", [(2, 0), (3, 0), (2, 2)])
-def test_a_restored_hook_state_resumes_bit_identically(tmp_path, world, warmup):
-    reference = run_gloo(world, _reference, warmup, str(tmp_path))
-    resumed = run_gloo(world, _resume, warmup, str(tmp_path))
+def test_a_restored_hook_state_resumes_bit_identically(worlds, world, warmup):
+    reference, resumed = worlds[world][f"reference {warmup}"], worlds[world][f"resume {warmup}"]
     for rank, ((final, saved, final_state), runs) in enumerate(zip(reference, resumed)):
         if warmup == 0:  # the checkpoints were taken on DDP's initial buckets and on its rebuilt ones
             assert [saved[at]["buckets"] for at in SAVE_AT] == [1, 2]
@@ -258,8 +280,8 @@ def _other_world(rank: int, world: int, folder: str):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_bad_loads_raise_clear_errors_and_change_nothing(tmp_path):
-    for rank, (errors, named) in enumerate(run_gloo(2, _bad_loads, str(tmp_path))):
+def test_bad_loads_raise_clear_errors_and_change_nothing(worlds):
+    for rank, (errors, named) in enumerate(worlds[2]["bad loads"]):
         other = 1 - rank
         expect = {
             "other rank": f"ValueError: .*saved by rank {other}, this is rank {rank}: each rank must load its own",
@@ -286,7 +308,7 @@ def test_bad_loads_raise_clear_errors_and_change_nothing(tmp_path):
         for what, pattern in expect.items():
             assert re.search(pattern, errors[what]), (what, errors[what])
         assert named == COMPRESSED
-    for errors, iteration, buffers in run_gloo(3, _other_world, str(tmp_path)):
+    for errors, iteration, buffers in worlds[3]["other world"]:
         assert len(errors) == 2 and iteration == 0 and not buffers
         for message in errors:
             assert "saved in a world of 2 ranks, this one has 3" in message
@@ -310,8 +332,8 @@ def _group_note(rank: int, world: int):
 
 
 @pytest.mark.distributed
-def test_pickling_drops_a_process_group_with_a_warning_and_loads_on_the_default_one():
-    for records, default, iteration in run_gloo(2, _group_note):
+def test_pickling_drops_a_process_group_with_a_warning_and_loads_on_the_default_one(worlds):
+    for records, default, iteration in worlds[2]["group note"]:
         assert default and iteration == 3
         assert any(
             r.startswith("WARNING NOTE: DCTTopKState's process group is not picklable") for r in records

@@ -1,4 +1,8 @@
-"""DeMo driven by a network policy on real gloo groups: agreed decisions, bit-identical ranks."""
+"""DeMo driven by a network policy on real gloo groups: agreed decisions, bit-identical ranks.
+
+The 2-rank scenarios share one spawned world (tests/gloo_cases.py, fixture ``world2``); the
+timed changing-link run goes first in it, as it would alone.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from cokit.compress import DeMo
 from cokit.compress.checkpoint import records
 from cokit.compress.policy import BandwidthTargetPolicy, Decision, NetworkPolicy, Observation
 from tests.distributed import run_gloo
+from tests.gloo_cases import Case, run_cases
 from tests.helpers import byte_counts
 
 
@@ -87,11 +92,26 @@ def _changing_link(rank: int, world: int):
     return flat, opt.policy_log, phases
 
 
+FIXED = (Decision(), Decision(topk_scale=0.5), Decision(payload="sign"), Decision(dense=True))
+SKIP = Decision(skip_sync=True)
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict[str, list]:
+    """Every 2-rank scenario of this module in one world."""
+    cases = [Case("changing link", _changing_link)]
+    cases += [Case(d.describe(), _fixed, (d,)) for d in (*FIXED, SKIP)]
+    cases.append(Case("resume", _resume_with_policy))
+    return run_cases(2, cases)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_policy_follows_a_changing_link_with_the_same_decisions_on_every_rank(world):
-    results = run_gloo(world, _changing_link)
+def test_the_policy_follows_a_changing_link_with_the_same_decisions_on_every_rank(request, world):
+    results = (
+        request.getfixturevalue("world2")["changing link"] if world == 2 else run_gloo(3, _changing_link)
+    )
     flat0, log0, phases = results[0]
     for flat, log, _ in results[1:]:
         assert torch.equal(flat, flat0)  # replicas stay bit-identical
@@ -142,16 +162,8 @@ def _fixed(rank: int, world: int, decision: Decision):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_each_decision_changes_what_is_sent_and_ranks_stay_identical():
-    results = {
-        d.describe(): run_gloo(2, _fixed, d)
-        for d in (
-            Decision(),
-            Decision(topk_scale=0.5),
-            Decision(payload="sign"),
-            Decision(dense=True),
-        )
-    }
+def test_each_decision_changes_what_is_sent_and_ranks_stay_identical(world2):
+    results = {d.describe(): world2[d.describe()] for d in FIXED}
     for runs in results.values():
         assert torch.equal(runs[0][0], runs[1][0])
     sent = {name: runs[0][1]["step_sent_bytes"] for name, runs in results.items()}
@@ -164,10 +176,8 @@ def test_each_decision_changes_what_is_sent_and_ranks_stay_identical():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_skipped_sync_keeps_the_update_in_the_error_buffers():
-    for _flat, stats, skipped, before, after, deltas, new_deltas, grads in run_gloo(
-        2, _fixed, Decision(skip_sync=True)
-    ):
+def test_a_skipped_sync_keeps_the_update_in_the_error_buffers(world2):
+    for _flat, stats, skipped, before, after, deltas, new_deltas, grads in world2[SKIP.describe()]:
         assert skipped == 3
         assert all(torch.equal(a, b) for a, b in zip(before, after))  # parameters unchanged
         for old, new, g in zip(deltas, new_deltas, grads):
@@ -202,8 +212,8 @@ def _resume_with_policy(rank: int, world: int):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_policy_state_is_checkpointed_and_must_match():
-    saved, loaded, log, other = run_gloo(2, _resume_with_policy)[0]
+def test_the_policy_state_is_checkpointed_and_must_match(world2):
+    saved, loaded, log, other = world2["resume"][0]
     assert json.loads(json.dumps(loaded)) == saved["state"]  # the record is JSON (int keys as str)
     assert log == saved["log"] and log[0]["decision"] == "k x1"
     assert other is not None and "saved with policy BandwidthTargetPolicy(target=0.2" in other
