@@ -86,6 +86,36 @@ def _line(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(x)[keep], np.asarray(y)[keep]
 
 
+def _add_line(
+    fig: go.Figure,
+    x: np.ndarray,
+    y: np.ndarray,
+    name: str,
+    color: str,
+    *,
+    width: float = 1.6,
+    dash: str | None = None,
+    scale: float = 1.0,
+    draw_empty: bool = False,
+    row: int | None = None,
+    col: int | None = None,
+    **scatter: object,
+) -> bool:
+    """Add one line trace (``mode="lines"`` unless ``scatter`` says otherwise) of ``y * scale``
+    against ``x`` in ``color``, points with no value dropped (:func:`_line`), at subplot
+    (``row``, ``col``) or on a plain figure. A line with no point left is not added unless
+    ``draw_empty``. Returns whether the line has any point: the panels say when nothing was."""
+    px, py = _line(x, y)
+    if not len(py) and not draw_empty:
+        return False
+    line: dict[str, object] = {"color": color, "width": width}
+    if dash is not None:
+        line["dash"] = dash
+    scatter.setdefault("mode", "lines")
+    fig.add_trace(go.Scatter(x=px, y=py * scale, name=name, line=line, **scatter), row=row, col=col)
+    return bool(len(py))
+
+
 # --------------------------------------------------------------------------------- panels
 def loss_panel(runs: list[RunSeries], max_points: int) -> Panel:
     """Train and held-out loss against step, wall time and cumulative bytes sent."""
@@ -105,24 +135,21 @@ def loss_panel(runs: list[RunSeries], max_points: int) -> Panel:
         )
         for col, xs in ((1, x), (2, wall), (3, sent)):
             for name, y, dash in (("train", loss, "solid"), ("held-out", held, "dash")):
-                px, py = _line(xs, y)
-                if not len(py):
-                    continue
-                any_loss = True
-                fig.add_trace(
-                    go.Scatter(
-                        x=px,
-                        y=py,
-                        name=f"{r.label} {name}",
-                        legendgroup=r.label,
-                        showlegend=col == 1,
-                        mode="lines+markers" if name == "held-out" else "lines",
-                        line={"color": color, "dash": dash, "width": 1.6},
-                        marker={"size": 5},
-                    ),
+                drawn = _add_line(
+                    fig,
+                    xs,
+                    y,
+                    f"{r.label} {name}",
+                    color,
+                    dash=dash,
                     row=1,
                     col=col,
+                    legendgroup=r.label,
+                    showlegend=col == 1,
+                    mode="lines+markers" if name == "held-out" else "lines",
+                    marker={"size": 5},
                 )
+                any_loss = any_loss or drawn
     note = "" if any_loss else "no loss recorded (pass loss= to Monitor.step)"
     if not any_loss:
         for col in (1, 2, 3):
@@ -163,39 +190,40 @@ def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
             "exposed": "exposed communication",
         }
         for (key, _), y in zip(parts.items(), ys):
-            fig.add_trace(
-                go.Scatter(
-                    x=x,
-                    y=np.nan_to_num(y) * MS,
-                    name=names[key],
-                    legendgroup=key,
-                    showlegend=row == 1,
-                    stackgroup=f"run{row}",
-                    mode="lines",
-                    line={"width": 0.5, "color": PART_COLORS[key]},
-                    hovertemplate=f"{names[key]} %{{y:.3g}} ms<extra>{r.label}</extra>",
-                ),
+            _add_line(  # missing values are 0 here: every step keeps its place in the stack
+                fig,
+                x,
+                np.nan_to_num(y),
+                names[key],
+                PART_COLORS[key],
+                width=0.5,
+                scale=MS,
+                draw_empty=True,
                 row=row,
                 col=1,
+                legendgroup=key,
+                showlegend=row == 1,
+                stackgroup=f"run{row}",
+                hovertemplate=f"{names[key]} %{{y:.3g}} ms<extra>{r.label}</extra>",
             )
         hid = ys[-1]
         if np.isfinite(hid).any():
-            fig.add_trace(
-                go.Scatter(
-                    x=x,
-                    y=np.nan_to_num(hid) * MS,
-                    name="hidden communication (overlapped with compute)",
-                    legendgroup="hidden",
-                    showlegend=row == 1,
-                    mode="lines",
-                    fill="tozeroy",
-                    fillcolor="rgba(255,255,255,0)",
-                    fillpattern={"shape": "/", "fgcolor": PART_COLORS["hidden"], "size": 6, "solidity": 0.3},
-                    line={"width": 0.8, "color": PART_COLORS["hidden"]},
-                    hovertemplate=f"hidden communication %{{y:.3g}} ms<extra>{r.label}</extra>",
-                ),
+            _add_line(
+                fig,
+                x,
+                np.nan_to_num(hid),
+                "hidden communication (overlapped with compute)",
+                PART_COLORS["hidden"],
+                width=0.8,
+                scale=MS,
                 row=row,
                 col=1,
+                legendgroup="hidden",
+                showlegend=row == 1,
+                fill="tozeroy",
+                fillcolor="rgba(255,255,255,0)",
+                fillpattern={"shape": "/", "fgcolor": PART_COLORS["hidden"], "size": 6, "solidity": 0.3},
+                hovertemplate=f"hidden communication %{{y:.3g}} ms<extra>{r.label}</extra>",
             )
         fig.update_yaxes(title_text="ms", row=row, col=1)
     fig.update_xaxes(title_text="step", row=len(runs), col=1)
@@ -227,23 +255,19 @@ def bytes_panel(runs: list[RunSeries], max_points: int) -> Panel:
             (dense, "dense", "dot", 1),
             (ratio, "ratio", "solid", 2),
         ):
-            px, py = _line(x, y)
-            if not len(py):
-                continue
-            any_bytes = True
-            fig.add_trace(
-                go.Scatter(
-                    x=px,
-                    y=py,
-                    name=f"{r.label} {name}",
-                    legendgroup=r.label,
-                    showlegend=name == "sent",
-                    mode="lines",
-                    line={"color": color, "dash": dash, "width": 1.6},
-                ),
+            drawn = _add_line(
+                fig,
+                x,
+                y,
+                f"{r.label} {name}",
+                color,
+                dash=dash,
                 row=1,
                 col=col,
+                legendgroup=r.label,
+                showlegend=name == "sent",
             )
+            any_bytes = any_bytes or drawn
     if not any_bytes:
         for col in (1, 2):
             _empty_note(fig, "no communication stats recorded", 1, col)
@@ -311,22 +335,19 @@ def occupancy_panel(runs: list[RunSeries], max_points: int) -> Panel:
                 col=1,
             )
         x, (frac,), _ = downsample(r.steps, [r.exposed_fraction()], max_points)
-        px, py = _line(x, frac)
-        if len(py):
-            fig.add_trace(
-                go.Scatter(
-                    x=px,
-                    y=py,
-                    name=f"{r.label} exposed fraction",
-                    legendgroup=r.label,
-                    showlegend=not r.kernels,
-                    mode="lines",
-                    line={"color": color, "width": 1.4},
-                    hovertemplate="exposed %{y:.1%}<extra>" + r.label + "</extra>",
-                ),
-                row=3,
-                col=1,
-            )
+        _add_line(
+            fig,
+            x,
+            frac,
+            f"{r.label} exposed fraction",
+            color,
+            width=1.4,
+            row=3,
+            col=1,
+            legendgroup=r.label,
+            showlegend=not r.kernels,
+            hovertemplate="exposed %{y:.1%}<extra>" + r.label + "</extra>",
+        )
     note = ""
     if not any_kernel:
         note = "no kernel configs recorded"
@@ -356,19 +377,19 @@ def ranks_panel(runs: list[RunSeries], max_points: int) -> Panel:
         n = len(r.ranks)
         x, ys, _ = downsample(r.steps, list(r.per_rank["step_s"]), max_points)
         for k, (rank, y) in enumerate(zip(r.ranks, ys)):
-            px, py = _line(x, y)
-            fig.add_trace(
-                go.Scatter(
-                    x=px,
-                    y=py * MS,
-                    name=f"{r.label} rank {rank}",
-                    legendgroup=r.label,
-                    mode="lines",
-                    line={"color": _shade(color, 0.55 * k / max(n, 1)), "width": 1.3},
-                    hovertemplate=f"rank {rank} %{{y:.3g}} ms<extra>{r.label}</extra>",
-                ),
+            _add_line(
+                fig,
+                x,
+                y,
+                f"{r.label} rank {rank}",
+                _shade(color, 0.55 * k / max(n, 1)),
+                width=1.3,
+                scale=MS,
+                draw_empty=True,
                 row=1,
                 col=1,
+                legendgroup=r.label,
+                hovertemplate=f"rank {rank} %{{y:.3g}} ms<extra>{r.label}</extra>",
             )
         if len(r.slowest_rank):
             ranks, counts = np.unique(r.slowest_rank, return_counts=True)
@@ -407,17 +428,16 @@ def tuner_panel(runs: list[RunSeries], max_points: int) -> Panel:
         color = run_color(i)
         step_ms = r.mean("step_s") * MS
         x, (y,), _ = downsample(r.steps, [step_ms], max_points)
-        px, py = _line(x, y)
-        fig.add_trace(
-            go.Scatter(
-                x=px,
-                y=py,
-                name=f"{r.label} step time",
-                legendgroup=r.label,
-                mode="lines",
-                line={"color": color, "width": 1},
-                opacity=0.5,
-            )
+        _add_line(
+            fig,
+            x,
+            y,
+            f"{r.label} step time",
+            color,
+            width=1,
+            draw_empty=True,
+            legendgroup=r.label,
+            opacity=0.5,
         )
         if not r.decisions:
             continue
