@@ -88,18 +88,26 @@ def _infrequent_methods() -> list[tuple[str, tuple[tuple[str, Any], ...], str]]:
     """SparseLoCo (top-k pseudo-gradients, error feedback, low-bit values) and DiLoCo (dense
     pseudo-gradients, outer Nesterov): label, options, description. The lr is the inner AdamW's."""
     out: list[tuple[str, tuple[tuple[str, Any], ...], str]] = []
-    for h, k, payload, dct in (
-        (5, 64, "int2", False),
-        (10, 64, "int2", False),
-        (30, 64, "int2", False),
-        (10, 64, "int2", True),
-        (10, 64, "sign", False),
-        (10, 16, "int2", False),
+    for h, k, chunk, payload, dct in (
+        (5, 64, 64, "int2", False),
+        (10, 64, 64, "int2", False),
+        (30, 64, 64, "int2", False),
+        (10, 64, 64, "int2", True),
+        (10, 64, 64, "sign", False),
+        (10, 16, 64, "int2", False),
+        # chunk 32 (32x32 tiles): DeMo's best tiles on text
+        (10, 16, 32, "int2", False),
+        (10, 32, 32, "int2", False),
+        (5, 16, 32, "int2", False),
     ):
-        label = f"sparseloco-h{h}-k{k}-{payload}" + ("-dct" if dct else "")
-        opts = (("sync_every", h), ("topk", k), ("chunk", 64), ("payload", payload), ("dct", dct))
+        label = (
+            f"sparseloco-h{h}-k{k}-{payload}"
+            + ("-dct" if dct else "")
+            + ("" if chunk == 64 else f"-c{chunk}")
+        )
+        opts = (("sync_every", h), ("topk", k), ("chunk", chunk), ("payload", payload), ("dct", dct))
         about = (
-            f"SparseLoCo: {h} local AdamW steps, then top-{k} per 64-tile"
+            f"SparseLoCo: {h} local AdamW steps, then top-{k} per {chunk}-tile"
             + (" DCT coefficients" if dct else "")
             + f" of the error-fed pseudo-gradient, {payload} values"
         )
