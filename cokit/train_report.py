@@ -63,9 +63,10 @@ def summary_table(results: Sequence[RunResult], uniform_loss: float | None = Non
 
     lines = [fmt(header), fmt(tuple("-" * w for w in widths)), *(fmt(row) for row in rows)]
     by_name = {r.spec.name: r.summary() for r in results}
-    if "demo" in by_name and "adamw" in by_name and by_name["demo"]["bytes_per_step"] > 0:
-        times = by_name["adamw"]["bytes_per_step"] / by_name["demo"]["bytes_per_step"]
-        lines.append(f"demo sends {times:.0f}x fewer bytes per step than adamw's dense all-reduce")
+    for name in ("demo", "sparseloco"):
+        if name in by_name and "adamw" in by_name and by_name[name]["bytes_per_step"] > 0:
+            times = by_name["adamw"]["bytes_per_step"] / by_name[name]["bytes_per_step"]
+            lines.append(f"{name} sends {times:.0f}x fewer bytes per step than adamw's dense all-reduce")
     if uniform_loss is not None:
         lines.append(
             f"(uniform guess: {uniform_loss:.3f} nats/char; train loss = mean of the last 10% of steps; "

@@ -20,7 +20,7 @@ TOY_ARGS = ["--model", "toy", "--max-chars", "100000", "--batch-size", "4", "--e
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    code = main(["demo", "--ranks", "2", "--steps", "6", "--out", str(out), *TOY_ARGS])
+    code = main(["demo", "--ranks", "2", "--steps", "6", "--sync-every", "3", "--out", str(out), *TOY_ARGS])
     return code, out
 
 
@@ -36,7 +36,7 @@ def test_demo_writes_json_csv_png(demo_run, capsys):
     assert cfg["world_size"] == 2 and cfg["device"] == "cpu" and cfg["backend"] == "gloo"
     assert cfg["steps"] == 6 and cfg["workload"]["corpus"]["chars"] == 100_000
     summary = {s["method"]: s for s in doc["summary"]}
-    assert set(summary) == {"demo", "adamw"}
+    assert set(summary) == {"demo", "sparseloco", "adamw"}
     for s in summary.values():
         assert set(s) >= {
             "final_train_loss",
@@ -53,6 +53,11 @@ def test_demo_writes_json_csv_png(demo_run, capsys):
     n_params = cfg["num_params"]
     assert adamw["bytes_per_step"] == ring_allreduce_bytes(4 * n_params, 2)
     assert demo["compression_ratio"] > 4 and adamw["compression_ratio"] == 1.0
+    sparse = summary["sparseloco"]  # two syncs in six steps; nothing sent in between
+    assert 0 < sparse["bytes_per_step"] < adamw["bytes_per_step"] / 4
+    sent = next(m for m in doc["methods"] if m["spec"]["name"] == "sparseloco")["series"]["bytes_sent"]
+    assert sent[1] == sent[3] == sent[4] == 0 < sent[5]  # steps 3 and 6 sync
+    assert sent[2] > sent[0] > 0  # step 1 carries the first-step settings check
     for m in doc["methods"]:
         # the test process runs the Triton interpreter; spawned demo ranks take the torch path
         assert m["environment"]["kernel_path"] == "torch" and m["environment"]["backend"] == "gloo"
@@ -62,7 +67,7 @@ def test_demo_writes_json_csv_png(demo_run, capsys):
     assert doc["methods"][0]["evals"][0] == doc["methods"][1]["evals"][0]
 
     rows = list(csv.DictReader((out / "demo.csv").open()))
-    assert len(rows) == 2 * 7
+    assert len(rows) == 3 * 7
     assert set(rows[0]) >= {"method", "step", "train_loss", "heldout_loss", "bytes_sent", "cum_bytes_sent"}
     last = {r["method"]: r for r in rows if r["step"] == "6"}
     assert int(last["demo"]["cum_bytes_sent"]) < int(last["adamw"]["cum_bytes_sent"])
@@ -120,6 +125,9 @@ BAD = [
     (["--demo-lr", "-1"], "--demo-lr"),
     (["--eval-every", "0"], "--eval-every"),
     (["--methods", "demo,bogus"], "--methods"),
+    (["--sync-every", "0"], "--sync-every"),
+    (["--sparseloco-topk", "0"], "--sparseloco-topk"),
+    (["--sparseloco-lr", "nan"], "--sparseloco-lr"),
     (["--d-model", "30", "--heads", "4"], "divisible"),
 ]
 

@@ -1,11 +1,13 @@
-"""``cokit demo``: train one small model twice -- DeMo (compressed) and AdamW (dense all-reduce).
+"""``cokit demo``: train one small model three times -- DeMo (compressed momentum every step),
+SparseLoCo (local AdamW steps, a compressed pseudo-gradient every ``--sync-every`` steps) and
+AdamW (dense all-reduce every step).
 
     cokit demo                        # 2 local ranks; CPU + gloo, or GPUs + NCCL/RCCL
     cokit demo --steps 400 --model small --topk 16 --payload sign --out results/demo-k16
     torchrun --nnodes 2 --nproc-per-node 8 ... -m cokit demo --device cuda   # multi-node
 
 A character-level transformer learns to continue Python source (the standard library's own
-``.py`` files: nothing to download). Both runs use the same seed, initial weights, batches
+``.py`` files: nothing to download). Every run uses the same seed, initial weights, batches
 and held-out text. Progress lines come from rank 0; at the end a table gives each method's
 final train and held-out loss, bytes sent per step and rank, compression ratio and time per
 step, and ``demo.json``, ``demo.csv`` (one row per method and step) and ``demo.png``
@@ -26,9 +28,9 @@ import time
 
 from cokit.cli import CliError
 
-METHOD_NAMES = ("demo", "adamw")
+METHOD_NAMES = ("demo", "sparseloco", "adamw")
 #: telemetry run name of each method (``<out>/telemetry/<run>/rank<r>.jsonl``)
-TELEMETRY_RUNS = {"demo": "demo-DeMo", "adamw": "demo-AdamW"}
+TELEMETRY_RUNS = {"demo": "demo-DeMo", "sparseloco": "demo-SparseLoCo", "adamw": "demo-AdamW"}
 DEFAULTS = {
     "ranks": 2,
     "steps": 400,
@@ -39,6 +41,11 @@ DEFAULTS = {
     "decay": 0.999,
     "demo_lr": 1e-3,
     "adamw_lr": 1e-3,
+    # SparseLoCo: the validation study's best configuration at >= 100x fewer bytes on text
+    "sync_every": 10,
+    "sparseloco_topk": 64,
+    "sparseloco_payload": "int2",
+    "sparseloco_lr": 1e-3,
     "eval_every": 25,
     "max_chars": 2_000_000,
 }
@@ -53,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     d = DEFAULTS
     p = subparsers.add_parser(
         "demo",
-        help="train a small char transformer with DeMo and with AdamW; compare loss and bytes",
+        help="train a small char transformer with DeMo, SparseLoCo and AdamW; compare loss and bytes",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -89,7 +96,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--topk", type=int, default=d["topk"], help=f"DeMo: coefficients kept per tile (default {d['topk']})"
     )
     p.add_argument(
-        "--chunk", type=int, default=d["chunk"], help=f"DeMo: tile side target (default {d['chunk']})"
+        "--chunk",
+        type=int,
+        default=d["chunk"],
+        help=f"DeMo and SparseLoCo: tile side target (default {d['chunk']})",
     )
     p.add_argument(
         "--decay", type=float, default=d["decay"], help=f"DeMo: momentum decay (default {d['decay']})"
@@ -103,6 +113,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--demo-lr", type=float, default=d["demo_lr"], help=f"DeMo learning rate (default {d['demo_lr']})"
+    )
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=d["sync_every"],
+        help=f"SparseLoCo: local steps per sync (default {d['sync_every']})",
+    )
+    p.add_argument(
+        "--sparseloco-topk",
+        type=int,
+        default=d["sparseloco_topk"],
+        help=f"SparseLoCo: pseudo-gradient values kept per tile (default {d['sparseloco_topk']})",
+    )
+    p.add_argument(
+        "--sparseloco-payload",
+        choices=codec_names(),
+        default=d["sparseloco_payload"],
+        help=f"SparseLoCo wire format (default {d['sparseloco_payload']}: 2-bit values)",
+    )
+    p.add_argument(
+        "--sparseloco-lr",
+        type=float,
+        default=d["sparseloco_lr"],
+        help=f"SparseLoCo's inner AdamW learning rate (default {d['sparseloco_lr']})",
     )
     p.add_argument(
         "--adamw-lr", type=float, default=d["adamw_lr"], help=f"AdamW learning rate (default {d['adamw_lr']})"
@@ -125,7 +159,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--methods",
         default=",".join(METHOD_NAMES),
-        help="comma-separated subset of demo,adamw to run (default both)",
+        help="comma-separated subset of demo,sparseloco,adamw to run (default all three)",
     )
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
     p.add_argument(
@@ -215,7 +249,12 @@ def _resolve(args: argparse.Namespace) -> tuple[int, str, bool, list[str], int]:
         f"--topk must be in [1, chunk*chunk = {args.chunk**2}], got {args.topk}",
     )
     _check(0.0 <= args.decay <= 1.0, f"--decay must be in [0, 1], got {args.decay}")
-    for flag in ("demo_lr", "adamw_lr"):
+    _check(args.sync_every >= 1, f"--sync-every must be >= 1, got {args.sync_every}")
+    _check(
+        1 <= args.sparseloco_topk <= args.chunk**2,
+        f"--sparseloco-topk must be in [1, chunk*chunk = {args.chunk**2}], got {args.sparseloco_topk}",
+    )
+    for flag in ("demo_lr", "adamw_lr", "sparseloco_lr"):
         v = getattr(args, flag)
         _check(math.isfinite(v) and v > 0, f"--{flag.replace('_', '-')} must be a positive number, got {v}")
     _check(0.0 <= args.warmup < 1.0, f"--warmup must be in [0, 1), got {args.warmup}")
@@ -284,6 +323,21 @@ def _specs(args: argparse.Namespace, methods: list[str]) -> list:
                 "compression_chunk": args.chunk,
                 "compression_decay": args.decay,
                 "payload": args.payload,
+            },
+            schedule=args.schedule,
+            warmup=args.warmup,
+            timeout=args.timeout,
+        ),
+        "sparseloco": MethodSpec(
+            "sparseloco",
+            args.sparseloco_lr,
+            args.weight_decay,
+            label="sparseloco",
+            options={
+                "sync_every": args.sync_every,
+                "topk": args.sparseloco_topk,
+                "chunk": args.chunk,
+                "payload": args.sparseloco_payload,
             },
             schedule=args.schedule,
             warmup=args.warmup,
@@ -431,6 +485,12 @@ def _describe(spec) -> str:
         return (
             f"demo lr={spec.lr:g} topk={o['compression_topk']} chunk={o['compression_chunk']} "
             f"decay={o['compression_decay']:g} payload={o['payload']}"
+        )
+    if spec.name == "sparseloco":
+        o = spec.options
+        return (
+            f"sparseloco inner AdamW lr={spec.lr:g}, sync every {o['sync_every']} steps: "
+            f"top-{o['topk']} per {o['chunk']}-tile, payload={o['payload']}"
         )
     return f"{spec.name} lr={spec.lr:g} (dense all-reduce of fp32 grads)"
 
