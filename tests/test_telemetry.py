@@ -418,7 +418,11 @@ def test_demo_writes_telemetry_by_default_and_not_with_no_telemetry(tmp_path, mo
         with pytest.raises(KeyboardInterrupt):
             main([*base, "--out", str(tmp_path / "o"), *extra])
     (*_, tel, runs), (*_, tel_off, _) = seen
-    assert tel == str(tmp_path / "o") and runs == ["demo-DeMo", "demo-SparseLoCo", "demo-AdamW"] and tel_off is None
+    assert (
+        tel == str(tmp_path / "o")
+        and runs == ["demo-DeMo", "demo-SparseLoCo", "demo-AdamW"]
+        and tel_off is None
+    )
 
 
 def test_validation_study_jobs_carry_telemetry(tmp_path):

@@ -42,7 +42,7 @@ DEFAULTS = {
     "demo_lr": 1e-3,
     "adamw_lr": 1e-3,
     # SparseLoCo: the validation study's best configuration at >= 100x fewer bytes on text
-    "sync_every": 10,
+    "sync_every": 5,
     "sparseloco_topk": 64,
     "sparseloco_payload": "int2",
     "sparseloco_lr": 1e-3,
