@@ -228,8 +228,8 @@ class DeMoMethod(Method):
 
     @property
     def comm_stats(self) -> CommStats:
-        """DeMo's own byte and timing counts."""
-        return self.optimizer.comm_stats  # type: ignore[attr-defined]  # a DeMo
+        """The optimizer's own byte and timing counts (SparseLoCo: 0 bytes between syncs)."""
+        return self.optimizer.comm_stats  # type: ignore[attr-defined]  # a DeMo or SparseLoCo
 
     def step(self) -> tuple[int, int]:
         self.optimizer.step()
@@ -245,9 +245,10 @@ register_method("demo")(DeMoMethod)
 INNER_OPTIMIZERS = ("adamw", "sgd")
 
 
-class SparseLoCoMethod(Method):
+class SparseLoCoMethod(DeMoMethod):
     """``cokit.compress.SparseLoCo``: ``options`` are its keyword arguments, with ``inner`` a name
-    (``"adamw"``, the default, or ``"sgd"``) and the inner lr / weight decay from the spec."""
+    (``"adamw"``, the default, or ``"sgd"``) and the inner lr / weight decay from the spec.
+    Steps, zeroes and counts bytes as :class:`DeMoMethod` does (both communicate themselves)."""
 
     def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
         from cokit.compress import SparseLoCo  # lazy, like DeMo
@@ -270,19 +271,6 @@ class SparseLoCoMethod(Method):
             process_group=group,
             **{"timeout": spec.timeout, **options},
         )
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """SparseLoCo's own byte and timing counts (0 bytes on steps without a sync)."""
-        return self.optimizer.comm_stats  # type: ignore[attr-defined]  # a SparseLoCo
-
-    def step(self) -> tuple[int, int]:
-        self.optimizer.step()
-        stats = self.comm_stats
-        return int(stats.step_sent_bytes), int(stats.step_dense_bytes)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
 
     def evaluation(self) -> contextlib.AbstractContextManager[None]:
         """The last sync's weights (``theta_global``), the same on every rank."""
