@@ -22,34 +22,50 @@ import torch
 from cokit.compress.policy import (
     BandwidthTargetPolicy,
     Decision,
+    IntervalPolicy,
     NetworkPolicy,
     Observation,
     StaticPolicy,
 )
 
-__all__ = ["POLICIES", "PolicyDriver", "make_policy"]
+__all__ = ["POLICIES", "POLICIES_FOR", "PolicyDriver", "make_policy"]
 
 logger = logging.getLogger("cokit.compress.policy")
 
 POLICIES: dict[str, type[NetworkPolicy]] = {
     "static": StaticPolicy,
     "bandwidth": BandwidthTargetPolicy,
+    "interval": IntervalPolicy,
+}
+#: the policies each optimizer can follow: DeMo changes what a step sends, SparseLoCo when it syncs.
+POLICIES_FOR: dict[str, tuple[str, ...]] = {
+    "DeMo": ("static", "bandwidth"),
+    "SparseLoCo": ("static", "interval"),
 }
 _MEASUREMENT_BYTES = 16  # two float64: step_s, exposed_s
 
 
 def make_policy(spec: NetworkPolicy | str | dict[str, Any] | None, owner: str = "DeMo") -> NetworkPolicy:
-    """A policy from an instance, a name (``"static"``, ``"bandwidth"``) or a JSON-ready dict
-    ``{"name": "bandwidth", "target": 0.2, ...}`` whose other keys are the policy's arguments."""
+    """A policy from an instance, a name (``"static"``, ``"bandwidth"``, ``"interval"``) or a
+    JSON-ready dict ``{"name": "bandwidth", "target": 0.2, ...}`` whose other keys are the
+    policy's arguments. ``owner`` (``"DeMo"`` or ``"SparseLoCo"``) limits it to the policies
+    that optimizer can follow (:data:`POLICIES_FOR`); other NetworkPolicy subclasses pass."""
+    names = POLICIES_FOR.get(owner, tuple(POLICIES))
     if spec is None:
         return StaticPolicy()
     if isinstance(spec, NetworkPolicy):
+        for name, cls in POLICIES.items():
+            if name not in names and isinstance(spec, cls):
+                raise ValueError(
+                    f"{owner}: {spec.describe()} is not a policy {owner} can follow; use one of "
+                    f"{', '.join(repr(n) for n in names)}"
+                )
         return spec
     if isinstance(spec, str):
         spec = {"name": spec}
-    if not isinstance(spec, dict) or spec.get("name") not in POLICIES:
+    if not isinstance(spec, dict) or spec.get("name") not in names:
         raise ValueError(
-            f"{owner}: policy must be a NetworkPolicy, one of {sorted(POLICIES)} or a dict "
+            f"{owner}: policy must be a NetworkPolicy, one of {list(names)} or a dict "
             f"{{'name': ..., **arguments}}, got {spec!r}"
         )
     kwargs = {k: v for k, v in spec.items() if k != "name"}

@@ -25,7 +25,14 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["BandwidthTargetPolicy", "Decision", "NetworkPolicy", "Observation", "StaticPolicy"]
+__all__ = [
+    "BandwidthTargetPolicy",
+    "Decision",
+    "IntervalPolicy",
+    "NetworkPolicy",
+    "Observation",
+    "StaticPolicy",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +72,15 @@ class Decision:
     tile); ``payload`` overrides the optimizer's codec (None keeps it); ``dense`` sends every
     buffer with a dense all-reduce; ``skip_sync`` sends nothing: the gradient goes into the
     error buffers (``delta = decay * delta + lr * grad``) and the parameters stay as they are.
+    ``sync_scale`` multiplies an infrequent-sync optimizer's interval (SparseLoCo's
+    ``sync_every``): the local steps until the next sync.
     """
 
     topk_scale: float = 1.0
     payload: str | None = None
     dense: bool = False
     skip_sync: bool = False
+    sync_scale: int = 1
 
     def describe(self) -> str:
         """A short label, e.g. ``"k x0.25, sign"``, ``"dense"`` or ``"skip sync"``."""
@@ -78,6 +88,8 @@ class Decision:
             return "skip sync"
         if self.dense:
             return "dense"
+        if self.sync_scale != 1:
+            return f"sync every x{self.sync_scale}"
         parts = [f"k x{self.topk_scale:g}"]
         if self.payload is not None:
             parts.append(self.payload)
@@ -132,7 +144,8 @@ class BandwidthTargetPolicy(NetworkPolicy):
 
     The settings form a ladder from most to fewest bytes: dense (if ``allow_dense``), the
     optimizer's own k, k/2, k/4, ... down to ``min_topk_scale``, then the ``sign`` payload at
-    that k (if ``allow_sign``). It starts on the optimizer's own settings. When the exposed
+    that k (if ``allow_sign``); with ``sign_first`` the ``sign`` payload comes at the full k,
+    before any halving (k, k+sign, k/2+sign, ...: fewer bytes at every position kept). It starts on the optimizer's own settings. When the exposed
     fraction, averaged over the rung's last 3 steps, is above ``target`` it moves one rung down; when the fraction predicted
     for the rung above is below ``headroom * target``, it moves one rung up. The prediction
     is what that rung was measured to expose when it last ran (a decaying max over its recent
@@ -154,6 +167,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
         min_topk_scale: float = 0.125,
         allow_sign: bool = True,
         allow_dense: bool = True,
+        sign_first: bool = False,
         headroom: float = 0.7,
         patience: int = 2,
         deadline_s: float | None = None,
@@ -180,6 +194,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
         self.min_topk_scale = float(min_topk_scale)
         self.allow_sign = bool(allow_sign)
         self.allow_dense = bool(allow_dense)
+        self.sign_first = bool(sign_first) and self.allow_sign
         self.headroom = float(headroom)
         self.patience = patience
         self.deadline_s = None if deadline_s is None else float(deadline_s)
@@ -199,17 +214,20 @@ class BandwidthTargetPolicy(NetworkPolicy):
     def _ladder(self) -> list[Decision]:
         rungs = [Decision(dense=True)] if self.allow_dense else []
         scale = 1.0
+        if self.sign_first:
+            rungs.append(Decision())
         while scale >= self.min_topk_scale:
-            rungs.append(Decision(topk_scale=scale))
+            rungs.append(Decision(topk_scale=scale, payload="sign" if self.sign_first else None))
             scale /= 2
-        if self.allow_sign:
+        if self.allow_sign and not self.sign_first:
             rungs.append(Decision(topk_scale=rungs[-1].topk_scale, payload="sign"))
         return rungs
 
     def describe(self) -> str:
         return (
             f"BandwidthTargetPolicy(target={self.target:g}, min_topk_scale={self.min_topk_scale:g}, "
-            f"allow_sign={self.allow_sign}, allow_dense={self.allow_dense}, headroom={self.headroom:g}, "
+            f"allow_sign={self.allow_sign}, allow_dense={self.allow_dense}, "
+            f"{'sign_first=True, ' if self.sign_first else ''}headroom={self.headroom:g}, "
             f"patience={self.patience}, deadline_s={self.deadline_s}, max_skips={self.max_skips}, "
             f"memory_steps={self.memory_steps})"
         )
@@ -311,6 +329,59 @@ class BandwidthTargetPolicy(NetworkPolicy):
         probe = state.get("probe")
         self._probe = None if probe is None else int(probe)
         self._since_move = int(state.get("since_move", 0))
+
+
+class IntervalPolicy(NetworkPolicy):
+    """For infrequent-sync optimizers (:class:`~cokit.compress.SparseLoCo`): keep the time
+    blocked on a sync under ``target`` of the interval it closes, by widening the interval.
+
+    Each observation is one whole interval (its local steps and the sync that ends it): the
+    slowest rank's wall time and the least time any rank was blocked. Above ``target`` the
+    interval doubles (``sync_scale`` 1, 2, 4, ... up to ``max_scale``); when the fraction
+    predicted at half the interval (the same blocked time over half the compute) is below
+    ``headroom * target`` it halves again, so a link that got faster gets the optimizer's
+    own ``sync_every`` back. The decision for the next interval is taken at a sync, from the
+    interval before it (the one whose times every rank has exchanged).
+    """
+
+    def __init__(self, target: float = 0.2, *, max_scale: int = 8, headroom: float = 0.7):
+        if not (_is_number(target) and 0 < target < 1):
+            raise ValueError(f"IntervalPolicy: target must be in (0, 1), got {target!r}")
+        if not (isinstance(max_scale, int) and not isinstance(max_scale, bool) and max_scale >= 1):
+            raise ValueError(f"IntervalPolicy: max_scale must be an integer >= 1, got {max_scale!r}")
+        if max_scale & (max_scale - 1):
+            raise ValueError(f"IntervalPolicy: max_scale must be a power of 2, got {max_scale}")
+        if not (_is_number(headroom) and 0 < headroom < 1):
+            raise ValueError(f"IntervalPolicy: headroom must be in (0, 1), got {headroom!r}")
+        self.target, self.max_scale, self.headroom = float(target), max_scale, float(headroom)
+        self.scale = 1
+
+    def describe(self) -> str:
+        return (
+            f"IntervalPolicy(target={self.target:g}, max_scale={self.max_scale}, headroom={self.headroom:g})"
+        )
+
+    def decide(self, observation: Observation | None) -> Decision:
+        if observation is not None and observation.synced and observation.step_s > 0:
+            blocked = observation.exposed_s
+            compute = max(observation.step_s - blocked, 0.0)
+            if observation.exposed_fraction > self.target and self.scale < self.max_scale:
+                self.scale *= 2
+            elif self.scale > 1 and blocked / max(compute / 2 + blocked, 1e-12) < self.headroom * self.target:
+                self.scale //= 2
+        return Decision(sync_scale=self.scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scale = state.get("scale")
+        if not (isinstance(scale, int) and 1 <= scale <= self.max_scale):
+            raise ValueError(
+                f"{self.describe()}: saved sync scale {scale!r} is outside 1..{self.max_scale}; the "
+                "checkpoint was saved with other policy settings"
+            )
+        self.scale = scale
 
 
 _DECAY = 0.8  # per observation, of a rung's remembered worst exposure

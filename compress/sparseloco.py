@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -31,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress import precision as lowp
+from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Communicator, Pending
 from cokit.compress.dtensor import is_dtensor
 from cokit.compress.groups import check_process_group
 from cokit.compress.payload import VALUE_DTYPES, get_codec
+from cokit.compress.policy import NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
@@ -81,6 +84,13 @@ class SparseLoCo(torch.optim.Optimizer):
             steps fp32 masters; parameters hold their rounding) or ``"stochastic"``
             (rounding seeded by ``seed`` and the sync count, alike on every rank).
         bucket_cap_mb: fp32 megabytes per bucket (one collective each).
+        policy: when to sync (:mod:`cokit.compress.policy`): None / ``"static"`` (every
+            ``sync_every`` steps), ``"interval"`` or an
+            :class:`~cokit.compress.policy.IntervalPolicy` (widen the interval, up to
+            ``max_scale`` x ``sync_every``, while a sync blocks more than ``target`` of its
+            interval), or ``{"name": "interval", **arguments}``. Each sync carries every rank's
+            times of the interval before it (16 bytes), so every rank decides alike;
+            ``policy_log`` lists the changes and ``current_interval`` the interval in force.
 
     Every rank must use the same settings, inner hyper-parameters and starting parameters:
     each sync compares a crc of them (4 bytes in the status exchange) and the first step
@@ -110,6 +120,7 @@ class SparseLoCo(torch.optim.Optimizer):
         precision: str = "nearest",
         seed: int = 0,
         bucket_cap_mb: float = 25.0,
+        policy: NetworkPolicy | str | dict[str, Any] | None = None,
     ):
         _check_int("sync_every", sync_every, 1)
         if topk is not None:
@@ -133,6 +144,7 @@ class SparseLoCo(torch.optim.Optimizer):
         _check_int("seed", seed, 0)
         _check_float("bucket_cap_mb", bucket_cap_mb, 0.0, None, strict_low=True)
         check_process_group("SparseLoCo", process_group)
+        network_policy = make_policy(policy, "SparseLoCo")
 
         groups, names = _param_groups(params)
         model_params = [p for g in groups for p in g["params"]]
@@ -161,6 +173,9 @@ class SparseLoCo(torch.optim.Optimizer):
         self._model_params = model_params
         self.comm = Communicator(process_group, owner="SparseLoCo.step", timeout=timeout)
         self.comm_stats = CommStats()
+        self.policy = network_policy
+        self._driver = PolicyDriver(network_policy)
+        self.current_interval = sync_every
         self.syncs = 0
         self.skipped_syncs = 0
         self._steps = 0
@@ -232,6 +247,11 @@ class SparseLoCo(torch.optim.Optimizer):
         """Bytes this rank sent per step, amortized over every step so far."""
         return self.comm_stats.total_sent_bytes / max(self.comm_stats.steps, 1)
 
+    @property
+    def policy_log(self) -> list[dict[str, Any]]:
+        """Every change of the policy's decision: the sync it was taken at, what and why."""
+        return self._driver.log
+
     @contextlib.contextmanager
     def synchronized(self) -> Iterator[None]:
         """Inside the block the parameters hold ``theta_global`` (the weights of the last sync,
@@ -287,12 +307,10 @@ class SparseLoCo(torch.optim.Optimizer):
         self._inner_step()
         self._steps += 1
         self._since_sync += 1
-        if self._since_sync >= self.sync_every:
+        if self._since_sync >= self.current_interval:
             self._sync()
         sent, received, timing = self.comm.take_step()
-        dense = ring_allreduce_bytes(
-            sum(p.numel() * p.element_size() for p in self._model_params), self.comm.world_size
-        )
+        dense = self._dense_bytes()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.comm_stats.record(sent, received, dense, timing, world, self.comm.world_size)
         return loss
@@ -326,15 +344,25 @@ class SparseLoCo(torch.optim.Optimizer):
         flags = torch.where(finite, _OK, _BAD).to(torch.uint8)
         crc = zlib.crc32(repr(self._settings()).encode())
         crc_bytes = torch.tensor(list(crc.to_bytes(4, "little")), dtype=torch.uint8, device=device)
-        status = torch.cat([flags, crc_bytes])
-        everyone = self.comm.all_gather(status, "pseudo-gradient status exchange").wait().cpu()
+        measured = self._driver.status_bytes
+        parts = [flags, crc_bytes]
+        if measured:  # the previous interval's times, for the policy
+            parts.append(self._driver.measurement(device))
+        everyone = self._wait(self.comm.all_gather(torch.cat(parts), "pseudo-gradient status exchange")).cpu()
+        times, everyone = (
+            everyone[:, everyone.shape[1] - measured :],
+            everyone[:, : everyone.shape[1] - measured],
+        )
         if bool((everyone[:, -4:] != everyone[:1, -4:]).any()):
             self._raise_mismatch()
         bad = (everyone[:, :-4] == _BAD).nonzero().tolist()
+        if not bad or self.nonfinite == "skip":
+            self._follow_policy(times if measured else None)
         if bad:
             if self.nonfinite == "skip":
                 self._since_sync = 0
                 self.skipped_syncs += 1
+                self._driver.step_done(0, 0, synced=False)
                 generator = None
                 if self.precision == "stochastic":
                     generator = lowp.rounding_generator(self.seed, self.syncs, params[0].device)
@@ -368,6 +396,30 @@ class SparseLoCo(torch.optim.Optimizer):
                     g.sub_(mean, alpha=lr)
             self._write(p, g, generator)
         self._since_sync = 0
+        self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
+
+    def _follow_policy(self, times: torch.Tensor | None) -> None:
+        """The interval until the next sync, from every rank's times of the last one."""
+        decision = self._driver.decide(times, self.syncs + self.skipped_syncs + 1)
+        if decision.dense or decision.skip_sync or decision.topk_scale != 1 or decision.payload is not None:
+            raise ValueError(
+                f"SparseLoCo: policy {self.policy.describe()} decided {decision.describe()!r}; "
+                "SparseLoCo follows only sync_scale decisions (IntervalPolicy)"
+            )
+        self.current_interval = self.sync_every * decision.sync_scale
+
+    def _wait(self, pending: Pending) -> torch.Tensor:
+        """Wait on a collective, counting the time blocked for the policy."""
+        start = time.perf_counter()
+        result = pending.wait()
+        self._driver.blocked(time.perf_counter() - start)
+        return result
+
+    def _dense_bytes(self) -> int:
+        """What a dense all-reduce of every parameter would send from this rank."""
+        return ring_allreduce_bytes(
+            sum(p.numel() * p.element_size() for p in self._model_params), self.comm.world_size
+        )
 
     def _write(self, p: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
         master = self._masters.get(id(p))
@@ -418,7 +470,7 @@ class SparseLoCo(torch.optim.Optimizer):
             pending = self.comm.all_reduce_mean(flat, "pseudo-gradient all-reduce")
 
             def finish_dense() -> list[torch.Tensor]:
-                mean = pending.wait()
+                mean = self._wait(pending)
                 return [
                     part.view(deltas[i].shape)
                     for i, part in zip(members, mean.split([deltas[i].numel() for i in members]))
@@ -457,7 +509,7 @@ class SparseLoCo(torch.optim.Optimizer):
             e.sub_(s)
 
         def finish() -> list[torch.Tensor]:
-            gathered = [p.wait() for p in pendings]
+            gathered = [self._wait(p) for p in pendings]
             indices, values = codec.from_wire(gathered)
             world = indices.shape[0]
             sums = [torch.zeros_like(c) for c in coeffs]
@@ -494,6 +546,7 @@ class SparseLoCo(torch.optim.Optimizer):
             "precision": self.precision,
             "seed": self.seed,
             "bucket_cap_mb": self.bucket_cap_mb,
+            "policy": self.policy.describe(),
             "inner": type(self.inner).__name__,
             "inner_groups": [
                 {k: _plain(v) for k, v in g.items() if k != "params" and _comparable(v)}
@@ -566,7 +619,9 @@ class SparseLoCo(torch.optim.Optimizer):
                 "syncs": self.syncs,
                 "skipped_syncs": self.skipped_syncs,
                 "checked": self._checked,
+                "interval": self.current_interval,
             },
+            "policy": self._driver.state_dict(),
             "comm_stats": self.comm_stats.as_dict(),
         }
 
@@ -601,6 +656,13 @@ class SparseLoCo(torch.optim.Optimizer):
                     raise ValueError(
                         f"SparseLoCo.load_state_dict: {key} of {self._name(n)} is {tuple(t.shape)} or not finite"
                     )
+        interval = state_dict["counters"].get("interval", self.sync_every)
+        if not (isinstance(interval, int) and interval >= 1):
+            raise ValueError(
+                f"SparseLoCo.load_state_dict: saved interval {interval!r} is not a positive integer"
+            )
+        if "policy" in state_dict:
+            self._driver.load_state_dict(state_dict["policy"], owner="SparseLoCo")
         self.inner.load_state_dict(state_dict["inner"])
         self.param_groups = self.inner.param_groups
         for n, p in enumerate(self._model_params):
@@ -616,6 +678,7 @@ class SparseLoCo(torch.optim.Optimizer):
             int(c["skipped_syncs"]),
             bool(c["checked"]),
         )
+        self.current_interval = interval
         self.comm_stats = CommStats.from_dict(state_dict["comm_stats"])
 
 

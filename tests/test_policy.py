@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
-from cokit.compress.policy import BandwidthTargetPolicy, Decision, Observation, StaticPolicy
+from cokit.compress.policy import BandwidthTargetPolicy, Decision, IntervalPolicy, Observation, StaticPolicy
 
 
 def _obs(step: int, exposed: float, step_s: float = 1.0, sent: int = 1000, dense: int = 32000, synced=True):
@@ -148,3 +149,72 @@ def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
     assert all(b - a > 1 for a, b in zip(probes, probes[1:]))  # each failed probe costs one step
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(gaps) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), probes
+
+
+def test_interval_policy_widens_while_a_sync_blocks_too_much_and_narrows_when_the_link_recovers():
+    policy = IntervalPolicy(target=0.2, max_scale=4)
+    assert policy.decide(None) == Decision()  # the optimizer's own sync_every
+    slow = [policy.decide(_obs(s, exposed=0.5, step_s=1.0)).sync_scale for s in range(1, 5)]
+    assert slow == [2, 4, 4, 4]  # doubles, capped at max_scale
+    # fast again: 0.01 s blocked over 1 s; at half the compute it predicts 0.01 / 0.505 < 0.14
+    fast = [policy.decide(_obs(s, exposed=0.01, step_s=1.0)).sync_scale for s in range(5, 8)]
+    assert fast == [2, 1, 1]
+    # in between: fits the target now but would not at half the interval -> it stays
+    policy = IntervalPolicy(target=0.2, max_scale=4)
+    policy.decide(_obs(1, exposed=0.5))
+    assert policy.decide(_obs(2, exposed=0.15, step_s=1.0)).sync_scale == 2
+    # a skipped (non-finite) sync measures nothing
+    assert policy.decide(_obs(3, exposed=0.9, synced=False)).sync_scale == 2
+    assert Decision(sync_scale=4).describe() == "sync every x4"
+
+
+def test_interval_policy_state_round_trips_and_bad_settings_are_refused():
+    policy = IntervalPolicy(max_scale=8)
+    for s in range(3):
+        policy.decide(_obs(s, exposed=0.9))
+    fresh = IntervalPolicy(max_scale=8)
+    fresh.load_state_dict(copy.deepcopy(policy.state_dict()))
+    assert fresh.decide(None) == policy.decide(None) == Decision(sync_scale=8)
+    with pytest.raises(ValueError, match=r"outside 1\.\.2"):
+        IntervalPolicy(max_scale=2).load_state_dict({"scale": 8})
+    for kwargs, match in (
+        ({"target": 1.5}, "target"),
+        ({"max_scale": 3}, "power of 2"),
+        ({"max_scale": 0}, "max_scale"),
+        ({"max_scale": True}, "max_scale"),
+        ({"headroom": 1.0}, "headroom"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            IntervalPolicy(**kwargs)
+
+
+def test_each_optimizer_takes_only_the_policies_it_can_follow():
+    from cokit.compress import DeMo, SparseLoCo
+
+    params = [torch.nn.Parameter(torch.zeros(8, 8))]
+    with pytest.raises(ValueError, match=r"IntervalPolicy.*not a policy DeMo can follow"):
+        DeMo(params, lr=0.1, policy=IntervalPolicy())
+    with pytest.raises(ValueError, match=r"one of \['static', 'bandwidth'\]"):
+        DeMo(params, lr=0.1, policy="interval")
+    with pytest.raises(ValueError, match="not a policy SparseLoCo can follow"):
+        SparseLoCo(params, policy=BandwidthTargetPolicy())
+    with pytest.raises(ValueError, match=r"one of \['static', 'interval'\]"):
+        SparseLoCo(params, policy={"name": "bandwidth"})
+    opt = SparseLoCo(params, sync_every=3, policy={"name": "interval", "max_scale": 2})
+    assert opt.policy.describe() == "IntervalPolicy(target=0.2, max_scale=2, headroom=0.7)"
+    assert opt.current_interval == 3
+
+
+def test_sign_first_ladder_switches_payload_before_halving_k():
+    policy = BandwidthTargetPolicy(min_topk_scale=0.25, sign_first=True)
+    assert [d.describe() for d in policy.ladder] == [
+        "dense",
+        "k x1",
+        "k x1, sign",
+        "k x0.5, sign",
+        "k x0.25, sign",
+    ]
+    assert "sign_first=True" in policy.describe()
+    assert "sign_first" not in BandwidthTargetPolicy().describe()  # old checkpoints still match
+    plain = BandwidthTargetPolicy(sign_first=True, allow_sign=False)
+    assert [d.payload for d in plain.ladder] == [None] * 5  # dense, k .. k/8: sign_first needs allow_sign

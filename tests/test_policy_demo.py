@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from cokit.compress import DeMo
+from cokit.compress import DeMo, SparseLoCo
 from cokit.compress.checkpoint import records
-from cokit.compress.policy import BandwidthTargetPolicy, Decision, NetworkPolicy, Observation
+from cokit.compress.policy import BandwidthTargetPolicy, Decision, IntervalPolicy, NetworkPolicy, Observation
 from tests.distributed import run_gloo
 from tests.gloo_cases import Case, run_cases
 from tests.helpers import byte_counts
@@ -102,6 +102,7 @@ def world2() -> dict[str, list]:
     cases = [Case("changing link", _changing_link)]
     cases += [Case(d.describe(), _fixed, (d,)) for d in (*FIXED, SKIP)]
     cases.append(Case("resume", _resume_with_policy))
+    cases.append(Case("sparseloco interval", _sparseloco_changing_link))
     return run_cases(2, cases)
 
 
@@ -125,6 +126,65 @@ def test_the_policy_follows_a_changing_link_with_the_same_decisions_on_every_ran
     assert phases[40][0] in ("k x1", "dense"), phases
     moves = [e for e in log0 if e["observation"] is not None]
     assert any(e["observation"]["exposed_fraction"] > 0.2 for e in moves)
+
+
+def _sparseloco_changing_link(rank: int, world: int):
+    """SparseLoCo (H=2) with an IntervalPolicy: a slow stretch widens the sync interval to
+    max_scale x H, a fast link brings it back; a checkpoint taken wide resumes wide."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    model = _model()
+    opt = SparseLoCo(
+        model.parameters(),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2),
+        sync_every=2,
+        topk=8,
+        chunk=16,
+        policy=IntervalPolicy(target=0.2, max_scale=4),
+        timeout=120,
+    )
+    delay = [0.0]
+    _slow_link(opt.comm, delay)
+    intervals, state = {}, None
+    for step in range(1, 41):
+        delay[0] = 0.3 if 3 <= step <= 16 else 0.0
+        time.sleep(0.1)  # "compute", far above a fast sync's waits on a loaded machine
+        _one_step(model, opt, rank, step)
+        intervals[step] = opt.current_interval
+        if step == 20:
+            state = opt.state_dict()
+    resumed = SparseLoCo(
+        _model().parameters(),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2),
+        sync_every=2,
+        topk=8,
+        chunk=16,
+        policy=IntervalPolicy(target=0.2, max_scale=4),
+    )
+    resumed.load_state_dict(state)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, opt.policy_log, intervals, resumed.current_interval, opt.syncs
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparseloco_widens_its_sync_interval_on_a_slow_link_alike_on_every_rank(request, world):
+    results = (
+        request.getfixturevalue("world2")["sparseloco interval"]
+        if world == 2
+        else run_gloo(3, _sparseloco_changing_link)
+    )
+    flat0, log0, intervals, resumed, syncs = results[0]
+    for flat, log, seen, _, _ in results[1:]:
+        assert torch.equal(flat, flat0)  # replicas stay bit-identical
+        assert [(e["step"], e["decision"]) for e in log] == [(e["step"], e["decision"]) for e in log0]
+        assert seen == intervals
+    assert max(intervals.values()) == 8, intervals  # 4 x sync_every
+    assert intervals[40] == 2, intervals  # back to the optimizer's own interval
+    assert resumed == intervals[20]
+    assert syncs < 20  # fewer syncs than every 2 steps
+    widened = [e for e in log0 if e["sync_scale"] > 1 and e["observation"] is not None]
+    assert widened and widened[0]["observation"]["exposed_fraction"] > 0.2
 
 
 def _fixed(rank: int, world: int, decision: Decision):
