@@ -47,8 +47,14 @@ METHODS = ("adamw", "demo-static", "demo-adaptive")
 TARGET_PROFILE, TARGET_RATIO = "10mbit-drops", 0.7
 
 
-def method_specs(lr: float, topk: int, chunk: int, target: float, timeout_s: float) -> dict[str, MethodSpec]:
-    """The three methods compared; DeMo's settings are ``cokit demo``'s defaults."""
+def method_specs(
+    lr: float, topk: int, chunk: int, target: float, timeout_s: float, sign_first: bool = False
+) -> dict[str, MethodSpec]:
+    """The three methods compared; DeMo's settings are ``cokit demo``'s defaults; the adaptive
+    one's ladder tries the sign payload at full k first with ``sign_first``."""
+    policy: dict[str, object] = {"name": "bandwidth", "target": target}
+    if sign_first:
+        policy["sign_first"] = True
     demo = {
         "compression_topk": topk,
         "compression_chunk": chunk,
@@ -61,7 +67,7 @@ def method_specs(lr: float, topk: int, chunk: int, target: float, timeout_s: flo
         "demo-adaptive": MethodSpec(
             "demo",
             lr,
-            options={**demo, "policy": {"name": "bandwidth", "target": target}},
+            options={**demo, "policy": policy},
             label="demo-adaptive",
             timeout=timeout_s,
         ),
@@ -276,6 +282,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="adaptive DeMo keeps exposed communication under this fraction of the step (default 0.2)",
     )
     p.add_argument(
+        "--policy-sign-first",
+        action="store_true",
+        help="adaptive DeMo switches to the sign payload at full k before halving k",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=120.0,
@@ -322,7 +333,9 @@ def run(args: argparse.Namespace) -> int:
         n_params = TextWorkload(cfg).build_model(0).num_params()
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    specs = method_specs(args.lr, args.topk, args.chunk, args.policy_target, args.timeout)
+    specs = method_specs(
+        args.lr, args.topk, args.chunk, args.policy_target, args.timeout, args.policy_sign_first
+    )
     ok, why = available()
     runs: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
