@@ -35,6 +35,8 @@ APP = (
     "cokit.bench",
     "cokit.dashboard",
     "cokit.telemetry",
+    "cokit.nn",
+    "cokit.ops",
 )
 #: the folders' bare names: importing them bare bypasses the one import root, ``cokit``
 BARE = ("triton_kernels", "compress", "overlap", "benchmarks")

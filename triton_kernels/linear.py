@@ -1,0 +1,201 @@
+"""``y = x @ W^T (+ b)`` on the project's GEMM: a drop-in for ``torch.nn.functional.linear``.
+
+Liger-Kernel layout: the functional front end (:func:`linear`: ``F.linear``'s shapes, dtype
+and autocast rules, argument checks before any work) and the ``cokit::linear`` custom op
+(2-D, autograd through the same kernel, a fake implementation for ``torch.compile``). The op
+runs :func:`cokit.triton_kernels.gemm.gemm` with ``b = weight.t()`` (a transposed view: the
+kernel takes any strides, nothing is copied); a fixed :class:`GemmConfig` travels through
+the op as its ``spec()`` string, since op schemas take no Python objects.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gemm import PRECISIONS, gemm
+from .gemm_config import DTYPES, GemmConfig, parse_config_spec
+
+__all__ = ["linear", "linear_reference"]
+
+
+def linear_reference(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pure-torch linear with the kernel's semantics: fp32 accumulation, output in input's dtype."""
+    out = input.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(input.dtype)
+
+
+# ---------------------------------------------------------------------- custom op
+def _config_from_spec(spec: str) -> GemmConfig | None:
+    return parse_config_spec(spec) if spec else None
+
+
+@torch.library.custom_op("cokit::linear", mutates_args=())
+def _linear_op(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: str,
+    precision: str,
+    persistent: bool,
+) -> torch.Tensor:
+    """``cokit::linear``: ``input @ weight.t() (+ bias)`` for 2-D operands.
+
+    * ``input`` -- ``(M, K)``; ``weight`` -- ``(N, K)``; ``bias`` -- ``(N,)`` or None; one
+      dtype (fp16/bf16/fp32) and device for all three; any strides.
+    * ``config`` -- a :meth:`GemmConfig.spec` string fixing every launch knob, or ``''`` for
+      the tuned config (:func:`cokit.triton_kernels.gemm.select_config`).
+    * ``precision`` -- fp32 dot precision, 'ieee' or 'tf32' (ignored for 16-bit inputs).
+    * ``persistent`` -- the persistent GEMM form when no config is given (a config's own
+      ``persistent`` field decides otherwise).
+
+    Returns a new ``(M, N)`` tensor in input's dtype.
+    """
+    cfg = _config_from_spec(config)
+    return gemm(
+        input, weight.t(), bias, config=cfg, precision=precision, persistent=None if cfg else persistent
+    )
+
+
+@_linear_op.register_fake
+def _(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: str,
+    precision: str,
+    persistent: bool,
+) -> torch.Tensor:
+    torch._check(
+        input.dim() == 2 and weight.dim() == 2, lambda: "cokit::linear: input and weight must be 2-D"
+    )
+    torch._check(
+        input.shape[1] == weight.shape[1], lambda: "cokit::linear: input.shape[1] must equal weight.shape[1]"
+    )
+    return input.new_empty((input.shape[0], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    input, weight, bias, config, precision, persistent = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.has_bias = bias is not None
+    ctx.config = config
+    ctx.precision = precision
+    ctx.persistent = persistent
+
+
+def _linear_backward(ctx, grad):
+    """dX = dY W and dW = dY^T X, both through ``cokit::linear`` (same config); db = sum dY."""
+    input, weight = ctx.saved_tensors
+    grad_input = grad_weight = grad_bias = None
+    opts = (ctx.config, ctx.precision, ctx.persistent)
+    if ctx.needs_input_grad[0]:
+        grad_input = _linear_op(grad, weight.t(), None, *opts)  # (M, N) @ (N, K)
+    if ctx.needs_input_grad[1]:
+        grad_weight = _linear_op(grad.t(), input.t(), None, *opts)  # (N, M) @ (M, K)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = grad.float().sum(0).to(grad.dtype)
+    return grad_input, grad_weight, grad_bias, None, None, None
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+# ---------------------------------------------------------------------- front end
+def _autocast(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Cast as autocast casts ``F.linear`` (a lower-precision op on CUDA and CPU): floating
+    tensors other than float64 go to the autocast dtype of input's device type."""
+    device_type = input.device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return input, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t  # non-tensors are left for _check_inputs
+
+    return cast(input), cast(weight), cast(bias) if bias is not None else None
+
+
+def _check_inputs(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None,
+    precision: str,
+    persistent: bool,
+) -> None:
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a GemmConfig or None, got {type(config).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}")
+    if input.dim() < 1:
+        raise ValueError("input must have at least 1 dimension (*, in_features); got a 0-D tensor")
+    out_features, in_features = weight.shape
+    if input.shape[-1] != in_features:
+        raise ValueError(
+            f"input is {tuple(input.shape)} and weight is {tuple(weight.shape)}: "
+            f"input.shape[-1] must equal in_features={in_features}"
+        )
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias must have shape ({out_features},) (got {tuple(bias.shape)})")
+    tensors = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in tensors:
+        if t.dtype != input.dtype:
+            raise ValueError(f"input and {name} must have the same dtype (got {input.dtype} and {t.dtype})")
+    for name, t in tensors:
+        if t.device != input.device:
+            raise ValueError(
+                f"input and {name} must be on the same device (got {input.device} and {t.device})"
+            )
+    if input.dtype not in DTYPES.values():
+        raise ValueError(f"dtype {input.dtype} is not supported; allowed: {', '.join(DTYPES)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
+    if config is not None and persistent and not config.persistent:
+        raise ValueError("persistent=True contradicts config.persistent=False; pass one of them")
+
+
+def linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemmConfig | None = None,
+    precision: str = "ieee",
+    persistent: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.functional.linear`` on the Triton GEMM: ``input @ weight.T (+ bias)``.
+
+    ``input`` is ``(*, in_features)`` (1-D gives ``(out_features,)``), ``weight``
+    ``(out_features, in_features)``, ``bias`` ``(out_features,)`` or None; all of one dtype
+    (fp16, bf16 or fp32) and device, the output in that dtype. Under ``torch.autocast``
+    (CUDA, CPU) the tensors are first cast to the autocast dtype, as for ``F.linear``.
+    Differentiable and ``torch.compile(fullgraph=True)``-able (op ``cokit::linear``).
+
+    ``config`` fixes every GEMM knob, for the forward and both backward products (its
+    ``persistent`` field picks the form); without it the tuned config is used and
+    ``persistent`` picks the form. ``precision`` ('ieee' or 'tf32') applies to fp32 inputs.
+    Bad shapes, dtypes or devices raise ``ValueError`` (non-tensors ``TypeError``) before any
+    work.
+    """
+    if isinstance(input, torch.Tensor):
+        input, weight, bias = _autocast(input, weight, bias)
+    _check_inputs(input, weight, bias, config, precision, persistent)
+    spec = config.spec() if config is not None else ""
+    form = config.persistent if config is not None else bool(persistent)
+    rows = 1
+    for d in input.shape[:-1]:  # not reshape(-1, K): K may be 0
+        rows *= d
+    out = _linear_op(input.reshape(rows, weight.shape[1]), weight, bias, spec, precision, form)
+    return out.reshape(*input.shape[:-1], weight.shape[0])
