@@ -1,7 +1,11 @@
-"""Compile-only builds of every compression kernel for sm_80, sm_90 and gfx942.
+"""Compile-only builds of every compression kernel for sm_80, sm_90 and gfx942, every shipped
+launch config, and their resources.
 
 The interpreter hides GPU-only errors (tl.dot shapes, layouts, register pressure); these
-builds run the real compiler in a subprocess without TRITON_INTERPRET.
+builds run the real compiler in a subprocess without TRITON_INTERPRET. Resources come from
+``ptxas -v`` (NVIDIA) and the AMDGCN metadata (AMD): no build may spill a VGPR on AMD, and
+none may have stack or spill bytes on NVIDIA except the ones listed in KNOWN_NVIDIA_SPILLS,
+a ratchet: a listed build that becomes clean fails too, so the list only shrinks.
 """
 
 import json
@@ -10,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import triton
 
 from cokit.triton_kernels.compile_only import kernel_specs
 
@@ -30,10 +35,10 @@ def report():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # the report compiles 30 kernels (~70 s on 2 cores)
+@pytest.mark.slow  # the report compiles about 60 builds (~2.5 min on 2 cores)
 def test_every_kernel_compiles_for_every_target(report):
-    built = {(r["kernel"], r["target"]) for r in report}
-    expected = {(label, t) for label, *_ in kernel_specs() for t in TARGETS}
+    built = {(r["name"], r["target"]) for r in report}
+    expected = {(label, t) for t in TARGETS for label, *_ in kernel_specs(t)}
     assert built == expected
 
 
@@ -44,11 +49,89 @@ def test_resources_within_arch_limits(report):
         assert r["registers"] is not None and 0 < r["registers"] <= r["max_registers_per_thread"], r
 
 
+#: (build, target) that still spill on NVIDIA, per Triton version, with the bytes of stack
+#: ptxas reported when they were listed (issue 12): the fused encode, whose transforms and
+#: top-k keep several 64x64 blocks live at once, and on triton 3.6 the sm_80 decode.
+KNOWN_NVIDIA_SPILLS: dict[str, dict[tuple[str, str], int]] = {
+    "3.9": {
+        ("ef_encode_2d[w8s1-bf16x6]", "sm_80"): 208,
+        ("ef_encode_1d[w8s1-bf16x6]", "sm_80"): 184,
+        ("ef_encode_2d[w8s1-tf32x3]", "sm_90"): 160,
+        ("ef_encode_1d[w8s1-tf32x3]", "sm_90"): 8,
+    },
+    "3.6": {
+        ("ef_encode_2d[w8s1-bf16x6]", "sm_80"): 392,
+        ("ef_encode_1d[w8s1-bf16x6]", "sm_80"): 296,
+        ("ef_decode_2d[w8s1-bf16x6]", "sm_80"): 48,
+        ("ef_encode_2d[w8s1-tf32x3]", "sm_90"): 200,
+    },
+}
+
+
+def _nvidia_spills(r):
+    return r["stack_bytes"] or r["spill_stores"] or r["spill_loads"]
+
+
+@pytest.mark.slow
+def test_no_vgpr_spills_on_amd(report):
+    amd = [r for r in report if r["target"].startswith("gfx")]
+    assert amd
+    for r in amd:
+        assert r["vgpr_spills"] == 0 and r["stack_bytes"] == 0, r
+        assert r["sgpr_spills"] is not None and r["occupancy"] is not None and r["occupancy"] >= 1, r
+
+
+@pytest.mark.slow
+def test_nvidia_builds_have_no_stack_or_spills_beyond_the_known_ones(report):
+    nvidia = [r for r in report if r["target"].startswith("sm_")]
+    assert nvidia and all(r["stack_bytes"] is not None for r in nvidia), "ptxas did not report"
+    spilling = {(r["name"], r["target"]): r["stack_bytes"] for r in nvidia if _nvidia_spills(r)}
+    version = ".".join(triton.__version__.split(".")[:2])
+    known = KNOWN_NVIDIA_SPILLS.get(version)
+    allowed = (
+        known if known is not None else {k: b for v in KNOWN_NVIDIA_SPILLS.values() for k, b in v.items()}
+    )
+    new = {key: b for key, b in spilling.items() if key not in allowed}
+    assert not new, f"builds that now spill on triton {triton.__version__} (stack bytes): {new}"
+    if known is not None:  # the ratchet: on a listed version, a build that no longer spills fails too
+        fixed = sorted(set(known) - set(spilling))
+        assert not fixed, (
+            f"these builds no longer spill; remove them from KNOWN_NVIDIA_SPILLS[{version!r}]: {fixed}"
+        )
+
+
+def test_resource_parsers_read_the_compiler_reports():
+    """The ptxas and AMDGCN readers on text in the tools' own formats (no compiler needed)."""
+    from cokit.triton_kernels.compile_only import _PTXAS_REGS, _PTXAS_STACK, _hip_resources
+
+    log = (
+        "ptxas info    : Function properties for k\n"
+        "    872 bytes stack frame, 968 bytes spill stores, 1224 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 872 bytes cumulative stack size\n"
+    )
+    assert _PTXAS_STACK.search(log).groups() == ("872", "968", "1224")
+    assert _PTXAS_REGS.search(log).group(1) == "255"
+    amdgcn = (
+        "; Occupancy: 2\n  - .agpr_count:     4\n    .private_segment_fixed_size: 16\n"
+        "    .sgpr_count:     106\n    .sgpr_spill_count: 168\n    .vgpr_count:     208\n"
+        "    .vgpr_spill_count: 0\n"
+    )
+    assert _hip_resources(amdgcn) == {
+        "registers": 212,
+        "agprs": 4,
+        "sgprs": 106,
+        "vgpr_spills": 0,
+        "sgpr_spills": 168,
+        "stack_bytes": 16,
+        "occupancy": 2,
+    }
+
+
 def test_compile_only_refuses_interpreter_process(monkeypatch):
     from cokit.triton_kernels.compile_only import compile_for_target
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # as in CPU test runs; GPU runs leave it unset
-    _, fn, sig, constexprs = kernel_specs()[0]
+    _, fn, sig, constexprs, _ = kernel_specs("sm_90")[0]
     with pytest.raises(RuntimeError, match="without TRITON_INTERPRET"):
         compile_for_target(fn, sig, constexprs, "sm_90")
 
@@ -59,6 +142,6 @@ def test_compile_only_rejects_options_the_backend_lacks(monkeypatch):
     from cokit.triton_kernels.compile_only import compile_for_target
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _, fn, sig, constexprs = kernel_specs()[0]
+    _, fn, sig, constexprs, _ = kernel_specs("sm_90")[0]
     with pytest.raises(ValueError, match=r"has no cuda compile option 'waves_per_eu'; allowed: .*num_warps"):
         compile_for_target(fn, sig, constexprs, "sm_90", waves_per_eu=2)

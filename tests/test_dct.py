@@ -113,3 +113,17 @@ def test_non_contiguous_input(device):
     x = torch.randn(96, 64, device=device).t()  # (64, 96), transposed view
     assert not x.is_contiguous()
     assert rel_err(dct_encode(x), dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
+
+
+def test_pointer_tables_are_cached_by_pointer_values():
+    from cokit.triton_kernels import tiling
+
+    a, b, c = torch.zeros(3), torch.zeros(5), torch.zeros(7)
+    first = tiling.pointer_table([[a, b], [b, c]], torch.device("cpu"))
+    assert first.tolist() == [[a.data_ptr(), b.data_ptr()], [b.data_ptr(), c.data_ptr()]]
+    assert tiling.pointer_table([[a, b], [b, c]], torch.device("cpu")) is first  # no rebuild, no copy
+    other = tiling.pointer_table([[a, c], [b, c]], torch.device("cpu"))
+    assert other is not first and other.tolist() == [
+        [a.data_ptr(), b.data_ptr()],
+        [c.data_ptr(), c.data_ptr()],
+    ]

@@ -101,6 +101,20 @@ def test_decode_vs_float64(ranks, k, use_sign, device):
             assert rel_err(p, r) < 1e-6
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.usefixtures("poison")
+def test_decode_16_bit_values_vs_float64(value_dtype, device):
+    """16-bit payload values (what the codecs send) are exact in the one-hot scatter."""
+    shapes = [(96, 130), (7,), (40, 33)]
+    idx, vals = gathered_payloads(shapes, 5, 3, device, value_dtype)
+    params = [torch.randn(s, device=device) for s in shapes]
+    ref = [p.double() for p in params]
+    ef_decode(params, idx, vals, lr=0.01, k=5, use_sign=False)
+    ef_decode_reference(ref, idx, vals.double(), 64, 5, 0.01, use_sign=False, dtype=torch.float64)
+    for p, r in zip(params, ref):
+        assert rel_err(p, r) < 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.usefixtures("poison")
 def test_decode_low_precision_params(dtype, device):

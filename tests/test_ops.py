@@ -46,3 +46,30 @@ def test_torch_compile_fullgraph(device):
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
     assert torch.equal(d_eager, d_comp) and torch.equal(p_eager, p_comp)
+
+
+def test_dynamic_compile_of_the_dct_round_trip_builds_one_graph(device):
+    """torch.compile(dynamic=True): one graph serves every input shape (the tile grid's sizes
+    are known at run time), and the op still checks the concrete shapes when it runs."""
+    import pytest
+
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def round_trip(x):
+        return dct_decode(dct_encode(x, 64), x.shape, 64)
+
+    compiled = torch.compile(round_trip, dynamic=True, fullgraph=True, backend=count)
+    for shape in [(128, 96), (192, 160), (256, 64), (100, 70)]:
+        x = torch.randn(shape, device=device)
+        assert torch.allclose(compiled(x), x, atol=1e-4)
+    assert len(graphs) == 1
+
+    def wrong(c):
+        return dct_decode(c, (96, 128), 64)
+
+    with pytest.raises(ValueError, match=r"coeffs\[0\] has shape \(2, 3072\)"):
+        torch.compile(wrong, dynamic=True, fullgraph=True, backend=count)(torch.randn(2, 3072, device=device))

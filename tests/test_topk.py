@@ -75,3 +75,23 @@ def test_extreme_values(device):
     )
     idx, _ = chunk_topk(x, 4)
     assert idx.tolist() == [[2, 3, 5, 7]]  # NaN ranks above every number (documented)
+
+
+def test_fast_reference_equals_the_key_rule_on_ties_nan_and_signed_zeros():
+    """The reference's topk(|x|) fast path redoes rows whose k-th magnitude is tied across
+    the cut (or NaN) with int64 keys; every row must match the keys-only rule."""
+    from cokit.triton_kernels.topk import _topk_by_keys
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        rows, n = 1 + trial % 9, 1 + (trial * 37) % 257
+        k = 1 + (trial * 11) % n
+        x = torch.randint(-3, 4, (rows, n), generator=gen).float()
+        if trial % 3 == 1:
+            x = torch.randn(rows, n, generator=gen)
+            x[torch.rand(rows, n, generator=gen) < 0.2] = float("nan")
+            x[torch.rand(rows, n, generator=gen) < 0.2] = -0.0
+        idx, vals = chunk_topk_reference(x, k)
+        want = _topk_by_keys(x, min(k, n)).sort(dim=1).values
+        assert torch.equal(idx.long(), want), trial
+        assert torch.equal(vals.nan_to_num(9.0), x.gather(1, want).nan_to_num(9.0)), trial

@@ -31,6 +31,7 @@ __all__ = [
     "TRITON_VERSION_STRING",
     "compile_option_names",
     "fix_interpreter_scalar_index",
+    "ptxas_path",
     "repack_metadata",
     "unloaded_copy",
 ]
@@ -125,3 +126,14 @@ def unloaded_copy(compiled: Any) -> Any:
     if hasattr(compiled, "_module_pid"):  # triton >= 3.9: the process that loaded the module
         out._module_pid = None
     return out
+
+
+# ---------------------------------------------------------------------- ptxas
+def ptxas_path(capability: int) -> str | None:
+    """The ``ptxas`` Triton itself runs for an sm_``capability`` build (3.9 takes
+    ``ptxas-blackwell`` from sm_90 on, 3.6 from sm_100 on), or None without the NVIDIA backend."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except Exception:  # pragma: no cover - depends on the installation
+        return None
+    return str(get_ptxas(capability).path)

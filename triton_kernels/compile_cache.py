@@ -1,7 +1,7 @@
 """A disk cache of what occupancy needs from a compiled GEMM: registers, shared memory, spills.
 
 Reading a config's resource use means compiling it (about a second per config on an idle
-machine, far more on a loaded one, plus the ``cuobjdump`` run that reads the registers), and
+machine, far more on a loaded one, plus the ``ptxas -v`` run that reads the registers and spills), and
 ``cokit occupancy`` and the sweeps ask about the same configs again and again.
 :func:`gemm_kernel_facts` keeps each build's :class:`KernelFacts` in
 ``<cache_dir>/compile/<sha256 of the key>.json`` (default ``$COKIT_CACHE_DIR``, else the user's

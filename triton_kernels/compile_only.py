@@ -1,14 +1,21 @@
 """Compile Triton kernels for a named GPU target on a machine without that GPU.
 
 Used by tests (GPU-only compile errors show up here, not under the interpreter), by the
-occupancy calculator and by ``cokit info``. Must run in a process where
+occupancy calculator and by ``cokit info --kernels``. Must run in a process where
 ``TRITON_INTERPRET`` is unset: the interpreter replaces the compiler.
 
-Every kernel family declares its own builds: a module-level ``compile_specs()`` returning
-``(label, kernel, signature, constexprs)`` tuples. :func:`kernel_specs` collects them from the
-modules named in :data:`KERNEL_MODULES`, imported by name when asked, so those modules never
-import this one. The GEMM's builds are config-dependent and go through
+Every kernel family declares its own builds: a module-level ``compile_specs(target)``
+returning ``(label, kernel, signature, constexprs, launch options)`` tuples, one per shipped
+launch configuration. :func:`kernel_specs` collects them from the modules named in
+:data:`KERNEL_MODULES`, imported by name when asked, so those modules never import this one.
+The GEMM's builds are config-dependent and go through
 :func:`cokit.triton_kernels.gemm.compile_gemm` instead.
+
+Resources are read where the compilers report them: on NVIDIA from ``ptxas -v`` run on the
+build's PTX with the same ``ptxas`` and flags Triton uses (registers, stack frame, spill
+stores and loads), on AMD from the AMDGCN kernel metadata and its "Kernel info" block (VGPRs,
+AGPRs, SGPRs, VGPR and SGPR spills, scratch, occupancy in waves per SIMD); shared memory/LDS
+is the launch's ``metadata.shared``.
 """
 
 from __future__ import annotations
@@ -17,35 +24,67 @@ import dataclasses
 import importlib
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from typing import Any
 
-from ._compat import TRITON_VERSION_STRING, compile_option_names
+from ._compat import TRITON_VERSION_STRING, compile_option_names, ptxas_path
 from .backend import ArchLimits, arch_limits, compile_target
 
-__all__ = ["KERNEL_MODULES", "CompiledKernel", "compile_all", "compile_for_target", "kernel_specs"]
+__all__ = [
+    "KERNEL_MODULES",
+    "CompiledKernel",
+    "compile_all",
+    "compile_for_target",
+    "kernel_specs",
+    "resource_rows",
+    "spill_problems",
+    "spill_problems_of_rows",
+]
 
-#: modules of this package whose ``compile_specs()`` :func:`kernel_specs` collects, in order.
+#: modules of this package whose ``compile_specs(target)`` :func:`kernel_specs` collects, in order.
 KERNEL_MODULES = ("dct", "error_feedback", "topk", "sm_copy")
 
-#: (label, @triton.jit kernel, {argument: Triton type}, {constexpr argument: value})
-KernelSpec = tuple[str, Any, dict[str, str], dict[str, Any]]
+#: (label, @triton.jit kernel, {argument: Triton type}, {constexpr argument: value},
+#: {launch option: value})
+KernelSpec = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledKernel:
-    """What a compile-only build reports about one kernel on one target."""
+    """What a compile-only build reports about one kernel on one target.
+
+    Fields a backend does not have are None (``agprs``/``sgprs``/``vgpr_spills``/
+    ``sgpr_spills``/``occupancy`` on NVIDIA; ``spill_stores``/``spill_loads`` on AMD), and
+    so are NVIDIA's when ``ptxas`` is missing.
+    """
 
     name: str
     target: str
     num_warps: int
     shared_bytes: int  # dynamic shared memory / LDS the launch reserves (metadata.shared)
-    registers: int | None  # per thread (VGPRs on AMD); None when the tool to read it is missing
-    spills: int | None
+    registers: int | None  # per thread: ptxas's registers (NVIDIA); VGPRs + AGPRs (AMD)
     limits: ArchLimits
+    stack_bytes: int | None = None  # per-thread stack frame (NVIDIA) / scratch (AMD)
+    spill_stores: int | None = None  # bytes per thread (NVIDIA)
+    spill_loads: int | None = None  # bytes per thread (NVIDIA)
+    agprs: int | None = None  # AMD accumulation registers (part of ``registers``)
+    sgprs: int | None = None  # AMD scalar registers
+    vgpr_spills: int | None = None  # AMD spilled VGPRs
+    sgpr_spills: int | None = None  # AMD spilled SGPRs
+    occupancy: int | None = None  # AMD waves per SIMD the compiler expects
+    num_stages: int | None = None
     compiled: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+    @property
+    def spills(self) -> int | None:
+        """One number for "does it spill": spill-store bytes (NVIDIA), spilled VGPRs + SGPRs
+        (AMD); None when unknown."""
+        if self.limits.backend == "cuda":
+            return self.spill_stores
+        if self.vgpr_spills is None:
+            return None
+        return self.vgpr_spills + (self.sgpr_spills or 0)
 
     def check_limits(self) -> None:
         """Raise when the kernel cannot launch on its target."""
@@ -60,33 +99,67 @@ class CompiledKernel:
                 f"the limit is {self.limits.max_registers_per_thread}"
             )
 
-
-def _cuobjdump() -> str | None:
-    import triton
-
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
-
-
-def _cuda_registers(cubin: bytes) -> tuple[int | None, int | None]:
-    tool = _cuobjdump()
-    if tool is None:
-        return None, None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    reg = re.search(r"REG:(\d+)", out)
-    local = re.search(r"LOCAL:(\d+)", out)
-    return (int(reg.group(1)) if reg else None, int(local.group(1)) if local else None)
+    def as_row(self) -> dict[str, Any]:
+        """JSON-ready resource report (no compiled object)."""
+        row = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("limits", "compiled")
+        }
+        row["max_shared_per_block"] = self.limits.max_shared_per_block
+        row["max_registers_per_thread"] = self.limits.max_registers_per_thread
+        return row
 
 
-def _hip_registers(amdgcn: str) -> tuple[int | None, int | None]:
-    vgpr = re.search(r"\.vgpr_count:\s+(\d+)", amdgcn)
-    agpr = re.search(r"\.agpr_count:\s+(\d+)", amdgcn)
-    spill = re.search(r"\.vgpr_spill_count:\s+(\d+)", amdgcn)
-    regs = None if vgpr is None else int(vgpr.group(1)) + (int(agpr.group(1)) if agpr else 0)
-    return regs, (int(spill.group(1)) if spill else None)
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def _cuda_resources(ptx: str, capability: int) -> dict[str, int | None]:
+    """Registers, stack frame and spill bytes from ``ptxas -v`` on ``ptx`` (Triton's own tool
+    and register-allocation flag), all None when ptxas is missing."""
+    tool = ptxas_path(capability)
+    if tool is None or not os.path.exists(tool):
+        return {"registers": None, "stack_bytes": None, "spill_stores": None, "spill_loads": None}
+    arch = f"sm_{capability}{'a' if capability >= 90 else ''}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [tool, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", src, "-o", src + ".o"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas -v failed ({proc.returncode}): {log[-2000:]}")
+    stack, regs = _PTXAS_STACK.search(log), _PTXAS_REGS.search(log)
+    if stack is None or regs is None:
+        raise RuntimeError(f"cannot read ptxas -v output: {log[-2000:]}")
+    return {
+        "registers": int(regs.group(1)),
+        "stack_bytes": int(stack.group(1)),
+        "spill_stores": int(stack.group(2)),
+        "spill_loads": int(stack.group(3)),
+    }
+
+
+def _amd_field(amdgcn: str, pattern: str) -> int | None:
+    m = re.search(pattern, amdgcn)
+    return int(m.group(1)) if m else None
+
+
+def _hip_resources(amdgcn: str) -> dict[str, int | None]:
+    """VGPRs (+AGPRs), SGPRs, spills, scratch and occupancy from the AMDGCN metadata."""
+    vgpr = _amd_field(amdgcn, r"\.vgpr_count:\s+(\d+)")
+    agpr = _amd_field(amdgcn, r"\.agpr_count:\s+(\d+)")
+    return {
+        "registers": None if vgpr is None else vgpr + (agpr or 0),
+        "agprs": agpr,
+        "sgprs": _amd_field(amdgcn, r"\.sgpr_count:\s+(\d+)"),
+        "vgpr_spills": _amd_field(amdgcn, r"\.vgpr_spill_count:\s+(\d+)"),
+        "sgpr_spills": _amd_field(amdgcn, r"\.sgpr_spill_count:\s+(\d+)"),
+        "stack_bytes": _amd_field(amdgcn, r"\.private_segment_fixed_size:\s+(\d+)"),
+        "occupancy": _amd_field(amdgcn, r"; Occupancy:\s+(\d+)"),
+    }
 
 
 def compile_for_target(
@@ -120,66 +193,125 @@ def compile_for_target(
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=compile_target(target), options=options)
     if limits.backend == "cuda":
-        regs, spills = _cuda_registers(compiled.asm["cubin"])
+        resources = _cuda_resources(compiled.asm["ptx"], int(limits.arch))
     else:
-        regs, spills = _hip_registers(compiled.asm["amdgcn"])
+        resources = _hip_resources(compiled.asm["amdgcn"])
     return CompiledKernel(
         name=compiled.metadata.name,
         target=target,
         num_warps=compiled.metadata.num_warps,
+        num_stages=getattr(compiled.metadata, "num_stages", None),
         shared_bytes=compiled.metadata.shared,
-        registers=regs,
-        spills=spills,
         limits=limits,
         compiled=compiled,
+        **resources,
     )
 
 
-def kernel_specs() -> list[KernelSpec]:
-    """Every build of :data:`KERNEL_MODULES`: each module's ``compile_specs()``, in order."""
+def kernel_specs(target: str) -> list[KernelSpec]:
+    """Every build of :data:`KERNEL_MODULES` for ``target``: each module's
+    ``compile_specs(target)`` (every shipped launch config of its kernels), in order."""
     specs: list[KernelSpec] = []
     for name in KERNEL_MODULES:
         module = importlib.import_module(f"{__package__}.{name}")
-        specs.extend(module.compile_specs())
+        specs.extend(module.compile_specs(target))
     return specs
 
 
-def compile_all(targets: list[str], num_warps: int = 4) -> list[CompiledKernel]:
-    """Compile every kernel of :func:`kernel_specs` for each target; raise on any failure."""
+def compile_all(targets: list[str]) -> list[CompiledKernel]:
+    """Compile every build of :func:`kernel_specs` for each target, with its launch options;
+    raise on any failure."""
     out = []
     for target in targets:
-        for label, fn, sig, constexprs in kernel_specs():
+        for label, fn, sig, constexprs, options in kernel_specs(target):
             try:
-                ck = compile_for_target(fn, sig, constexprs, target, num_warps=num_warps)
+                ck = compile_for_target(fn, sig, constexprs, target, **options)
             except Exception as exc:
                 raise RuntimeError(f"{label} failed to compile for {target}: {exc}") from exc
             out.append(dataclasses.replace(ck, name=label, compiled=None))
     return out
 
 
+def spill_problems(kernels: list[CompiledKernel]) -> list[str]:
+    """What keeps each build from being spill-free (see :func:`spill_problems_of_rows`)."""
+    return spill_problems_of_rows([ck.as_row() for ck in kernels])
+
+
+def spill_problems_of_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """What keeps each reported build (:meth:`CompiledKernel.as_row`) from being spill-free:
+    any stack or spill bytes on NVIDIA, any VGPR spill or scratch on AMD, unknown resources.
+    Empty when every build is clean."""
+    problems = []
+    for r in rows:
+        where = f"{r['name']} on {r['target']}"
+        if str(r["target"]).startswith("sm_"):
+            if r["stack_bytes"] is None:
+                problems.append(f"{where}: resources unknown (no ptxas)")
+            elif r["stack_bytes"] or r["spill_stores"] or r["spill_loads"]:
+                problems.append(
+                    f"{where}: {r['stack_bytes']} B stack, {r['spill_stores']} B spill stores, "
+                    f"{r['spill_loads']} B spill loads ({r['registers']} registers)"
+                )
+        elif r["vgpr_spills"] is None:
+            problems.append(f"{where}: resources unknown (no AMDGCN metadata)")
+        elif r["vgpr_spills"] or r["stack_bytes"]:
+            problems.append(
+                f"{where}: {r['vgpr_spills']} VGPR spills, {r['stack_bytes']} B scratch ({r['registers']} VGPRs+AGPRs)"
+            )
+    return problems
+
+
+def resource_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """A printable table (header first) of :meth:`CompiledKernel.as_row` reports, one line
+    per build; a dash where the backend has no such resource."""
+
+    def cell(row: dict[str, Any], *names: str) -> str:
+        vals = [row.get(n) for n in names]
+        return "-" if all(v is None for v in vals) else "/".join("-" if v is None else str(v) for v in vals)
+
+    header = [
+        "kernel",
+        "target",
+        "warps",
+        "regs",
+        "stack B",
+        "spill st/ld B",
+        "AGPR",
+        "SGPR",
+        "spills V/S",
+        "smem B",
+        "waves/SIMD",
+    ]
+    table = [header]
+    for r in rows:
+        table.append(
+            [
+                str(r["name"]),
+                str(r["target"]),
+                cell(r, "num_warps"),
+                cell(r, "registers"),
+                cell(r, "stack_bytes"),
+                cell(r, "spill_stores", "spill_loads"),
+                cell(r, "agprs"),
+                cell(r, "sgprs"),
+                cell(r, "vgpr_spills", "sgpr_spills"),
+                cell(r, "shared_bytes"),
+                cell(r, "occupancy"),
+            ]
+        )
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cokit.triton_kernels.compile_only sm_80 sm_90 gfx942``: JSON report on stdout."""
+    """``python -m cokit.triton_kernels.compile_only sm_80 sm_90 gfx942``: JSON report on stdout
+    (one :meth:`CompiledKernel.as_row` per build; ``cokit info --kernels`` prints it as a table)."""
     import argparse
     import json
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("targets", nargs="*", default=["sm_80", "sm_90", "gfx942"])
     args = parser.parse_args(argv)
-    rows = []
-    for ck in compile_all(args.targets):
-        rows.append(
-            {
-                "kernel": ck.name,
-                "target": ck.target,
-                "num_warps": ck.num_warps,
-                "shared_bytes": ck.shared_bytes,
-                "registers": ck.registers,
-                "spills": ck.spills,
-                "max_shared_per_block": ck.limits.max_shared_per_block,
-                "max_registers_per_thread": ck.limits.max_registers_per_thread,
-            }
-        )
-    print(json.dumps(rows))
+    print(json.dumps([ck.as_row() for ck in compile_all(args.targets)]))
     return 0
 
 

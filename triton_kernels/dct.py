@@ -5,8 +5,10 @@ matrix (tiling rules in :mod:`cokit.triton_kernels.tiling`); decode is the exact
 ``X`` becomes ``Y = B_h X B_w^T`` with the orthonormal DCT matrix ``B`` (row 0 scaled by
 ``1/sqrt(2)``), so the transform preserves the sum of squares (Parseval).
 
-Inputs may be fp32, fp16 or bf16; the math is fp32 (``tl.dot`` with ``input_precision=
-"ieee"``, never TF32). The ``*_multi`` forms transform a whole bucket of tensors with one
+Inputs may be fp32, fp16 or bf16; the math is fp32-class: every ``tl.dot`` takes the launch
+config's ``DOT_PRECISION`` (:mod:`cokit.triton_kernels.compress_config`: ``"tf32x3"`` on
+NVIDIA tensor cores, native fp32 ``"ieee"`` MFMA on AMD, ``"ieee"`` under the interpreter;
+never plain TF32). The ``*_multi`` forms transform a whole bucket of tensors with one
 launch per tile class instead of one launch per tensor.
 
 Layout: Triton kernel + launcher + torch reference + ``torch.library`` ops (``cokit::``).
@@ -21,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tiling
+from . import compress_config, tiling
 from ._checks import check_float_tensor, check_positive_int, check_same_device, check_tensor_list
-from .backend import kernel_path
+from .backend import arch_limits, kernel_path
 
 __all__ = [
     "compile_specs",
@@ -55,23 +57,24 @@ def table_pointer(table, row, col: tl.constexpr, n_cols: tl.constexpr, ref):
 
 
 @triton.jit
-def load_basis(bank, off, n, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """The ``n x n`` DCT matrix at ``bank + off`` (or its transpose), zero-padded to
-    ``BLOCK x BLOCK`` (fp32).
+def load_basis(bank, off, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """The DCT matrix ``B`` of one side (or ``B^T``) from the basis bank, as the zero-padded
+    ``BLOCK x BLOCK`` fp32 block stored there: contiguous, unmasked, vectorized loads.
 
     Args:
-        bank: fp32, flat basis bank; the matrix is ``n * n`` elements row-major from ``off``.
-        off: int64 scalar, element offset of the matrix in ``bank``.
-        n: int64 scalar, matrix side, ``1 <= n <= BLOCK``.
-        BLOCK (constexpr): power of 2, the padded side (rows/columns past ``n`` are 0).
-        TRANSPOSE (constexpr): True returns ``B^T``.
+        bank: fp32, flat basis bank (:func:`cokit.triton_kernels.tiling.tile_plan`): per side
+            ``n``, ``B`` then ``B^T``, each ``BLOCK x BLOCK`` row-major with
+            ``BLOCK = max(16, next_pow2(n))``, zero outside ``n x n``.
+        off: int64 scalar, element offset of ``B`` in ``bank`` (a multiple of 256).
+        BLOCK (constexpr): power of 2 >= 16, the padded side (the tile class's block side).
+        TRANSPOSE (constexpr): True returns ``B^T`` (stored right after ``B``).
     """
     i = tl.arange(0, BLOCK)[:, None]
     j = tl.arange(0, BLOCK)[None, :]
-    mask = (i < n) & (j < n)
+    start = tl.multiple_of(off, 256)
     if TRANSPOSE:
-        return tl.load(bank + off + j * n + i, mask=mask, other=0.0)
-    return tl.load(bank + off + i * n + j, mask=mask, other=0.0)
+        start += BLOCK * BLOCK
+    return tl.load(bank + start + i * BLOCK + j)
 
 
 @triton.jit
@@ -80,44 +83,39 @@ def transform_block(
     bank,
     bh_off,
     bw_off,
-    h,
-    w,
     TWO_D: tl.constexpr,
     INVERSE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Encode ``B_h x B_w^T`` / decode ``B_h^T x B_w`` of a zero-padded fp32 block.
 
     In ONE_D mode (``TWO_D`` false) every row of ``x`` is its own 1-D tile: only the
-    right-hand transform applies. The dots use ``input_precision="ieee"`` (never TF32).
+    right-hand transform applies. The dots use ``input_precision=DOT_PRECISION``. The bank's
+    matrices are zero outside their ``n x n`` part, so the result is too.
 
     Args:
         x: fp32 ``(BLOCK_ROWS, BLOCK_W)`` block, zero outside the valid ``h x w`` (TWO_D) or
             ``rows x w`` (ONE_D) part.
         bank: fp32, flat basis bank (see :func:`load_basis`).
-        bh_off: int64 scalar, offset of the ``h x h`` matrix in ``bank`` (unused in ONE_D).
-        bw_off: int64 scalar, offset of the ``w x w`` matrix in ``bank``.
-        h: int64 scalar, tile height, ``<= BLOCK_ROWS`` (1 in ONE_D).
-        w: int64 scalar, tile width, ``<= BLOCK_W``.
+        bh_off: int64 scalar, offset of the ``h``-side matrix in ``bank`` (unused in ONE_D).
+        bw_off: int64 scalar, offset of the ``w``-side matrix in ``bank``.
         TWO_D (constexpr): the block is one 2-D tile (else rows of 1-D tiles).
         INVERSE (constexpr): False encodes (DCT-II), True decodes (DCT-III).
-        BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), rows of the block.
-        BLOCK_W (constexpr): power of 2 >= 16, columns of the block.
+        BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), rows of the block (the padded
+            ``h`` side in TWO_D).
+        BLOCK_W (constexpr): power of 2 >= 16, columns of the block (the padded ``w`` side).
+        DOT_PRECISION (constexpr): ``tl.dot`` input precision (``"tf32x3"``, ``"ieee"``, ...;
+            :class:`~cokit.triton_kernels.compress_config.KernelConfig`).
 
     Returns the transformed fp32 block, zero outside the valid part.
     """
-    if INVERSE:
-        right = load_basis(bank, bw_off, w, BLOCK_W, False)
-    else:
-        right = load_basis(bank, bw_off, w, BLOCK_W, True)
-    y = tl.dot(x, right, input_precision="ieee")
+    right = load_basis(bank, bw_off, BLOCK_W, not INVERSE)
+    y = tl.dot(x, right, input_precision=DOT_PRECISION)
     if TWO_D:
-        if INVERSE:
-            left = load_basis(bank, bh_off, h, BLOCK_ROWS, True)
-        else:
-            left = load_basis(bank, bh_off, h, BLOCK_ROWS, False)
-        y = tl.dot(left, y, input_precision="ieee")
+        left = load_basis(bank, bh_off, BLOCK_ROWS, INVERSE)
+        y = tl.dot(left, y, input_precision=DOT_PRECISION)
     return y
 
 
@@ -133,8 +131,9 @@ def _dct_kernel(
     INVERSE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """DCT-II encode or DCT-III decode of the tiles of a bucket of tensors, fp32 math.
+    """DCT-II encode or DCT-III decode of the tiles of a bucket of tensors, fp32-class math.
 
     Grid: ``(n_programs,)`` of one launch class (:class:`~cokit.triton_kernels.tiling.ClassPlan`);
     program ``i`` handles geometry row ``i``: one ``h x w`` tile (TWO_D) or a block of up to
@@ -164,6 +163,7 @@ def _dct_kernel(
             (TWO_D) or the tiles per program (ONE_D); rows past G_ROWS are masked.
         BLOCK_W (constexpr): power of 2 >= 16, at least the tile width; columns past G_W
             are masked.
+        DOT_PRECISION (constexpr): ``tl.dot`` input precision of the launch config.
     """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
@@ -171,7 +171,6 @@ def _dct_kernel(
     row_stride = tl.load(g + 2)
     y_off = tl.load(g + 3)
     rows = tl.load(g + 4)
-    h = tl.load(g + 5)
     w = tl.load(g + 6)
     src = table_pointer(pointers, tensor, 0, 2, src_ref)
     dst = table_pointer(pointers, tensor, 1, 2, dst_ref)
@@ -185,62 +184,88 @@ def _dct_kernel(
         x = tl.load(src + tile_addr, mask=mask, other=0.0).to(tl.float32)
     else:
         x = tl.load(src + matrix_addr, mask=mask, other=0.0).to(tl.float32)
-    y = transform_block(x, bank, tl.load(g + 7), tl.load(g + 8), h, w, TWO_D, INVERSE, BLOCK_ROWS, BLOCK_W)
+    y = transform_block(
+        x, bank, tl.load(g + 7), tl.load(g + 8), TWO_D, INVERSE, BLOCK_ROWS, BLOCK_W, DOT_PRECISION
+    )
     if INVERSE:
         tl.store(dst + matrix_addr, y.to(dst.dtype.element_ty), mask=mask)
     else:
         tl.store(dst + tile_addr, y.to(dst.dtype.element_ty), mask=mask)
 
 
-def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    """Compile-only builds (collected by :mod:`cokit.triton_kernels.compile_only`): encode
-    (bf16 tensor -> fp32 coefficients) and decode (fp32 -> bf16) of 64x64 tiles and of blocks
-    of 64-wide 1-D tiles."""
+def compile_specs(target: str) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]]:
+    """Compile-only builds for ``target`` (collected by :mod:`cokit.triton_kernels.compile_only`):
+    encode (bf16 tensor -> fp32 coefficients) and decode (fp32 -> bf16) of every shipped block
+    (:func:`~cokit.triton_kernels.compress_config.shipped_blocks`) with every config of the
+    target's backend space; labels like ``dct_encode_2d[w4s1-tf32x3]``."""
+    limits = arch_limits(target)
     specs = []
-    for mode, two_d, rows, width in tiling.compile_blocks():
+    for mode, two_d, rows, width in compress_config.shipped_blocks():
         for inverse in (False, True):
+            kernel = "dct_decode" if inverse else "dct_encode"
             sig = tiling.geometry_signature(
                 src_ref="*fp32" if inverse else "*bf16", dst_ref="*bf16" if inverse else "*fp32"
             )
-            sig.update(dict.fromkeys(("G_COLS", "TWO_D", "INVERSE", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
-            specs.append(
-                (
-                    f"dct_{'decode' if inverse else 'encode'}_{mode}",
-                    _dct_kernel,
-                    sig,
-                    {
-                        "G_COLS": tiling.G_COLS,
-                        "TWO_D": two_d,
-                        "INVERSE": inverse,
-                        "BLOCK_ROWS": rows,
-                        "BLOCK_W": width,
-                    },
+            sig.update(
+                dict.fromkeys(
+                    ("G_COLS", "TWO_D", "INVERSE", "BLOCK_ROWS", "BLOCK_W", "DOT_PRECISION"), "constexpr"
                 )
             )
+            for cfg in compress_config.config_space(kernel, limits.backend, (rows, width), limits.arch):
+                constexprs = {
+                    "G_COLS": tiling.G_COLS,
+                    "TWO_D": two_d,
+                    "INVERSE": inverse,
+                    "BLOCK_ROWS": rows,
+                    "BLOCK_W": width,
+                    "DOT_PRECISION": cfg.dot_precision,
+                }
+                specs.append(
+                    (f"{kernel}_{mode}[{cfg.spec()}]", _dct_kernel, sig, constexprs, cfg.launch_options())
+                )
     return specs
 
 
 # ----------------------------------------------------------------------------- launcher
 
 
-def _launch(plan: tiling.TilePlan, srcs: list[torch.Tensor], dsts: list[torch.Tensor], inverse: bool) -> None:
+def _launch(
+    plan: tiling.TilePlan,
+    srcs: list[torch.Tensor],
+    dsts: list[torch.Tensor],
+    inverse: bool,
+    config: compress_config.KernelConfig | None = None,
+) -> None:
+    """One launch per tile class; each class's config is ``config`` or
+    :func:`~cokit.triton_kernels.compress_config.select_config`'s (tuned once per block on a
+    GPU: the trial launches write only ``dsts``, which the real launch then overwrites)."""
     device = srcs[0].device
+    kernel = "dct_decode" if inverse else "dct_encode"
     for cls in plan.classes:
         members = list(cls.tensors)
         pointers = tiling.pointer_table([[srcs[i] for i in members], [dsts[i] for i in members]], device)
-        _dct_kernel[(cls.n_programs,)](
-            cls.geometry,
-            pointers,
-            plan.basis_bank,
-            srcs[members[0]],
-            dsts[members[0]],
-            G_COLS=tiling.G_COLS,
-            TWO_D=not cls.one_d,
-            INVERSE=inverse,
-            BLOCK_ROWS=cls.block_rows,
-            BLOCK_W=cls.block_w,
-            num_warps=4,
-        )
+
+        def run(
+            cfg: compress_config.KernelConfig, cls: tiling.ClassPlan = cls, pointers: Any = pointers
+        ) -> None:
+            _dct_kernel[(cls.n_programs,)](
+                cls.geometry,
+                pointers,
+                plan.basis_bank,
+                srcs[cls.tensors[0]],
+                dsts[cls.tensors[0]],
+                G_COLS=tiling.G_COLS,
+                TWO_D=not cls.one_d,
+                INVERSE=inverse,
+                BLOCK_ROWS=cls.block_rows,
+                BLOCK_W=cls.block_w,
+                DOT_PRECISION=cfg.dot_precision,
+                **cfg.launch_options(),
+            )
+
+        block = (cls.block_rows, cls.block_w)
+        cfg = config or compress_config.select_config(kernel, block, device, run, two_d=not cls.one_d)
+        run(cfg)
 
 
 def _encode_impl(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
@@ -306,18 +331,32 @@ def _dct_encode_multi_op(xs: list[torch.Tensor], chunk: int) -> list[torch.Tenso
     return _encode_impl(xs, chunk)
 
 
+def _symbolic(shape: Sequence[Any]) -> bool:
+    return any(isinstance(d, torch.SymInt) for d in shape)
+
+
 @_dct_encode_multi_op.register_fake
 def _(xs, chunk):
     out = []
     for x in xs:
-        t = tiling.TensorTiling.of(x.shape, chunk)
-        out.append(x.new_empty((t.n_tiles, t.tile_numel), dtype=torch.float32))
+        if _symbolic(x.shape):
+            # The tile grid is a divisor search over the concrete shape: under
+            # torch.compile(dynamic=True) the output is (n_tiles, tile_numel) with sizes
+            # known at run time, so one graph serves every input shape.
+            ctx = torch.library.get_ctx()
+            n_tiles, tile_numel = ctx.new_dynamic_size(min=1), ctx.new_dynamic_size(min=1)
+            torch._check(n_tiles * tile_numel == x.numel())
+            out.append(x.new_empty((n_tiles, tile_numel), dtype=torch.float32))
+        else:
+            t = tiling.TensorTiling.of(x.shape, chunk)
+            out.append(x.new_empty((t.n_tiles, t.tile_numel), dtype=torch.float32))
     return out
 
 
 def pack_shapes(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
-    """Shapes as (all dims concatenated, rank of each): op schemas take no nested lists."""
-    return [int(d) for s in shapes for d in s], [len(s) for s in shapes]
+    """Shapes as (all dims concatenated, rank of each): op schemas take no nested lists.
+    Symbolic sizes (``torch.compile(dynamic=True)``) stay symbolic."""
+    return [d if isinstance(d, torch.SymInt) else int(d) for s in shapes for d in s], [len(s) for s in shapes]
 
 
 def unpack_shapes(dims: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
@@ -332,7 +371,9 @@ def unpack_shapes(dims: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
 def _dct_decode_multi_op(
     coeffs: list[torch.Tensor], dims: list[int], ranks: list[int], chunk: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    return _decode_impl(coeffs, unpack_shapes(dims, ranks), chunk, dtype)
+    shapes = unpack_shapes(dims, ranks)
+    _check_coeffs(coeffs, shapes, chunk, dtype)  # again at run time: traced graphs skip the shape check
+    return _decode_impl(coeffs, shapes, chunk, dtype)
 
 
 @_dct_decode_multi_op.register_fake
@@ -356,6 +397,8 @@ def _check_coeffs(
         raise TypeError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
     if len(shapes) != len(coeffs):
         raise ValueError(f"got {len(coeffs)} coefficient tensors but {len(shapes)} shapes")
+    if torch.compiler.is_compiling():
+        return  # sizes may be symbolic while tracing: the op checks the concrete ones when it runs
     for i, (c, s) in enumerate(zip(coeffs, shapes)):
         t = tiling.TensorTiling.of(s, chunk)
         if tuple(c.shape) != (t.n_tiles, t.tile_numel):
@@ -375,7 +418,7 @@ def dct_decode(
     coeffs: torch.Tensor, shape: Sequence[int], chunk: int = 64, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of :func:`dct_encode`: the tensor of ``shape`` (in ``dtype``) from its tile coefficients."""
-    shapes = [[int(s) for s in shape]]
+    shapes = [[s if isinstance(s, torch.SymInt) else int(s) for s in shape]]
     _check_coeffs([coeffs], shapes, chunk, dtype)
     return torch.ops.cokit.dct_decode_multi([coeffs], *pack_shapes(shapes), chunk, dtype)[0]
 
@@ -395,6 +438,6 @@ def dct_decode_multi(
 ) -> list[torch.Tensor]:
     """:func:`dct_decode` of a bucket of tensors, one launch per tile class."""
     coeffs = check_tensor_list("coeffs", coeffs)
-    int_shapes = [[int(s) for s in shape] for shape in shapes]
+    int_shapes = [[s if isinstance(s, torch.SymInt) else int(s) for s in shape] for shape in shapes]
     _check_coeffs(coeffs, int_shapes, chunk, dtype)
     return torch.ops.cokit.dct_decode_multi(coeffs, *pack_shapes(int_shapes), chunk, dtype)

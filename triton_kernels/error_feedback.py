@@ -17,10 +17,15 @@ Decode, one pass per tile (steps 8-9 plus decoupled weight decay)::
 The payload of a bucket is flat: tensors in order, tiles in order, ``min(k, tile_numel)``
 slots per tile. Gathered payloads are ``(world_size, payload_numel)``.
 
-Determinism: the decode sums each position's values in rank order (rank 0 first) with a
-barrier between ranks, so every rank computes bit-identical parameters from the same
-gathered payload. Its per-tile accumulator is a global scratch region touched only by the
-program that owns the tile.
+Determinism: the decode sums each position's values in rank order (rank 0 first) in
+registers of the one program that owns the tile: per rank, a 2-D tile's selection becomes a
+dense block through one-hot dots (exact: each output is one ``v * 1``), a 1-D tile's through
+one compare-and-add pass per slot. Every rank therefore computes bit-identical parameters
+from the same gathered payload, with no scratch memory, atomics or barriers.
+
+Launch configs (``num_warps``, stages, the ``tl.dot`` precision: ``"tf32x3"`` on NVIDIA,
+``"ieee"`` on AMD and in the interpreter) come from
+:mod:`~cokit.triton_kernels.compress_config`.
 
 Layout: Triton kernels + launchers + torch references + ``torch.library`` ops (``cokit::``).
 """
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tiling
+from . import compress_config, tiling
 from ._checks import (
     FLOAT_DTYPES,
     check_float_tensor,
@@ -42,7 +47,7 @@ from ._checks import (
     check_same_device,
     check_tensor_list,
 )
-from .backend import kernel_path
+from .backend import arch_limits, kernel_path
 from .dct import dct_decode_reference, dct_encode_reference, table_pointer, transform_block
 from .topk import chunk_topk_reference, topk_select
 
@@ -77,6 +82,7 @@ def _ef_encode_kernel(
     TWO_D: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Error-feedback encode of the tiles of a bucket (module docstring, encode steps).
 
@@ -108,13 +114,14 @@ def _ef_encode_kernel(
         BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), at least the tile height
             (TWO_D) or the tiles per program (ONE_D); extra rows are masked.
         BLOCK_W (constexpr): power of 2 >= 16, at least the tile width; extra columns masked.
+        DOT_PRECISION (constexpr): ``tl.dot`` input precision of the launch config
+            (:class:`~cokit.triton_kernels.compress_config.KernelConfig`).
     """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
     x_off = tl.load(g + 1)
     row_stride = tl.load(g + 2)
     rows = tl.load(g + 4)
-    h = tl.load(g + 5)
     w = tl.load(g + 6)
     bh_off = tl.load(g + 7)
     bw_off = tl.load(g + 8)
@@ -127,17 +134,11 @@ def _ef_encode_kernel(
     c = tl.arange(0, BLOCK_W)[None, :]
     mask = (r < rows) & (c < w)
     addr = x_off + r * row_stride + c
-    delta = tl.load(delta_ptr + addr, mask=mask, other=0.0)
-    grad = tl.load(grad_ptr + addr, mask=mask, other=0.0).to(tl.float32)
-    delta = beta * delta + lr * grad
-
-    coeffs = transform_block(delta, bank, bh_off, bw_off, h, w, TWO_D, False, BLOCK_ROWS, BLOCK_W)
+    delta = beta * tl.load(delta_ptr + addr, mask=mask, other=0.0) + lr * tl.load(
+        grad_ptr + addr, mask=mask, other=0.0
+    ).to(tl.float32)
+    coeffs = transform_block(delta, bank, bh_off, bw_off, TWO_D, False, BLOCK_ROWS, BLOCK_W, DOT_PRECISION)
     selected, slot = topk_select(coeffs, mask, k, TWO_D)
-    sent = transform_block(
-        tl.where(selected, coeffs, 0.0), bank, bh_off, bw_off, h, w, TWO_D, True, BLOCK_ROWS, BLOCK_W
-    )
-    tl.store(delta_ptr + addr, delta - alpha * sent, mask=mask)
-
     if TWO_D:
         position = r * w + c
         out = p_off + slot
@@ -146,6 +147,49 @@ def _ef_encode_kernel(
         out = p_off + r * k + slot
     tl.store(idx_out + out, position.to(idx_out.dtype.element_ty), mask=selected)
     tl.store(val_out + out, coeffs.to(val_out.dtype.element_ty), mask=selected)
+    sent = transform_block(
+        tl.where(selected, coeffs, 0.0),
+        bank,
+        bh_off,
+        bw_off,
+        TWO_D,
+        True,
+        BLOCK_ROWS,
+        BLOCK_W,
+        DOT_PRECISION,
+    )
+    # The new delta again, from the same inputs with the same operations (bit-identical):
+    # reloading instead of keeping it live through both transforms and the top-k frees a
+    # block of registers, which is what keeps this kernel from spilling.
+    delta = beta * tl.load(delta_ptr + addr, mask=mask, other=0.0) + lr * tl.load(
+        grad_ptr + addr, mask=mask, other=0.0
+    ).to(tl.float32)
+    tl.store(delta_ptr + addr, delta - alpha * sent, mask=mask)
+
+
+@triton.jit
+def scatter_rank(pos, val, live, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, PRECISION: tl.constexpr):
+    """One rank's selection of one 2-D tile as dense ``(BLOCK_ROWS, BLOCK_W)`` blocks of
+    values and of counts (1 where it chose a position), without atomics: the product of a
+    one-hot row matrix ``R^T`` (``BLOCK_ROWS x K_POW2``) and a one-hot column matrix scaled
+    by the values (``K_POW2 x BLOCK_W``). A rank chooses a position at most once, so every
+    output is one product ``v * 1`` plus zeros: exact whenever ``v`` is exact at
+    ``PRECISION``.
+
+    Args:
+        pos: int64 ``(K_POW2,)``, positions inside the block (``row * BLOCK_W + col``).
+        val: fp32 ``(K_POW2,)``, the values (0 in dead slots).
+        live: int1 ``(K_POW2,)``, the slots that hold an entry.
+        BLOCK_ROWS, BLOCK_W (constexpr): the block (powers of 2 >= 16).
+        PRECISION (constexpr): the value dot's input precision: ``"tf32"`` for 16-bit payload
+            values on NVIDIA (fp16 and bf16 values are exact in TF32: tensor cores),
+            ``"ieee"`` otherwise (fp32 values; AMD's fp32 MFMA; the interpreter).
+    """
+    hit_r = (tl.arange(0, BLOCK_ROWS)[:, None] == (pos // BLOCK_W)[None, :]) & live[None, :]
+    hit_c = tl.arange(0, BLOCK_W)[None, :] == (pos % BLOCK_W)[:, None]
+    total = tl.dot(hit_r.to(tl.float32), tl.where(hit_c, val[:, None], 0.0), input_precision=PRECISION)
+    count = tl.dot(hit_r.to(tl.float16), hit_c.to(tl.float16))
+    return total, count
 
 
 @triton.jit
@@ -154,7 +198,6 @@ def _ef_decode_kernel(
     pointers,
     bank,
     param_ref,
-    scratch_ref,
     indices,
     values,
     n_ranks,
@@ -167,26 +210,25 @@ def _ef_decode_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_W: tl.constexpr,
     K_POW2: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SCATTER_PRECISION: tl.constexpr,
 ):
     """Error-feedback decode of gathered payloads into the parameters (module docstring).
 
     Grid: ``(n_programs,)`` of one launch class; program ``i`` handles geometry row ``i``
-    (one 2-D tile or a block of 1-D tiles). It zeroes its tiles' accumulators, adds every
-    rank's values at their positions rank by rank (rank 0 first, a barrier after each),
-    takes the per-position mean over the ranks that chose it, inverse-transforms it,
-    optionally takes the sign and updates its part of the parameter in place. Only this
-    program touches its accumulators and parameter elements.
+    (one 2-D tile or a block of 1-D tiles). It adds every rank's values at their positions
+    into register accumulators, rank by rank (rank 0 first), takes the per-position mean
+    over the ranks that chose it, inverse-transforms it, optionally takes the sign and
+    updates its part of the parameter in place. No scratch memory, atomics or barriers:
+    the only memory traffic is the payload read and the parameter read and write.
 
     Args:
         geometry: int64, ``(n_programs, G_COLS)`` row-major, as for the encode kernel
             (G_P_OFF: the program's first payload slot; G_K: slots per tile).
-        pointers: int64, ``(n_tensors, 3)`` row-major: per tensor of the class, the data
-            pointers of its parameter (column 0, contiguous, updated in place) and of its
-            fp32 sum (column 1) and count (column 2) accumulators, each the tensor's numel
-            in tile layout.
+        pointers: int64, ``(n_tensors, 1)``: per tensor of the class, the data pointer of its
+            parameter (contiguous, updated in place).
         bank: fp32, flat: every DCT matrix of the plan, each ``n x n`` row-major.
         param_ref: the class's first parameter (fp32/fp16/bf16); only its type is used.
-        scratch_ref: the fp32 accumulator buffer; only its type is used.
         indices: ``(n_ranks, payload_numel)`` row-major, int16/int32/int64: each rank's
             positions inside their tiles (validated by the launcher).
         values: ``(n_ranks, payload_numel)`` row-major, fp32/fp16/bf16: the values there.
@@ -195,59 +237,61 @@ def _ef_decode_kernel(
         lr: fp32 >= 0, step size.
         decay: fp32, ``1 - lr * weight_decay``, the factor applied to the parameter first.
         G_COLS (constexpr): columns of a geometry row (``tiling.G_COLS``).
-        TWO_D (constexpr): True: one 2-D tile per program; False: rows of 1-D tiles.
+        TWO_D (constexpr): True: one 2-D tile per program (one-hot dots per rank,
+            :func:`scatter_rank`); False: rows of 1-D tiles (one compare-and-add pass over
+            the block per slot and rank).
         USE_SIGN (constexpr): apply ``sign`` to the decoded update (DeMo's signum step).
         BLOCK_ROWS (constexpr): power of 2 >= 16 (``tl.dot``), as for the encode kernel.
         BLOCK_W (constexpr): power of 2 >= 16, at least the tile width.
-        K_POW2 (constexpr): power of 2 >= the largest slots per tile of the class; extra
-            slots are masked.
+        K_POW2 (constexpr): power of 2 >= 16 and >= the largest slots per tile of the class;
+            extra slots are masked.
+        DOT_PRECISION (constexpr): ``tl.dot`` input precision of the inverse transform.
+        SCATTER_PRECISION (constexpr): input precision of the one-hot value dots
+            (:func:`scatter_rank`; exact for the payload's value dtype).
     """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
     x_off = tl.load(g + 1)
     row_stride = tl.load(g + 2)
-    y_off = tl.load(g + 3)
     rows = tl.load(g + 4)
-    h = tl.load(g + 5)
     w = tl.load(g + 6)
     p_off = tl.load(g + 9)
     k = tl.load(g + 10)
-    param_ptr = table_pointer(pointers, tensor, 0, 3, param_ref)
-    sums = table_pointer(pointers, tensor, 1, 3, scratch_ref)
-    counts = table_pointer(pointers, tensor, 2, 3, scratch_ref)
+    param_ptr = table_pointer(pointers, tensor, 0, 1, param_ref)
 
     r = tl.arange(0, BLOCK_ROWS)[:, None]
     c = tl.arange(0, BLOCK_W)[None, :]
     mask = (r < rows) & (c < w)
-    tile_addr = y_off + r * w + c
-    tl.store(sums + tile_addr, 0.0, mask=mask)
-    tl.store(counts + tile_addr, 0.0, mask=mask)
-    tl.debug_barrier()
-
-    # Scatter every rank's selection into this program's accumulator, rank by rank.
-    j = tl.arange(0, K_POW2)[None, :]
+    total = tl.zeros((BLOCK_ROWS, BLOCK_W), dtype=tl.float32)
+    n = tl.zeros((BLOCK_ROWS, BLOCK_W), dtype=tl.float32)
     if TWO_D:
-        slot_mask = j < k
-        slot = p_off + j
-        row_base = y_off + j * 0
+        j = tl.arange(0, K_POW2)
+        live = j < k
+        src = p_off + j  # int64: ranks * payload_numel may pass 2**31
+        for _ in range(n_ranks):
+            pos = tl.load(indices + src, mask=live, other=0).to(tl.int64)
+            val = tl.load(values + src, mask=live, other=0.0).to(tl.float32)
+            # positions are row * w + col; the one-hot dots index the block as row * BLOCK_W + col
+            part, hits = scatter_rank(
+                (pos // w) * BLOCK_W + pos % w, val, live, BLOCK_ROWS, BLOCK_W, SCATTER_PRECISION
+            )
+            total += part
+            n += hits
+            src += payload_numel
     else:
-        slot_mask = (r < rows) & (j < k)
-        slot = p_off + r * k + j
-        row_base = y_off + r * w
-    src = slot  # int64: ranks * payload_numel may pass 2**31
-    for _ in range(n_ranks):
-        pos = tl.load(indices + src, mask=slot_mask, other=0).to(tl.int64)
-        val = tl.load(values + src, mask=slot_mask, other=0.0).to(tl.float32)
-        tl.atomic_add(sums + row_base + pos, val, mask=slot_mask)
-        tl.atomic_add(counts + row_base + pos, 1.0, mask=slot_mask)
-        src += payload_numel
-        tl.debug_barrier()
-
-    total = tl.load(sums + tile_addr, mask=mask, other=0.0, volatile=True)
-    n = tl.load(counts + tile_addr, mask=mask, other=0.0, volatile=True)
+        tile_slots = p_off + tl.arange(0, BLOCK_ROWS).to(tl.int64) * k
+        row_live = tl.arange(0, BLOCK_ROWS) < rows
+        for _ in range(n_ranks):
+            for s in range(k):
+                pos = tl.load(indices + tile_slots + s, mask=row_live, other=-1).to(tl.int32)
+                val = tl.load(values + tile_slots + s, mask=row_live, other=0.0).to(tl.float32)
+                hit = c == pos[:, None]
+                total += tl.where(hit, val[:, None], 0.0)
+                n += hit.to(tl.float32)
+            tile_slots += payload_numel
     mean = tl.where(n > 0, total / tl.maximum(n, 1.0), 0.0)
     update = transform_block(
-        mean, bank, tl.load(g + 7), tl.load(g + 8), h, w, TWO_D, True, BLOCK_ROWS, BLOCK_W
+        mean, bank, tl.load(g + 7), tl.load(g + 8), TWO_D, True, BLOCK_ROWS, BLOCK_W, DOT_PRECISION
     )
     if USE_SIGN:
         update = tl.where(update > 0, 1.0, tl.where(update < 0, -1.0, 0.0))
@@ -257,12 +301,22 @@ def _ef_decode_kernel(
     tl.store(param_ptr + addr, p.to(param_ptr.dtype.element_ty), mask=mask)
 
 
-def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
-    """Compile-only builds (collected by :mod:`cokit.triton_kernels.compile_only`): encode and
-    decode of 64x64 tiles and of blocks of 64-wide 1-D tiles; bf16 gradients and parameters,
-    int16 indices, fp16 values, k = 32."""
+#: one compile-only build: (label, kernel, signature, constexprs, launch options)
+CompileSpec = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]
+
+
+def compile_specs(target: str) -> list[CompileSpec]:
+    """Compile-only builds for ``target`` (collected by :mod:`cokit.triton_kernels.compile_only`):
+    encode and decode of the shipped blocks (64x64 tiles, blocks of 64-wide 1-D tiles); bf16
+    gradients and parameters, int16 indices, fp16 values, k = 32."""
+    return _encode_compile_specs(target) + _decode_compile_specs(target)
+
+
+def _encode_compile_specs(target: str) -> list[CompileSpec]:
+    """Encode builds: every shipped block x every config of the target backend's space."""
+    limits = arch_limits(target)
     specs = []
-    for mode, two_d, rows, width in tiling.compile_blocks():
+    for mode, two_d, rows, width in compress_config.shipped_blocks():
         sig = tiling.geometry_signature(
             delta_ref="*fp32",
             grad_ref="*bf16",
@@ -272,18 +326,29 @@ def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
             lr="fp32",
             alpha="fp32",
         )
-        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W"), "constexpr"))
-        specs.append(
-            (
-                f"ef_encode_{mode}",
-                _ef_encode_kernel,
-                sig,
-                {"G_COLS": tiling.G_COLS, "TWO_D": two_d, "BLOCK_ROWS": rows, "BLOCK_W": width},
+        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W", "DOT_PRECISION"), "constexpr"))
+        for cfg in compress_config.config_space("ef_encode", limits.backend, (rows, width), limits.arch):
+            constexprs = {
+                "G_COLS": tiling.G_COLS,
+                "TWO_D": two_d,
+                "BLOCK_ROWS": rows,
+                "BLOCK_W": width,
+                "DOT_PRECISION": cfg.dot_precision,
+            }
+            specs.append(
+                (f"ef_encode_{mode}[{cfg.spec()}]", _ef_encode_kernel, sig, constexprs, cfg.launch_options())
             )
-        )
+    return specs
+
+
+def _decode_compile_specs(target: str) -> list[CompileSpec]:
+    """Decode builds: every shipped block x every config of the target backend's space
+    (signum update, 32 slots per tile)."""
+    limits = arch_limits(target)
+    specs: list[CompileSpec] = []
+    for mode, two_d, rows, width in compress_config.shipped_blocks():
         sig = tiling.geometry_signature(
             param_ref="*bf16",
-            scratch_ref="*fp32",
             indices="*i16",
             values="*fp16",
             n_ranks="i32",
@@ -292,23 +357,25 @@ def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
             decay="fp32",
         )
         sig.update(
-            dict.fromkeys(("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2"), "constexpr")
-        )
-        specs.append(
-            (
-                f"ef_decode_{mode}",
-                _ef_decode_kernel,
-                sig,
-                {
-                    "G_COLS": tiling.G_COLS,
-                    "TWO_D": two_d,
-                    "USE_SIGN": True,
-                    "BLOCK_ROWS": rows,
-                    "BLOCK_W": width,
-                    "K_POW2": 32,
-                },
+            dict.fromkeys(
+                ("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2", "DOT_PRECISION"),
+                "constexpr",
             )
         )
+        for cfg in compress_config.config_space("ef_decode", limits.backend, (rows, width), limits.arch):
+            constexprs = {
+                "G_COLS": tiling.G_COLS,
+                "TWO_D": two_d,
+                "USE_SIGN": True,
+                "BLOCK_ROWS": rows,
+                "BLOCK_W": width,
+                "K_POW2": 32,
+                "DOT_PRECISION": cfg.dot_precision,
+                "SCATTER_PRECISION": scatter_precision(cfg, torch.float16),
+            }
+            specs.append(
+                (f"ef_decode_{mode}[{cfg.spec()}]", _ef_decode_kernel, sig, constexprs, cfg.launch_options())
+            )
     return specs
 
 
@@ -336,15 +403,44 @@ def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
     vals = tiling.empty_output((plan.payload_numel,), value_dtype, device)
     for cls in plan.classes:
         members = list(cls.tensors)
-        pointers = tiling.pointer_table([[work[i] for i in members], [grads[i] for i in members]], device)
+        _encode_class(
+            plan, cls, [work[i] for i in members], [grads[i] for i in members], idx, vals, beta, lr, alpha
+        )
+    for d, wk in zip(deltas, work):
+        if wk is not d:
+            d.copy_(wk)
+    return idx, vals
+
+
+def _encode_class(
+    plan: tiling.TilePlan,
+    cls: tiling.ClassPlan,
+    bufs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    idx: torch.Tensor,
+    vals: torch.Tensor,
+    beta: float,
+    lr: float,
+    alpha: float,
+    config: compress_config.KernelConfig | None = None,
+) -> None:
+    """The encode launch of one tile class (its contiguous buffers and gradients, in class
+    order) with ``config`` or the selected one
+    (:func:`~cokit.triton_kernels.compress_config.select_config`). The encode updates the
+    buffers in place, so tuning trials run on copies: cloned buffers, the same gradients,
+    scratch payload outputs."""
+    device = idx.device
+
+    def launch(cfg: compress_config.KernelConfig, bs: list[torch.Tensor], i_out, v_out) -> None:
+        pointers = tiling.pointer_table([bs, grads], device)
         _ef_encode_kernel[(cls.n_programs,)](
             cls.geometry,
             pointers,
             plan.basis_bank,
-            work[members[0]],
-            grads[members[0]],
-            idx,
-            vals,
+            bs[0],
+            grads[0],
+            i_out,
+            v_out,
             float(beta),
             float(lr),
             float(alpha),
@@ -352,12 +448,29 @@ def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
             TWO_D=not cls.one_d,
             BLOCK_ROWS=cls.block_rows,
             BLOCK_W=cls.block_w,
-            num_warps=4,
+            DOT_PRECISION=cfg.dot_precision,
+            **cfg.launch_options(),
         )
-    for d, wk in zip(deltas, work):
-        if wk is not d:
-            d.copy_(wk)
-    return idx, vals
+
+    if config is None:
+        scratch: list[Any] = []
+
+        def trial(cfg: compress_config.KernelConfig) -> None:
+            if not scratch:  # made once, on the first trial launch (a cache hit makes none)
+                scratch.extend([[b.clone() for b in bufs], torch.empty_like(idx), torch.empty_like(vals)])
+            launch(cfg, *scratch)
+
+        block = (cls.block_rows, cls.block_w)
+        config = compress_config.select_config("ef_encode", block, device, trial, two_d=not cls.one_d)
+    launch(config, bufs, idx, vals)
+
+
+def scatter_precision(config: compress_config.KernelConfig, value_dtype: torch.dtype) -> str:
+    """The decode's one-hot value-dot precision (exact for ``value_dtype``): TF32 tensor
+    cores for 16-bit values where the config's dots are not plain fp32 (NVIDIA), else ``"ieee"``."""
+    if config.dot_precision != "ieee" and value_dtype in (torch.float16, torch.bfloat16):
+        return "tf32"
+    return "ieee"
 
 
 def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
@@ -370,24 +483,18 @@ def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
     plan = tiling.tile_plan([p.shape for p in params], chunk, k, device, groups=[p.dtype for p in params])
     work = [_contiguous_work(p) for p in params]
     indices, values = indices.contiguous(), values.contiguous()
-    total = sum(t.numel for t in plan.tilings)
-    scratch = tiling.empty_output((2, total), torch.float32, device)
-    starts = [0]
-    for t in plan.tilings:
-        starts.append(starts[-1] + t.numel)
-    sums = [scratch[0, s:e] for s, e in zip(starts, starts[1:])]
-    counts = [scratch[1, s:e] for s, e in zip(starts, starts[1:])]
     for cls in plan.classes:
         members = list(cls.tensors)
-        pointers = tiling.pointer_table(
-            [[work[i] for i in members], [sums[i] for i in members], [counts[i] for i in members]], device
-        )
+        pointers = tiling.pointer_table([[work[i] for i in members]], device)
+        # The decode updates the parameters in place, so it is never timed on them: it
+        # takes the tuned config when there is one, else the space's default.
+        block = (cls.block_rows, cls.block_w)
+        cfg = compress_config.select_config("ef_decode", block, device, two_d=not cls.one_d)
         _ef_decode_kernel[(cls.n_programs,)](
             cls.geometry,
             pointers,
             plan.basis_bank,
             work[members[0]],
-            scratch,
             indices,
             values,
             indices.shape[0],
@@ -399,8 +506,10 @@ def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
             USE_SIGN=use_sign,
             BLOCK_ROWS=cls.block_rows,
             BLOCK_W=cls.block_w,
-            K_POW2=tiling.next_pow2(cls.max_k),
-            num_warps=4,
+            K_POW2=max(tiling.MIN_BLOCK, tiling.next_pow2(cls.max_k)),
+            DOT_PRECISION=cfg.dot_precision,
+            SCATTER_PRECISION=scatter_precision(cfg, values.dtype),
+            **cfg.launch_options(),
         )
     for p, wk in zip(params, work):
         if wk is not p:

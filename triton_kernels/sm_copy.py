@@ -64,15 +64,16 @@ def _sm_copy_kernel(src, dst, n, passes, BLOCK: tl.constexpr):
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+def compile_specs(target: str) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """Compile-only build (collected by :mod:`cokit.triton_kernels.compile_only`): the fp32
-    copy with 4096-element steps, as :func:`sm_copy` launches it on a GPU."""
+    copy with 4096-element steps and 8 warps, as :func:`sm_copy` launches it by default."""
     return [
         (
             "sm_copy",
             _sm_copy_kernel,
             {"src": "*fp32", "dst": "*fp32", "n": "i64", "passes": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 4096},
+            {"num_warps": 8},
         )
     ]
 

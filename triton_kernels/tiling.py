@@ -172,7 +172,7 @@ class TilePlan:
     payload_offsets: tuple[int, ...]  # first payload slot of each tensor
     payload_numel: int  # slots in the whole bucket's payload (per rank)
     classes: tuple[ClassPlan, ...]
-    basis_bank: torch.Tensor  # every DCT matrix the plan needs, fp32, flattened
+    basis_bank: torch.Tensor  # per side: B and B^T zero-padded to the block side, fp32, flat
     index_dtype: torch.dtype  # int16 when every tile has <= 32768 positions, else int32
 
 
@@ -211,10 +211,13 @@ def _tile_plan(
     tilings = tuple(TensorTiling.of(s, chunk) for s in shapes)
     sides = sorted({1} | {t.h for t in tilings} | {t.w for t in tilings})
     bank_off, parts, pos = {}, [], 0
-    for n in sides:
+    for n in sides:  # B then B^T, each zero-padded to the block side (load_basis)
+        side = max(MIN_BLOCK, next_pow2(n))
+        padded = torch.zeros(side, side, dtype=torch.float64)
+        padded[:n, :n] = basis_matrix(n)
         bank_off[n] = pos
-        parts.append(basis_matrix(n).flatten())
-        pos += n * n
+        parts += [padded.flatten(), padded.T.flatten()]
+        pos += 2 * side * side
     offsets, p = [], 0
     for t in tilings:
         offsets.append(p)
@@ -270,8 +273,18 @@ def tile_plan(
 
 
 def pointer_table(columns: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """``(n_tensors, n_columns)`` int64 table of data pointers, one column per argument."""
-    rows = [[t.data_ptr() for t in row] for row in zip(*columns)]
+    """``(n_tensors, n_columns)`` int64 table of data pointers, one column per argument.
+
+    Tables are cached by their pointer values (an optimizer passes the same buffers every
+    step), so a repeated launch neither builds nor copies one to the device again. The
+    kernels only read them; callers must not write to the returned tensor.
+    """
+    rows = tuple(tuple(t.data_ptr() for t in row) for row in zip(*columns))
+    return _pointer_table(rows, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=512)
+def _pointer_table(rows: tuple[tuple[int, ...], ...], device: str) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
 
 

@@ -135,9 +135,10 @@ def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k, BLOCK_ROWS: tl.constexp
     tl.store(val_out + out, v, mask=selected)
 
 
-def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+def compile_specs(target: str) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """Compile-only build (collected by :mod:`cokit.triton_kernels.compile_only`): one
-    4096-wide fp32 tile per program, int16 indices."""
+    4096-wide fp32 tile per program, int16 indices, launched as :func:`chunk_topk` does (4
+    warps) on every ``target``."""
     sig = {
         "x": "*fp32",
         "idx_out": "*i16",
@@ -148,7 +149,7 @@ def compile_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         "BLOCK_ROWS": "constexpr",
         "BLOCK_W": "constexpr",
     }
-    return [("chunk_topk", _topk_kernel, sig, {"BLOCK_ROWS": 1, "BLOCK_W": 4096})]
+    return [("chunk_topk", _topk_kernel, sig, {"BLOCK_ROWS": 1, "BLOCK_W": 4096}, {"num_warps": 4})]
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -172,17 +173,36 @@ def _topk_impl(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- reference
 
 
-def chunk_topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch top-k with the same tie rule, order and dtypes as the kernel."""
+def _topk_by_keys(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the tie rule by construction: one int64 key per entry, the bits of
+    ``|x|`` (ordered like the values for non-negative floats, NaN highest) then the reversed
+    position, so equal magnitudes go to the lower position. Unsorted."""
     n = x.shape[1]
-    k = min(k, n)
-    # One int64 key per entry: the bits of |x| (ordered like the values for non-negative
-    # floats, NaN highest), then the reversed position, so ties go to the lower position.
     bits = x.abs().float().view(torch.int32).to(torch.int64)
     keys = (bits << 32) | (n - 1 - torch.arange(n, device=x.device))
     top = torch.topk(keys, k, dim=1, sorted=False).values
-    idx = (n - 1 - (top & 0xFFFFFFFF)).sort(dim=1).values
-    return idx.to(index_dtype_for(x.shape[1])), x.gather(1, idx)
+    return n - 1 - (top & 0xFFFFFFFF)
+
+
+def chunk_topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch top-k with the same tie rule, order and dtypes as the kernel.
+
+    Fast path: ``topk(|x|)`` and a sort of the kept positions. Which of several entries
+    equal to a row's k-th magnitude ``topk`` keeps is unspecified, so the rows where such a
+    tie crosses the cut (or the k-th magnitude is NaN) are redone with int64 keys that
+    encode the lower-position rule; the result is the same as keys for every row.
+    """
+    n = x.shape[1]
+    k = min(k, n)
+    mag = x.abs().float()
+    top, idx = torch.topk(mag, k, dim=1, sorted=True)
+    kth = top[:, -1:]
+    redo = ((mag == kth).sum(1) != (top == kth).sum(1)) | kth[:, 0].isnan()
+    if bool(redo.any()):
+        rows = redo.nonzero()[:, 0]
+        idx[rows] = _topk_by_keys(x[rows], k)
+    idx = idx.sort(dim=1).values
+    return idx.to(index_dtype_for(n)), x.gather(1, idx)
 
 
 # ----------------------------------------------------------------------------- op

@@ -1,9 +1,11 @@
-"""The GEMM tuning cache and the autotuner that fills it.
+"""The tuning cache (GEMM and compression kernels) and the autotuner that fills it.
 
 :class:`TuningCache` keeps tuned winners in ``<cache_dir>/gemm_tuning.json`` (default
-``$COKIT_CACHE_DIR``, see :func:`default_cache_dir`), keyed by device, dtype, form,
-precision and :func:`shape_bucket`; :func:`autotune` times candidate configs (or returns a
-cached winner) and stores the fastest.
+``$COKIT_CACHE_DIR``, see :func:`default_cache_dir`). GEMM keys are device, dtype, form,
+precision and :func:`shape_bucket`; other kinds of entries have keys ``<kind>:<rest>`` and
+their own entry validator (:data:`ENTRY_KINDS`: ``compress:`` entries are the compression
+kernels' :class:`~cokit.triton_kernels.compress_config.KernelConfig`). :func:`autotune` times
+candidate configs (or returns a cached winner) and stores the fastest.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -29,7 +32,33 @@ try:  # POSIX; elsewhere concurrent stores are not serialized (documented on sto
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["TuningCache", "autotune", "default_cache_dir", "shape_bucket", "validate_entry"]
+__all__ = [
+    "ENTRY_KINDS",
+    "TunedConfig",
+    "TuningCache",
+    "autotune",
+    "default_cache_dir",
+    "entry_kind",
+    "shape_bucket",
+    "validate_entry",
+    "validate_gemm_entry",
+]
+
+
+class TunedConfig(Protocol):
+    """What the cache stores: a config with a JSON form and a short label."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def spec(self) -> str: ...
+
+
+C = TypeVar("C", bound=TunedConfig)
+
+#: entry kinds besides the GEMM's, by key prefix (``<kind>:...``): the module of this package
+#: and its ``validate_entry(key, entry) -> config`` (imported when an entry of that kind is
+#: read, so this module imports none of them).
+ENTRY_KINDS: dict[str, tuple[str, str]] = {"compress": ("compress_config", "validate_entry")}
 
 #: tuned winners whose store failed (unwritable cache folder), by cache file: this process
 #: still reuses them instead of tuning again.
@@ -54,8 +83,34 @@ def shape_bucket(M: int, N: int, K: int) -> str:
     return "x".join(str(next_pow2(max(1, d))) for d in (M, N, K))
 
 
-def validate_entry(key: str, entry: Any) -> GemmConfig:
-    """The config of one stored entry, or ``ValueError`` saying what is wrong with it.
+def entry_kind(key: str) -> str:
+    """The kind of a key: its ``<kind>:`` prefix when that is in :data:`ENTRY_KINDS`, else "gemm"."""
+    prefix = key.split(":", 1)[0] if ":" in key else ""
+    return prefix if prefix in ENTRY_KINDS else "gemm"
+
+
+def _check_time(entry: Any) -> None:
+    t = entry.get("time_ms") if isinstance(entry, dict) else None
+    if t is not None and (
+        not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
+    ):
+        raise ValueError(f"time_ms={t!r} is not a finite number >= 0")
+
+
+def validate_entry(key: str, entry: Any) -> Any:
+    """The config of one stored entry of any kind (:func:`entry_kind`), or ``ValueError``
+    saying what is wrong with it; a stored ``time_ms`` must be a finite number >= 0."""
+    kind = entry_kind(key)
+    if kind == "gemm":
+        return validate_gemm_entry(key, entry)
+    module, name = ENTRY_KINDS[kind]
+    cfg = getattr(importlib.import_module(f"{__package__}.{module}"), name)(key, entry)
+    _check_time(entry)
+    return cfg
+
+
+def validate_gemm_entry(key: str, entry: Any) -> GemmConfig:
+    """The config of one stored GEMM entry, or ``ValueError`` saying what is wrong with it.
 
     The entry must be an object with a ``config`` object holding every required GemmConfig
     field with the right type (ints are not bools, ``persistent`` is a bool); the config must
@@ -86,18 +141,15 @@ def validate_entry(key: str, entry: Any) -> GemmConfig:
     form = key.split("|")[2] if key.count("|") >= 4 else None
     if form is not None and form != ("persistent" if cfg.persistent else "tiled"):
         raise ValueError(f"persistent={cfg.persistent} disagrees with the key's form {form!r}")
-    t = entry.get("time_ms")
-    if t is not None and (
-        not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
-    ):
-        raise ValueError(f"time_ms={t!r} is not a finite number >= 0")
+    _check_time(entry)
     return cfg
 
 
 class TuningCache:
-    """Tuned GEMM configs in ``<cache_dir>/gemm_tuning.json``.
+    """Tuned configs in ``<cache_dir>/gemm_tuning.json``.
 
-    Keys are ``device|dtype|form|precision|bucket``. A missing file is an empty cache; an
+    GEMM keys are ``device|dtype|form|precision|bucket``; other kinds are ``<kind>:...``
+    (:func:`entry_kind`), each entry checked by its kind's validator. A missing file is an empty cache; an
     unreadable, non-UTF-8 or corrupt one is ignored with a warning (and replaced on the next
     store); an invalid entry is ignored with a warning naming its key. Stores from several
     processes are merged under a lock file (``gemm_tuning.json.lock``); a store that cannot
@@ -152,9 +204,9 @@ class TuningCache:
             return {}
         return data["entries"]
 
-    def load(self, key: str) -> GemmConfig | None:
-        """The tuned config stored under ``key``, or None (an invalid entry is ignored with a
-        warning naming the key; see :func:`validate_entry`)."""
+    def load(self, key: str) -> Any:
+        """The tuned config stored under ``key`` (a GemmConfig for GEMM keys), or None (an
+        invalid entry is ignored with a warning naming the key; see :func:`validate_entry`)."""
         entry = self._read().get(key)
         if entry is None:
             entry = _UNSAVED.get(self.path, {}).get(key)
@@ -169,7 +221,7 @@ class TuningCache:
             )
             return None
 
-    def store(self, key: str, config: GemmConfig, **info: Any) -> bool:
+    def store(self, key: str, config: TunedConfig, **info: Any) -> bool:
         """Save ``config`` under ``key``, keeping every other entry, including those other
         processes store at the same time (read-merge-write under an exclusive ``flock`` of
         the lock file; atomic, fsync-ed replace). Returns True when saved; when the folder
@@ -186,8 +238,9 @@ class TuningCache:
                 atomic_write_text(self.path, json.dumps(doc, indent=1, sort_keys=True))
         except OSError as exc:
             _UNSAVED.setdefault(self.path, {})[key] = entry
+            what = "GEMM" if entry_kind(key) == "gemm" else entry_kind(key)
             warnings.warn(
-                f"cokit: could not save the tuned GEMM config for {key!r} to {self.path} "
+                f"cokit: could not save the tuned {what} config for {key!r} to {self.path} "
                 f"({exc.strerror or exc}); it is kept in memory for this process only. "
                 "Set COKIT_CACHE_DIR to a writable folder to keep tuning results",
                 stacklevel=2,
@@ -215,28 +268,30 @@ class TuningCache:
 
 
 def autotune(
-    configs: Sequence[GemmConfig],
-    run: Callable[[GemmConfig], Any],
+    configs: Sequence[C],
+    run: Callable[[C], Any],
     bench: Callable[[Callable[[], Any]], float],
     *,
     cache: TuningCache | None = None,
     key: str | None = None,
-) -> tuple[GemmConfig, dict[str, float]]:
+    check_cache: bool = True,
+) -> tuple[C, dict[str, float]]:
     """The fastest of ``configs``: ``bench(lambda: run(cfg))`` returns a time (lower wins).
 
-    With ``cache`` and ``key``, a stored winner is returned without timing anything, and a new
-    winner is stored. Configs whose run raises (e.g. out of resources) are skipped. Returns
-    the winner and the timings (empty on a cache hit).
+    With ``cache`` and ``key``, a stored winner is returned without timing anything (unless
+    ``check_cache`` is False: the caller already looked), and a new winner is stored. Configs
+    whose run raises (e.g. out of resources) are skipped. Returns the winner and the timings
+    (empty on a cache hit). Any config type with ``to_dict()`` and ``spec()`` works.
     """
     if not configs:
         raise ValueError("autotune needs at least one config")
-    if cache is not None and key is not None:
+    if cache is not None and key is not None and check_cache:
         hit = cache.load(key)
         if hit is not None:
             return hit, {}
     timings: dict[str, float] = {}
     errors: list[str] = []
-    best: tuple[float, GemmConfig] | None = None
+    best: tuple[float, C] | None = None
     for cfg in configs:
         try:
             t = float(bench(functools.partial(run, cfg)))

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import sys
 
 KERNEL_FAMILIES = {
     "dct": "tiled DCT-II encode / DCT-III decode (cokit::dct_encode_multi, cokit::dct_decode_multi)",
@@ -17,7 +18,29 @@ KERNEL_FAMILIES = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show backend, devices, limits and versions", description=__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument(
+        "--kernels",
+        nargs="*",
+        metavar="TARGET",
+        help="compile every shipped kernel config for these targets (default sm_80 sm_90 gfx942; "
+        "no GPU needed, a few minutes) and print registers, stack, spills, shared memory and occupancy",
+    )
     p.set_defaults(func=run)
+
+
+def kernel_resources(targets: list[str]) -> list[dict]:
+    """Compile-only resource reports of every shipped kernel config for ``targets``, built in a
+    subprocess without ``TRITON_INTERPRET`` (the interpreter replaces the compiler)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "cokit.triton_kernels.compile_only", *targets]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compile-only builds failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def collect() -> dict:
@@ -62,7 +85,28 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _print_kernels(targets: list[str], as_json: bool) -> int:
+    from cokit.triton_kernels.backend import arch_limits
+    from cokit.triton_kernels.compile_only import resource_rows, spill_problems_of_rows
+
+    for t in targets:
+        arch_limits(t)  # an unknown target fails here, with the known ones named
+    print(f"compiling every shipped kernel config for {', '.join(targets)} ...", file=sys.stderr, flush=True)
+    rows = kernel_resources(targets)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = resource_rows(rows)
+    print(_table(table[1:], table[0]))
+    problems = spill_problems_of_rows(rows)
+    print()
+    print("spills: none" if not problems else "spills:\n  " + "\n  ".join(problems))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.kernels is not None:
+        return _print_kernels(args.kernels or ["sm_80", "sm_90", "gfx942"], args.json)
     info = collect()
     if args.json:
         print(json.dumps(info, indent=2, default=str))
