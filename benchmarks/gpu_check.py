@@ -11,9 +11,11 @@ budget is spent stops adding work and is marked BUDGET):
   copy_bandwidth   device-to-device copy GB/s (the roofline the kernels are compared with)
   kernels.*        dct, topk, ef_encode, ef_decode: check vs the torch reference (relative
                    error, index agreement), then time both (median of CUDA-event timings),
-                   GB/s, % of copy bandwidth, speedup, and each compiled kernel's n_regs/n_spills
+                   GB/s, % of copy bandwidth, speedup, each compiled kernel's n_regs/n_spills
+                   and the launch config it chose (tuned on the GPU)
   optimizer        DeMo step (Triton kernels, world size 1) vs fused AdamW
   gemm.*           correctness, occupancy vs the driver, TFLOP/s vs torch.matmul, occupancy sweep
+  linear           cokit.nn.Linear TFLOP/s vs torch.nn.functional.linear, bf16 LLM shapes
   overlap          one-GPU study: GEMM next to an EMULATED communication kernel
 
 Needs a visible GPU and TRITON_INTERPRET unset (else exits 2 with one line); ``--allow-cpu``
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import functools
 import io
 import json
 import os
@@ -291,10 +294,14 @@ def _time_row(
     errs: dict,
     resources: list[dict],
 ) -> dict:
-    """Time ``kernel`` (GPU) and ``reference``; one printed row with GB/s and registers."""
+    """Time ``kernel`` (GPU) and ``reference``; one printed row with GB/s, registers and the
+    launch configs the kernel chose (tuned on the GPU, once per block), e.g.
+    ``2d|64x64=w8s1-tf32x3``. ``nbytes`` is every byte the kernel moves (no scratch exists)."""
     from cokit.bench.timing import median_ms, resources_text
+    from cokit.triton_kernels import compress_config
 
     b = _bucket(ctx)
+    chosen = compress_config.selected_configs(name) if name in compress_config.KERNELS else {}
     row: dict[str, Any] = {
         "kernel": name,
         "elements": b["numel"],
@@ -302,6 +309,7 @@ def _time_row(
         **errs,
         "n_regs": resources_text(resources, "n_regs"),
         "n_spills": resources_text(resources, "n_spills"),
+        "config": " ".join(f"{blk}={spec}" for blk, spec in sorted(chosen.items())) or "-",
         "compiled": resources,
     }
     bw = (ctx.shared or {}).get("copy_GBps")
@@ -315,11 +323,21 @@ def _time_row(
             row["torch_ms"] = median_ms(reference, True, ctx.quick)
             if "triton_ms" in row:
                 row["speedup"] = row["torch_ms"] / row["triton_ms"]
-        cols = ["kernel", "triton_ms", "torch_ms", "GBps", "pct_of_copy", "speedup", "n_regs", "n_spills"]
+        cols = [
+            "kernel",
+            "triton_ms",
+            "torch_ms",
+            "GBps",
+            "pct_of_copy",
+            "speedup",
+            "n_regs",
+            "n_spills",
+            "config",
+        ]
     else:
         ms = median_ms(reference, False, ctx.quick)
         row.update(torch_ms=ms, torch_GBps=nbytes / ms / 1e6)
-        cols = ["kernel", "torch_ms", "torch_GBps", "n_regs", "n_spills"]
+        cols = ["kernel", "torch_ms", "torch_GBps", "n_regs", "n_spills", "config"]
     cols += [k for k in errs]
     print_rows([row], cols)
     return row
@@ -571,6 +589,62 @@ def _gemm_phase(section: str) -> Callable[[Context], dict]:
     return phase
 
 
+#: (M tokens, N out_features, K in_features) of the Linear rows: bf16 LLM shapes
+LINEAR_SHAPES = [(4096, 4096, 4096), (8192, 8192, 1024)]
+
+
+def phase_linear(ctx: Context) -> dict:
+    """``cokit.nn.Linear`` (bf16, tuned GEMM) vs ``torch.nn.functional.linear``: error against
+    a float64 reference, then TFLOP/s of both and their ratio (target: >= 0.9)."""
+    import torch
+    import torch.nn.functional as F
+
+    from cokit.bench.timing import median_ms
+    from cokit.nn import Linear
+
+    dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
+    shapes = LINEAR_SHAPES if ctx.on_gpu else [(64, 48, 40)]
+    if ctx.on_gpu and ctx.quick:
+        shapes = shapes[:1]
+    rows, problems = [], []
+    for M, N, K in shapes:
+        if ctx.budget.stop():
+            break
+        gen = torch.Generator(device=ctx.device).manual_seed(M + N + K)
+        layer = Linear(K, N, device=ctx.device, dtype=dtype)
+        x = torch.randn(M, K, device=ctx.device, dtype=dtype, generator=gen)
+        bias = layer.bias
+        assert bias is not None
+        with torch.no_grad():
+            out = layer(x)
+            ref = (x.double() @ layer.weight.double().T + bias.double()).to(dtype)
+            err = rel_err(out, ref)
+            flop = 2.0 * M * N * K
+            row: dict[str, Any] = {
+                "shape": f"{M}x{N}x{K}",
+                "dtype": str(dtype).replace("torch.", ""),
+                "rel_err": err,
+            }
+            row["cokit_ms"] = median_ms(functools.partial(layer, x), ctx.on_gpu, ctx.quick)
+            row["torch_ms"] = median_ms(
+                functools.partial(F.linear, x, layer.weight, layer.bias), ctx.on_gpu, ctx.quick
+            )
+        row["cokit_TFLOPs"] = flop / row["cokit_ms"] / 1e9
+        row["torch_TFLOPs"] = flop / row["torch_ms"] / 1e9
+        row["vs_torch"] = row["cokit_TFLOPs"] / row["torch_TFLOPs"]
+        if not err <= 2e-2:
+            problems.append(f"{row['shape']}: rel_err={_fmt(err)} (limit 0.02)")
+        rows.append(row)
+    print_rows(
+        rows,
+        ["shape", "dtype", "cokit_ms", "torch_ms", "cokit_TFLOPs", "torch_TFLOPs", "vs_torch", "rel_err"],
+    )
+    key = "; ".join(
+        f"{r['shape']} {r['cokit_TFLOPs']:.0f} TFLOP/s x{r['vs_torch']:.2f} vs F.linear" for r in rows
+    )
+    return {"rows": rows, "problems": problems, "key": key}
+
+
 def phase_overlap(ctx: Context) -> dict:
     from cokit.bench import overlap_bench
 
@@ -608,6 +682,7 @@ def default_phases() -> list[Phase]:
         ),
         Phase("gemm.perf", _gemm_phase("perf"), 18, 75, needs_gpu=True, what="tuned GEMM TFLOP/s vs torch"),
         Phase("gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep"),
+        Phase("linear", phase_linear, 20, 45, what="cokit.nn.Linear vs F.linear (bf16)"),
         Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
     ]
 
