@@ -7,6 +7,9 @@
   step time whether anything changed, so that the optimizer can raise on every rank instead.
 * :func:`find_ddp_wrappers` / :class:`StepGuards`: DeMo on a ``DistributedDataParallel`` model
   would synchronize the gradients twice (DDP's all-reduce, then DeMo's exchange): warn once.
+* :func:`all_finite`: the per-step non-finite gradient check, as one read pass with no
+  temporaries (``aminmax`` propagates NaN and keeps infinities); ``isfinite(g).all()`` builds
+  a bool tensor of ``g``'s size first (35x slower on the CPU machine, 20M fp32 elements).
 * :func:`sync_decay`: ``momentum`` in each param group is an alias of ``compression_decay``, so
   that schedulers that cycle momentum (``OneCycleLR``, ``CyclicLR``) drive the error-feedback
   decay; the two are reconciled before every step.
@@ -30,10 +33,24 @@ __all__ = [
     "DoubleSyncWarning",
     "GradMarks",
     "StepGuards",
+    "all_finite",
     "edited_message",
     "find_ddp_wrappers",
     "sync_decay",
 ]
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor on ``t``'s device: no NaN or infinity in ``t`` (True when empty).
+
+    One pass over ``t`` (its min and max: NaN propagates into both, an infinity is one of
+    them) and no host sync, so flags of many tensors can be stacked and moved at once.
+    """
+    if t.numel() == 0 or not t.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
 
 # Param-group key holding the decay agreed at the last sync: it tells which of the two aliases
 # was written since (it travels in state_dict() with the group, so a resume knows too).

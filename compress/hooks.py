@@ -57,6 +57,7 @@ import torch.distributed as dist
 from cokit.compress import hook_checkpoint
 from cokit.compress.buckets import sends_dense
 from cokit.compress.groups import check_process_group
+from cokit.compress.guards import all_finite
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec
 from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
 from cokit.compress.timing import CollectiveTiming, StepTimer
@@ -344,7 +345,7 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     rnd = state._join_round(bucket.is_last())
     # This rank's flag, without a host sync: every rank's arrives summed with the dense part.
     flags = torch.zeros(world, dtype=buffer.dtype, device=buffer.device)
-    flags[dist.get_rank(state.process_group)] = (~torch.isfinite(buffer)).any()
+    flags[dist.get_rank(state.process_group)] = ~all_finite(buffer)
     grads = bucket.gradients()
     warmup = state.iteration < state.warmup_steps
     layout = None if warmup else state._layout(bucket, grads, world, buffer.device)

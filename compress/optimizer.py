@@ -41,7 +41,7 @@ from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Communicator, Pending
 from cokit.compress.dtensor import check_exchange_group, local, mesh_plan
 from cokit.compress.groups import NodeGroups, check_process_group
-from cokit.compress.guards import GradMarks, StepGuards, edited_message, sync_decay
+from cokit.compress.guards import GradMarks, StepGuards, all_finite, edited_message, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.precision import (
@@ -613,7 +613,7 @@ class DeMo(torch.optim.Optimizer):
                     "DeMo(overlap_backward=True): every parameter needs a dense gradient each step"
                 )
         marks = GradMarks(params)
-        flags = torch.stack([~torch.isfinite(_grad(p)).all() for p in params]).to(torch.uint8)
+        flags = torch.stack([~all_finite(_grad(p)) for p in params]).to(torch.uint8)
         _add_fingerprint(flags, self._settings_crc(), bucket.members)
         work = [self._delta(p).clone() for p in params]
         finish = self._launch(bucket, params, work)
@@ -781,7 +781,7 @@ class DeMo(torch.optim.Optimizer):
         # One small tensor on the parameters' device (NCCL/RCCL groups only move GPU tensors).
         flags = torch.full((len(entries),), _NO_GRAD, dtype=torch.uint8, device=entries[0][2].device)
         if with_grad:
-            finite = torch.stack([torch.isfinite(_grad(entries[n][2])).all() for n in with_grad])
+            finite = torch.stack([all_finite(_grad(entries[n][2])) for n in with_grad])
             flags[with_grad] = torch.where(finite, _OK, _BAD).to(torch.uint8)
         _add_fingerprint(flags, self._settings_crc(), range(len(entries)))
         culprits: dict[int, int] = {}  # entry -> global rank of a non-finite shard found by agreement

@@ -37,6 +37,7 @@ from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Communicator, Pending
 from cokit.compress.dtensor import is_dtensor
 from cokit.compress.groups import check_process_group
+from cokit.compress.guards import all_finite
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
@@ -340,7 +341,7 @@ class SparseLoCo(torch.optim.Optimizer):
         params = self._model_params
         deltas = [(self.state[p]["global"] - self._local(p)).contiguous() for p in params]
         device = params[0].device
-        finite = torch.stack([torch.isfinite(d).all() for d in deltas])  # one transfer, not one per tensor
+        finite = torch.stack([all_finite(d) for d in deltas])  # one transfer, not one per tensor
         flags = torch.where(finite, _OK, _BAD).to(torch.uint8)
         crc = zlib.crc32(repr(self._settings()).encode())
         crc_bytes = torch.tensor(list(crc.to_bytes(4, "little")), dtype=torch.uint8, device=device)

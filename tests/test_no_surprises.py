@@ -369,3 +369,16 @@ def test_overlapped_buckets_use_the_scheduler_decay():
     for (sync_params, sync_decays), (ovl_params, ovl_decays) in run_gloo(2, _overlap_with_scheduler):
         assert sync_decays == ovl_decays and len(set(sync_decays)) > 2
         assert all(torch.equal(a, b) for a, b in zip(sync_params, ovl_params))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_matches_isfinite(dtype):
+    from cokit.compress.guards import all_finite
+
+    x = torch.randn(1000).to(dtype)
+    assert bool(all_finite(x)) and bool(all_finite(x[:0]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[517] = bad
+        assert not bool(all_finite(y)) and not bool(all_finite(y.view(10, 100)[5:]))
+    assert all_finite(x).shape == () and all_finite(x).dtype == torch.bool

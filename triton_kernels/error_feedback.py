@@ -535,12 +535,15 @@ def ef_encode_reference(
     all_idx, all_vals = [], []
     plan = tiling.tile_plan([d.shape for d in deltas], chunk, k)
     for d, g, t in zip(deltas, grads, plan.tilings):
-        buf = beta * d.to(dtype) + lr * g.to(dtype)
+        # in place when the buffer already has the math dtype (the CPU training path)
+        buf = d if d.dtype == dtype else d.to(dtype)
+        buf.mul_(beta).add_(g.to(dtype), alpha=lr)
         coeffs = dct_encode_reference(buf, chunk, dtype)
         idx, vals = chunk_topk_reference(coeffs, k)
         sparse = torch.zeros_like(coeffs).scatter_(1, idx.long(), vals)
-        buf -= alpha * dct_decode_reference(sparse, t.shape, chunk, dtype)
-        d.copy_(buf)
+        buf.sub_(dct_decode_reference(sparse, t.shape, chunk, dtype), alpha=alpha)
+        if buf is not d:
+            d.copy_(buf)
         all_idx.append(idx.flatten().to(plan.index_dtype))
         all_vals.append(vals.flatten().to(value_dtype))
     return torch.cat(all_idx), torch.cat(all_vals)
@@ -570,8 +573,11 @@ def ef_decode_reference(
         dense.scatter_reduce_(1, idx.long(), val.to(dtype), reduce="mean", include_self=False)
         update = dct_decode_reference(dense, t.shape, chunk, dtype)
         if use_sign:
-            update = update.sign()
-        p.copy_(p.to(dtype) * (1 - lr * weight_decay) - lr * update)
+            update.sign_()
+        if p.dtype == dtype:
+            p.mul_(1 - lr * weight_decay).sub_(update, alpha=lr)
+        else:
+            p.copy_(p.to(dtype) * (1 - lr * weight_decay) - lr * update)
 
 
 # ----------------------------------------------------------------------------- ops

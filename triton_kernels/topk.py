@@ -187,17 +187,21 @@ def _topk_by_keys(x: torch.Tensor, k: int) -> torch.Tensor:
 def chunk_topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch top-k with the same tie rule, order and dtypes as the kernel.
 
-    Fast path: ``topk(|x|)`` and a sort of the kept positions. Which of several entries
-    equal to a row's k-th magnitude ``topk`` keeps is unspecified, so the rows where such a
-    tie crosses the cut (or the k-th magnitude is NaN) are redone with int64 keys that
-    encode the lower-position rule; the result is the same as keys for every row.
+    Fast path: ``topk(|x|)`` of ``k + 1`` entries and a sort of the ``k`` kept positions.
+    Which of several entries equal to a row's k-th magnitude ``topk`` keeps is unspecified,
+    so the rows where such a tie crosses the cut (the (k+1)-th magnitude equals the k-th) or
+    the k-th magnitude is NaN are redone with int64 keys that encode the lower-position rule;
+    the result is the same as keys for every row.
     """
     n = x.shape[1]
     k = min(k, n)
     mag = x.abs().float()
-    top, idx = torch.topk(mag, k, dim=1, sorted=True)
-    kth = top[:, -1:]
-    redo = ((mag == kth).sum(1) != (top == kth).sum(1)) | kth[:, 0].isnan()
+    top, idx = torch.topk(mag, min(k + 1, n), dim=1, sorted=True)
+    kth = top[:, k - 1]
+    redo = kth.isnan()
+    if k < n:
+        redo |= top[:, k] == kth
+    idx = idx[:, :k]
     if bool(redo.any()):
         rows = redo.nonzero()[:, 0]
         idx[rows] = _topk_by_keys(x[rows], k)
