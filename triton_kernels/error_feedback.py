@@ -139,6 +139,7 @@ def _ef_encode_kernel(
     ).to(tl.float32)
     coeffs = transform_block(delta, bank, bh_off, bw_off, TWO_D, False, BLOCK_ROWS, BLOCK_W, DOT_PRECISION)
     selected, slot = topk_select(coeffs, mask, k, TWO_D)
+    # the payload first: its position and slot blocks are dead before the inverse transform
     if TWO_D:
         position = r * w + c
         out = p_off + slot
@@ -158,12 +159,6 @@ def _ef_encode_kernel(
         BLOCK_W,
         DOT_PRECISION,
     )
-    # The new delta again, from the same inputs with the same operations (bit-identical):
-    # reloading instead of keeping it live through both transforms and the top-k frees a
-    # block of registers, which is what keeps this kernel from spilling.
-    delta = beta * tl.load(delta_ptr + addr, mask=mask, other=0.0) + lr * tl.load(
-        grad_ptr + addr, mask=mask, other=0.0
-    ).to(tl.float32)
     tl.store(delta_ptr + addr, delta - alpha * sent, mask=mask)
 
 
