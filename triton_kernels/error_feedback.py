@@ -83,6 +83,7 @@ def _ef_encode_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_W: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Error-feedback encode of the tiles of a bucket (module docstring, encode steps).
 
@@ -116,6 +117,9 @@ def _ef_encode_kernel(
         BLOCK_W (constexpr): power of 2 >= 16, at least the tile width; extra columns masked.
         DOT_PRECISION (constexpr): ``tl.dot`` input precision of the launch config
             (:class:`~cokit.triton_kernels.compress_config.KernelConfig`).
+        ALIGNED (constexpr): the class's buffers, gradients, row strides and tile widths are
+            ``tiling.ALIGN``-aligned (:func:`~cokit.triton_kernels.tiling.aligned`): the hints
+            give vectorized loads and stores and keep the 64x64 builds from spilling on sm_90.
     """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
@@ -130,6 +134,12 @@ def _ef_encode_kernel(
     delta_ptr = table_pointer(pointers, tensor, 0, 2, delta_ref)
     grad_ptr = table_pointer(pointers, tensor, 1, 2, grad_ref)
 
+    if ALIGNED:
+        delta_ptr = tl.multiple_of(delta_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        x_off = tl.multiple_of(x_off, 16)
+        row_stride = tl.multiple_of(row_stride, 16)
+        w = tl.multiple_of(w, 16)
     r = tl.arange(0, BLOCK_ROWS)[:, None]
     c = tl.arange(0, BLOCK_W)[None, :]
     mask = (r < rows) & (c < w)
@@ -308,7 +318,8 @@ def compile_specs(target: str) -> list[CompileSpec]:
 
 
 def _encode_compile_specs(target: str) -> list[CompileSpec]:
-    """Encode builds: every shipped block x every config of the target backend's space."""
+    """Encode builds: every shipped block x every config of the target backend's space, with
+    and without the alignment hints (label suffix ``+aligned``)."""
     limits = arch_limits(target)
     specs = []
     for mode, two_d, rows, width in compress_config.shipped_blocks():
@@ -321,18 +332,23 @@ def _encode_compile_specs(target: str) -> list[CompileSpec]:
             lr="fp32",
             alpha="fp32",
         )
-        sig.update(dict.fromkeys(("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W", "DOT_PRECISION"), "constexpr"))
-        for cfg in compress_config.config_space("ef_encode", limits.backend, (rows, width), limits.arch):
-            constexprs = {
-                "G_COLS": tiling.G_COLS,
-                "TWO_D": two_d,
-                "BLOCK_ROWS": rows,
-                "BLOCK_W": width,
-                "DOT_PRECISION": cfg.dot_precision,
-            }
-            specs.append(
-                (f"ef_encode_{mode}[{cfg.spec()}]", _ef_encode_kernel, sig, constexprs, cfg.launch_options())
+        sig.update(
+            dict.fromkeys(
+                ("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W", "DOT_PRECISION", "ALIGNED"), "constexpr"
             )
+        )
+        for cfg in compress_config.config_space("ef_encode", limits.backend, (rows, width), limits.arch):
+            for aligned in (False, True):
+                constexprs = {
+                    "G_COLS": tiling.G_COLS,
+                    "TWO_D": two_d,
+                    "BLOCK_ROWS": rows,
+                    "BLOCK_W": width,
+                    "DOT_PRECISION": cfg.dot_precision,
+                    "ALIGNED": aligned,
+                }
+                label = f"ef_encode_{mode}[{cfg.spec()}]" + ("+aligned" if aligned else "")
+                specs.append((label, _ef_encode_kernel, sig, constexprs, cfg.launch_options()))
     return specs
 
 
@@ -444,9 +460,11 @@ def _encode_class(
             BLOCK_ROWS=cls.block_rows,
             BLOCK_W=cls.block_w,
             DOT_PRECISION=cfg.dot_precision,
+            ALIGNED=aligned,
             **cfg.launch_options(),
         )
 
+    aligned = tiling.aligned([plan.tilings[i] for i in cls.tensors], [*bufs, *grads])
     if config is None:
         scratch: list[Any] = []
 

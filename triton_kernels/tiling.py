@@ -33,6 +33,7 @@ __all__ = [
     "ClassPlan",
     "TensorTiling",
     "TilePlan",
+    "aligned",
     "basis_matrix",
     "chunk_side",
     "compile_blocks",
@@ -270,6 +271,20 @@ def tile_plan(
     if len(groups) != len(key):
         raise ValueError(f"groups has {len(groups)} entries for {len(key)} shapes")
     return _tile_plan(key, chunk, k, str(torch.device(device)), groups)
+
+
+#: the alignment (elements, and bytes for pointers) an ALIGNED launch may promise the compiler
+ALIGN = 16
+
+
+def aligned(tilings: Sequence[TensorTiling], tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a launch class may tell the compiler that its addresses are ALIGN-aligned: every
+    tensor's data is ALIGN-byte aligned and every row stride (the matrix view's columns, a 1-D
+    tile's width) and tile width is a multiple of ALIGN elements, so every tile row starts
+    on an ALIGN boundary (vectorized loads and stores, fewer address registers)."""
+    return all(t.data_ptr() % ALIGN == 0 for t in tensors) and all(
+        tt.w % ALIGN == 0 and (tt.one_d or tt.cols % ALIGN == 0) for tt in tilings
+    )
 
 
 def pointer_table(columns: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
