@@ -149,7 +149,8 @@ def _dct_kernel(
             and ``w x w`` DCT matrices in ``bank`` (G_BH_OFF, G_BW_OFF).
         pointers: int64, ``(n_tensors, 2)`` row-major: per tensor of the class, the data
             pointer of its source (column 0) and destination (column 1), both contiguous.
-        bank: fp32, flat: every DCT matrix of the plan, each ``n x n`` row-major.
+        bank: fp32, flat: the basis bank of the plan (:func:`load_basis`: per side, ``B`` and
+            ``B^T`` zero-padded to the block side).
         src_ref: the class's first source; only its element type is used (every source of
             the launch has it). Encode: the tensor (fp32/fp16/bf16, matrix layout). Decode:
             its fp32 coefficients (tile layout: tiles in order, each row-major).

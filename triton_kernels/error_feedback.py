@@ -100,7 +100,9 @@ def _ef_encode_kernel(
             program (G_P_OFF) and the slots per tile (G_K, ``k`` clamped to the tile size).
         pointers: int64, ``(n_tensors, 2)`` row-major: per tensor of the class, the data
             pointers of its buffer (column 0) and gradient (column 1), both contiguous.
-        bank: fp32, flat: every DCT matrix of the plan, each ``n x n`` row-major.
+        bank: fp32, flat: the basis bank of the plan
+            (:func:`~cokit.triton_kernels.dct.load_basis`: per side, ``B`` and ``B^T``
+            zero-padded to the block side).
         delta_ref: the class's first buffer (fp32, updated in place); only its type is used.
         grad_ref: the class's first gradient (fp32/fp16/bf16); only its type is used.
         idx_out: ``(payload_numel,)`` int16 or int32, the flat payload's positions: per tile
@@ -232,7 +234,9 @@ def _ef_decode_kernel(
             (G_P_OFF: the program's first payload slot; G_K: slots per tile).
         pointers: int64, ``(n_tensors, 1)``: per tensor of the class, the data pointer of its
             parameter (contiguous, updated in place).
-        bank: fp32, flat: every DCT matrix of the plan, each ``n x n`` row-major.
+        bank: fp32, flat: the basis bank of the plan
+            (:func:`~cokit.triton_kernels.dct.load_basis`: per side, ``B`` and ``B^T``
+            zero-padded to the block side).
         param_ref: the class's first parameter (fp32/fp16/bf16); only its type is used.
         indices: ``(n_ranks, payload_numel)`` row-major, int16/int32/int64: each rank's
             positions inside their tiles (validated by the launcher).
