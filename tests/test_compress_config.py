@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cokit.triton_kernels import compress_config as cc
+from cokit.triton_kernels import tiling
 from cokit.triton_kernels.backend import arch_limits
 from cokit.triton_kernels.tuning_cache import TuningCache, autotune, entry_kind, validate_entry
 
@@ -40,7 +41,7 @@ def test_bad_config_is_rejected_with_the_field(fields, needle):
 
 def test_vendor_spaces_and_defaults():
     for kernel in cc.KERNELS:
-        for _, _, rows, width in cc.shipped_blocks():
+        for _, _, rows, width in tiling.compile_blocks():
             cuda = cc.config_space(kernel, "cuda", (rows, width))
             hip = cc.config_space(kernel, "hip", (rows, width))
             assert {c.dot_precision for c in cuda} == {"tf32x3"} and {c.dot_precision for c in hip} == {

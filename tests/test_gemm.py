@@ -525,9 +525,9 @@ def test_gpu_tuning_flow_with_a_fake_device(monkeypatch, tmp_path):
 
     monkeypatch.setattr(G, "kernel_path", lambda device=None: "cuda")
     monkeypatch.setattr(G, "_limits_for", lambda path, device: arch_limits("sm_90"))
-    monkeypatch.setattr(G, "_device_name", lambda index: "FakeGPU")
+    monkeypatch.setattr(G, "cached_device_name", lambda index: "FakeGPU")
     bench, calls = _count_bench()
-    monkeypatch.setattr(G, "_bench_gpu", bench)
+    monkeypatch.setattr(G, "bench_gpu", bench)
     monkeypatch.setenv("COKIT_CACHE_DIR", str(tmp_path))
     a, b = torch.randn(64, 48, dtype=torch.float16), torch.randn(48, 40, dtype=torch.float16)
     candidates = prune_configs(config_space("cuda"), torch.float16, arch_limits("sm_90"), 64, 40, 48)

@@ -242,6 +242,12 @@ def device_index(device: torch.device | str | int | None = None) -> int:
 
 
 @functools.cache
+def cached_device_name(index: int) -> str:
+    """``torch.cuda.get_device_name(index)``, asked once per process (tuning-cache keys)."""
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
 def _limits_at(index: int) -> ArchLimits:
     return device_limits(torch.device("cuda", index))
 

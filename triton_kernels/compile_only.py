@@ -39,7 +39,6 @@ __all__ = [
     "kernel_specs",
     "resource_rows",
     "spill_problems",
-    "spill_problems_of_rows",
 ]
 
 #: modules of this package whose ``compile_specs(target)`` :func:`kernel_specs` collects, in order.
@@ -232,12 +231,7 @@ def compile_all(targets: list[str]) -> list[CompiledKernel]:
     return out
 
 
-def spill_problems(kernels: list[CompiledKernel]) -> list[str]:
-    """What keeps each build from being spill-free (see :func:`spill_problems_of_rows`)."""
-    return spill_problems_of_rows([ck.as_row() for ck in kernels])
-
-
-def spill_problems_of_rows(rows: list[dict[str, Any]]) -> list[str]:
+def spill_problems(rows: list[dict[str, Any]]) -> list[str]:
     """What keeps each reported build (:meth:`CompiledKernel.as_row`) from being spill-free:
     any stack or spill bytes on NVIDIA, any VGPR spill or scratch on AMD, unknown resources.
     Empty when every build is clean."""

@@ -27,7 +27,14 @@ import torch
 from . import compress_configs_amd as _amd
 from . import compress_configs_nvidia as _nvidia
 from . import tiling
-from .backend import ArchLimits, arch_limits, cached_device_limits, device_index, kernel_path
+from .backend import (
+    ArchLimits,
+    arch_limits,
+    cached_device_limits,
+    cached_device_name,
+    device_index,
+    kernel_path,
+)
 
 __all__ = [
     "KERNELS",
@@ -40,7 +47,6 @@ __all__ = [
     "interpreter_config",
     "select_config",
     "selected_configs",
-    "shipped_blocks",
     "validate_entry",
 ]
 
@@ -239,11 +245,6 @@ def config_space(
     )
 
 
-def shipped_blocks() -> list[tuple[str, bool, int, int]]:
-    """(mode "2d"/"1d", TWO_D, BLOCK_ROWS, BLOCK_W) of the blocks compile-only builds cover."""
-    return list(tiling.compile_blocks())
-
-
 @functools.cache
 def interpreter_config(kernel: str) -> KernelConfig:
     """The one fixed config under ``TRITON_INTERPRET`` / on CPU: plain fp32 dots (the
@@ -283,17 +284,6 @@ def validate_entry(key: str, entry: Any) -> KernelConfig:
 _SELECTED: dict[tuple[str, str], tuple[KernelConfig, bool]] = {}
 
 
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def _bench_gpu(fn: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=3, rep=10)
-
-
 def select_config(
     kernel: str,
     block: tuple[int, int],
@@ -316,7 +306,7 @@ def select_config(
     ``limits`` and ``device_name`` replace the GPU timer and the device's limits and name
     (tests run the tuning logic on CPU with them).
     """
-    from .tuning_cache import TuningCache, autotune
+    from .tuning_cache import TuningCache, autotune, bench_gpu
 
     _check_kernel(kernel)
     block = _check_block(block)
@@ -325,7 +315,7 @@ def select_config(
             return interpreter_config(kernel)
         limits = cached_device_limits(device)
     if device_name is None:
-        device_name = _device_name(device_index(device))
+        device_name = cached_device_name(device_index(device))
     cache = TuningCache(cache_dir)
     key = cache_key(kernel, device_name, block, two_d)
     memo = (str(cache.path), key)
@@ -356,7 +346,7 @@ def select_config(
     elif tune is None:
         chosen, settled = configs[0], False
     else:
-        chosen, _ = autotune(configs, tune, bench or _bench_gpu, cache=cache, key=key, check_cache=False)
+        chosen, _ = autotune(configs, tune, bench or bench_gpu, cache=cache, key=key, check_cache=False)
         settled = True
     _SELECTED[memo] = (chosen, settled)
     return chosen

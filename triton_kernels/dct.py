@@ -197,11 +197,11 @@ def _dct_kernel(
 def compile_specs(target: str) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]]:
     """Compile-only builds for ``target`` (collected by :mod:`cokit.triton_kernels.compile_only`):
     encode (bf16 tensor -> fp32 coefficients) and decode (fp32 -> bf16) of every shipped block
-    (:func:`~cokit.triton_kernels.compress_config.shipped_blocks`) with every config of the
+    (:func:`~cokit.triton_kernels.tiling.compile_blocks`) with every config of the
     target's backend space; labels like ``dct_encode_2d[w4s1-tf32x3]``."""
     limits = arch_limits(target)
     specs = []
-    for mode, two_d, rows, width in compress_config.shipped_blocks():
+    for mode, two_d, rows, width in tiling.compile_blocks():
         for inverse in (False, True):
             kernel = "dct_decode" if inverse else "dct_encode"
             sig = tiling.geometry_signature(
@@ -235,11 +235,10 @@ def _launch(
     srcs: list[torch.Tensor],
     dsts: list[torch.Tensor],
     inverse: bool,
-    config: compress_config.KernelConfig | None = None,
 ) -> None:
-    """One launch per tile class; each class's config is ``config`` or
-    :func:`~cokit.triton_kernels.compress_config.select_config`'s (tuned once per block on a
-    GPU: the trial launches write only ``dsts``, which the real launch then overwrites)."""
+    """One launch per tile class, each with the config
+    :func:`~cokit.triton_kernels.compress_config.select_config` picks (tuned once per block on
+    a GPU: the trial launches write only ``dsts``, which the real launch then overwrites)."""
     device = srcs[0].device
     kernel = "dct_decode" if inverse else "dct_encode"
     for cls in plan.classes:
@@ -265,8 +264,7 @@ def _launch(
             )
 
         block = (cls.block_rows, cls.block_w)
-        cfg = config or compress_config.select_config(kernel, block, device, run, two_d=not cls.one_d)
-        run(cfg)
+        run(compress_config.select_config(kernel, block, device, run, two_d=not cls.one_d))
 
 
 def _encode_impl(xs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
@@ -373,7 +371,7 @@ def _dct_decode_multi_op(
     coeffs: list[torch.Tensor], dims: list[int], ranks: list[int], chunk: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
     shapes = unpack_shapes(dims, ranks)
-    _check_coeffs(coeffs, shapes, chunk, dtype)  # again at run time: traced graphs skip the shape check
+    _check_coeff_shapes(coeffs, shapes, chunk)
     return _decode_impl(coeffs, shapes, chunk, dtype)
 
 
@@ -391,15 +389,18 @@ def _check_inputs(name: str, xs: list[torch.Tensor], chunk: int) -> None:
 
 
 def _check_coeffs(
-    coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int, dtype: torch.dtype
+    coeffs: list[torch.Tensor], shapes: Sequence[Sequence[int]], chunk: int, dtype: torch.dtype
 ) -> None:
     _check_inputs("coeffs", coeffs, chunk)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
     if len(shapes) != len(coeffs):
         raise ValueError(f"got {len(coeffs)} coefficient tensors but {len(shapes)} shapes")
-    if torch.compiler.is_compiling():
-        return  # sizes may be symbolic while tracing: the op checks the concrete ones when it runs
+
+
+def _check_coeff_shapes(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int) -> None:
+    """Each coefficient tensor has its shape's tile grid; checked inside the op, where sizes
+    are concrete even in a ``torch.compile(dynamic=True)`` graph."""
     for i, (c, s) in enumerate(zip(coeffs, shapes)):
         t = tiling.TensorTiling.of(s, chunk)
         if tuple(c.shape) != (t.n_tiles, t.tile_numel):
@@ -419,9 +420,8 @@ def dct_decode(
     coeffs: torch.Tensor, shape: Sequence[int], chunk: int = 64, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of :func:`dct_encode`: the tensor of ``shape`` (in ``dtype``) from its tile coefficients."""
-    shapes = [[s if isinstance(s, torch.SymInt) else int(s) for s in shape]]
-    _check_coeffs([coeffs], shapes, chunk, dtype)
-    return torch.ops.cokit.dct_decode_multi([coeffs], *pack_shapes(shapes), chunk, dtype)[0]
+    _check_coeffs([coeffs], [shape], chunk, dtype)
+    return torch.ops.cokit.dct_decode_multi([coeffs], *pack_shapes([shape]), chunk, dtype)[0]
 
 
 def dct_encode_multi(xs: Sequence[torch.Tensor], chunk: int = 64) -> list[torch.Tensor]:
@@ -439,6 +439,5 @@ def dct_decode_multi(
 ) -> list[torch.Tensor]:
     """:func:`dct_decode` of a bucket of tensors, one launch per tile class."""
     coeffs = check_tensor_list("coeffs", coeffs)
-    int_shapes = [[s if isinstance(s, torch.SymInt) else int(s) for s in shape] for shape in shapes]
-    _check_coeffs(coeffs, int_shapes, chunk, dtype)
-    return torch.ops.cokit.dct_decode_multi(coeffs, *pack_shapes(int_shapes), chunk, dtype)
+    _check_coeffs(coeffs, shapes, chunk, dtype)
+    return torch.ops.cokit.dct_decode_multi(coeffs, *pack_shapes(shapes), chunk, dtype)

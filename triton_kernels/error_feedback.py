@@ -326,7 +326,7 @@ def _encode_compile_specs(target: str) -> list[CompileSpec]:
     and without the alignment hints (label suffix ``+aligned``)."""
     limits = arch_limits(target)
     specs = []
-    for mode, two_d, rows, width in compress_config.shipped_blocks():
+    for mode, two_d, rows, width in tiling.compile_blocks():
         sig = tiling.geometry_signature(
             delta_ref="*fp32",
             grad_ref="*bf16",
@@ -361,7 +361,7 @@ def _decode_compile_specs(target: str) -> list[CompileSpec]:
     (signum update, 32 slots per tile)."""
     limits = arch_limits(target)
     specs: list[CompileSpec] = []
-    for mode, two_d, rows, width in compress_config.shipped_blocks():
+    for mode, two_d, rows, width in tiling.compile_blocks():
         sig = tiling.geometry_signature(
             param_ref="*bf16",
             indices="*i16",
@@ -437,13 +437,11 @@ def _encode_class(
     beta: float,
     lr: float,
     alpha: float,
-    config: compress_config.KernelConfig | None = None,
 ) -> None:
     """The encode launch of one tile class (its contiguous buffers and gradients, in class
-    order) with ``config`` or the selected one
-    (:func:`~cokit.triton_kernels.compress_config.select_config`). The encode updates the
-    buffers in place, so tuning trials run on copies: cloned buffers, the same gradients,
-    scratch payload outputs."""
+    order) with the config :func:`~cokit.triton_kernels.compress_config.select_config` picks.
+    The encode updates the buffers in place, so tuning trials run on copies: cloned buffers,
+    the same gradients, scratch payload outputs."""
     device = idx.device
 
     def launch(cfg: compress_config.KernelConfig, bs: list[torch.Tensor], i_out, v_out) -> None:
@@ -469,17 +467,17 @@ def _encode_class(
         )
 
     aligned = tiling.aligned([plan.tilings[i] for i in cls.tensors], [*bufs, *grads])
-    if config is None:
-        scratch: list[Any] = []
+    scratch: list[Any] = []
 
-        def trial(cfg: compress_config.KernelConfig) -> None:
-            if not scratch:  # made once, on the first trial launch (a cache hit makes none)
-                scratch.extend([[b.clone() for b in bufs], torch.empty_like(idx), torch.empty_like(vals)])
-            launch(cfg, *scratch)
+    def trial(cfg: compress_config.KernelConfig) -> None:
+        if not scratch:  # made once, on the first trial launch (a cache hit makes none)
+            scratch.extend([[b.clone() for b in bufs], torch.empty_like(idx), torch.empty_like(vals)])
+        launch(cfg, *scratch)
 
-        block = (cls.block_rows, cls.block_w)
-        config = compress_config.select_config("ef_encode", block, device, trial, two_d=not cls.one_d)
-    launch(config, bufs, idx, vals)
+    block = (cls.block_rows, cls.block_w)
+    launch(
+        compress_config.select_config("ef_encode", block, device, trial, two_d=not cls.one_d), bufs, idx, vals
+    )
 
 
 def scatter_precision(config: compress_config.KernelConfig, value_dtype: torch.dtype) -> str:

@@ -18,18 +18,23 @@ larger per-block shared-memory reservation (:func:`cokit.triton_kernels.shaped_l
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from .backend import ArchLimits, arch_limits, cached_device_limits, device_index, kernel_path
+from .backend import (
+    ArchLimits,
+    arch_limits,
+    cached_device_limits,
+    cached_device_name,
+    device_index,
+    kernel_path,
+)
 from .gemm_config import GemmConfig, config_space, interpreter_config, parse_dtype, prune_configs
-from .tuning_cache import TuningCache, autotune
+from .tuning_cache import TuningCache, autotune, bench_gpu
 
 __all__ = [
     "PRECISIONS",
@@ -333,17 +338,6 @@ def _limits_for(path: str, device: torch.device) -> ArchLimits | None:
     return cached_device_limits(device)
 
 
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def _bench_gpu(fn: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5, rep=20)
-
-
 def select_config(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -373,14 +367,14 @@ def select_config(
     if not tune:
         return configs[0]
     cache = TuningCache(cache_dir)
-    key = TuningCache.key(_device_name(device_index(a.device)), a.dtype, M, N, K, persistent, precision)
+    key = TuningCache.key(cached_device_name(device_index(a.device)), a.dtype, M, N, K, persistent, precision)
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if cache.load(key) is None:
         _precompile(a, b, bias, out, configs, precision, path, limits)
     best, _ = autotune(
         configs,
         lambda cfg: _launch(a, b, bias, out, cfg, precision, path, limits),
-        _bench_gpu,
+        bench_gpu,
         cache=cache,
         key=key,
     )

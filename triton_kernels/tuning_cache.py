@@ -37,6 +37,7 @@ __all__ = [
     "TunedConfig",
     "TuningCache",
     "autotune",
+    "bench_gpu",
     "default_cache_dir",
     "entry_kind",
     "shape_bucket",
@@ -81,6 +82,14 @@ def default_cache_dir() -> Path:
 def shape_bucket(M: int, N: int, K: int) -> str:
     """Shapes that share a tuned config: each dimension rounded up to a power of 2."""
     return "x".join(str(next_pow2(max(1, d))) for d in (M, N, K))
+
+
+def bench_gpu(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of ``fn`` on the GPU (``triton.testing.do_bench``): the timer the
+    autotuners use by default."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=20)
 
 
 def entry_kind(key: str) -> str:

@@ -87,7 +87,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 def _print_kernels(targets: list[str], as_json: bool) -> int:
     from cokit.triton_kernels.backend import arch_limits
-    from cokit.triton_kernels.compile_only import resource_rows, spill_problems_of_rows
+    from cokit.triton_kernels.compile_only import resource_rows, spill_problems
 
     for t in targets:
         arch_limits(t)  # an unknown target fails here, with the known ones named
@@ -98,7 +98,7 @@ def _print_kernels(targets: list[str], as_json: bool) -> int:
         return 0
     table = resource_rows(rows)
     print(_table(table[1:], table[0]))
-    problems = spill_problems_of_rows(rows)
+    problems = spill_problems(rows)
     print()
     print("spills: none" if not problems else "spills:\n  " + "\n  ".join(problems))
     return 0
