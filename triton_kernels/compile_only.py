@@ -217,18 +217,34 @@ def kernel_specs(target: str) -> list[KernelSpec]:
     return specs
 
 
-def compile_all(targets: list[str]) -> list[CompiledKernel]:
-    """Compile every build of :func:`kernel_specs` for each target, with its launch options;
-    raise on any failure."""
-    out = []
-    for target in targets:
-        for label, fn, sig, constexprs, options in kernel_specs(target):
-            try:
-                ck = compile_for_target(fn, sig, constexprs, target, **options)
-            except Exception as exc:
-                raise RuntimeError(f"{label} failed to compile for {target}: {exc}") from exc
-            out.append(dataclasses.replace(ck, name=label, compiled=None))
-    return out
+def _compile_spec(target: str, index: int) -> CompiledKernel:
+    """Build the ``index``-th of :func:`kernel_specs` for ``target`` (a worker of
+    :func:`compile_all`: specs hold kernels, so each process collects its own)."""
+    label, fn, sig, constexprs, options = kernel_specs(target)[index]
+    try:
+        ck = compile_for_target(fn, sig, constexprs, target, **options)
+    except Exception as exc:
+        raise RuntimeError(f"{label} failed to compile for {target}: {exc}") from exc
+    return dataclasses.replace(ck, name=label, compiled=None)
+
+
+def compile_all(targets: list[str], jobs: int | None = None) -> list[CompiledKernel]:
+    """Compile every build of :func:`kernel_specs` for each target, with its launch options,
+    in ``jobs`` processes (default: one per CPU; 1 builds in this process); raise on any
+    failure. Reports come back in spec order whatever the number of jobs."""
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    work = [(target, i) for target in targets for i in range(len(kernel_specs(target)))]
+    jobs = min(len(work), jobs or os.cpu_count() or 1)
+    if jobs <= 1:
+        return [_compile_spec(target, i) for target, i in work]
+    import concurrent.futures
+    import multiprocessing
+
+    # spawn, not fork: the parent may hold torch's and Triton's threads and locks.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        return list(pool.map(_compile_spec, *zip(*work)))
 
 
 def spill_problems(rows: list[dict[str, Any]]) -> list[str]:
@@ -304,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("targets", nargs="*", default=["sm_80", "sm_90", "gfx942"])
+    parser.add_argument("--jobs", type=int, default=None, help="build processes (default: one per CPU)")
     args = parser.parse_args(argv)
-    print(json.dumps([ck.as_row() for ck in compile_all(args.targets)]))
+    print(json.dumps([ck.as_row() for ck in compile_all(args.targets, args.jobs)]))
     return 0
 
 
