@@ -228,14 +228,15 @@ def _compile_spec(target: str, index: int) -> CompiledKernel:
     return dataclasses.replace(ck, name=label, compiled=None)
 
 
-def compile_all(targets: list[str], jobs: int | None = None) -> list[CompiledKernel]:
-    """Compile every build of :func:`kernel_specs` for each target, with its launch options,
-    in ``jobs`` processes (default: one per CPU; 1 builds in this process); raise on any
-    failure. Reports come back in spec order whatever the number of jobs."""
-    if jobs is not None and jobs < 1:
+def compile_all(targets: list[str], jobs: int = 1) -> list[CompiledKernel]:
+    """Compile every build of :func:`kernel_specs` for each target, with its launch options;
+    raise on any failure. ``jobs > 1`` builds in that many spawned processes (a script that
+    asks for them needs the ``if __name__ == "__main__":`` guard of :mod:`multiprocessing`);
+    reports come back in spec order whatever the number of jobs."""
+    if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     work = [(target, i) for target in targets for i in range(len(kernel_specs(target)))]
-    jobs = min(len(work), jobs or os.cpu_count() or 1)
+    jobs = min(len(work), jobs)
     if jobs <= 1:
         return [_compile_spec(target, i) for target, i in work]
     import concurrent.futures
@@ -320,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("targets", nargs="*", default=["sm_80", "sm_90", "gfx942"])
-    parser.add_argument("--jobs", type=int, default=None, help="build processes (default: one per CPU)")
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="build processes (default: one per CPU)"
+    )
     args = parser.parse_args(argv)
     print(json.dumps([ck.as_row() for ck in compile_all(args.targets, args.jobs)]))
     return 0
