@@ -39,12 +39,13 @@ def bf16_parts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
 def dot(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     """fp32 ``a @ b`` as a tensor core computes it at ``precision`` ('tf32', 'tf32x3',
     'bf16x6', 'ieee'). bf16x6 (the sm_80 choice): three bf16 terms per operand, the six
-    products whose orders add up to at most 4 (i + j <= 2 for terms 0..2), smallest first."""
+    products whose orders add up to at most 2 (i + j <= 2 for terms 0..2), in the kernel's
+    order (``dct.dot_fp32``: lo*hi, mid*mid, mid*hi, hi*lo, hi*mid, hi*hi)."""
     if precision == "ieee":
         return a @ b
     if precision == "bf16x6":
         pa, pb = bf16_parts(a, 3), bf16_parts(b, 3)
-        pairs = sorted(((i, j) for i in range(3) for j in range(3) if i + j <= 2), key=lambda ij: -sum(ij))
+        pairs = [(2, 0), (1, 1), (1, 0), (0, 2), (0, 1), (0, 0)]
         out = pa[pairs[0][0]] @ pb[pairs[0][1]]
         for i, j in pairs[1:]:
             out = out + pa[i] @ pb[j]

@@ -7,8 +7,8 @@ matrix (tiling rules in :mod:`cokit.triton_kernels.tiling`); decode is the exact
 
 Inputs may be fp32, fp16 or bf16; the math is fp32-class: every ``tl.dot`` takes the launch
 config's ``DOT_PRECISION`` (:mod:`cokit.triton_kernels.compress_config`: ``"tf32x3"`` on
-NVIDIA tensor cores, native fp32 ``"ieee"`` MFMA on AMD, ``"ieee"`` under the interpreter;
-never plain TF32). The ``*_multi`` forms transform a whole bucket of tensors with one
+sm_90+ tensor cores, six bf16 products split by hand on sm_80 (:func:`dot_fp32`), native fp32
+``"ieee"`` MFMA on AMD, ``"ieee"`` under the interpreter; never plain TF32). The ``*_multi`` forms transform a whole bucket of tensors with one
 launch per tile class instead of one launch per tensor.
 
 Layout: Triton kernel + launcher + torch reference + ``torch.library`` ops (``cokit::``).
@@ -78,6 +78,60 @@ def load_basis(bank, off, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
 
 
 @triton.jit
+def split_bf16(x):
+    """fp32 ``x`` as three bf16 terms ``hi + mid + lo``, each the rounded rest of the others
+    (24 significant bits in all: fp32's)."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def dot_fp32(a, b, key, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` of two fp32 blocks at ``DOT_PRECISION``, one ``scf.if`` region per product.
+
+    ``"bf16x6"`` is split by hand (:func:`split_bf16`): the six products of terms whose orders
+    add up to at most 2, in the order ``a``'s terms die (lo*hi, mid*mid, mid*hi, hi*lo,
+    hi*mid, hi*hi), which keeps the fewest terms live; other precisions go to one ``tl.dot``. Each product
+    sits in its own region, under a condition that is always true (``key >= -i``; ``key`` is a
+    bank offset, never negative) but that the compiler cannot fold or merge with the next
+    one. Why: Triton's NVIDIA layout pass (``warpsPerTileV2``) gives all warps to the rows
+    when it finds another dot in the dot's region (here: the accumulator chain, the second
+    transform, the inverse), so every warp held the whole right-hand operand and the 64x64
+    fused encode spilled 200-400 B per thread on sm_80. With one dot per region it takes a
+    2 x 4 warp grid (8 warps) and nothing spills on sm_80, sm_90 (triton 3.6 and 3.9).
+
+    Args:
+        a: fp32 ``(M, K)`` block.
+        b: fp32 ``(K, N)`` block.
+        key: int scalar >= 0 known only at run time (a bank offset).
+        DOT_PRECISION (constexpr): ``tl.dot`` input precision, or ``"bf16x6"``.
+    """
+    acc = tl.zeros((a.shape[0], b.shape[1]), tl.float32)
+    if DOT_PRECISION == "bf16x6":
+        a_hi, a_mid, a_lo = split_bf16(a)
+        b_hi, b_mid, b_lo = split_bf16(b)
+        if key >= 0:
+            acc = tl.dot(a_lo, b_hi, acc)
+        if key >= -1:
+            acc = tl.dot(a_mid, b_mid, acc)
+        if key >= -2:
+            acc = tl.dot(a_mid, b_hi, acc)
+        if key >= -3:
+            acc = tl.dot(a_hi, b_lo, acc)
+        if key >= -4:
+            acc = tl.dot(a_hi, b_mid, acc)
+        if key >= -5:
+            acc = tl.dot(a_hi, b_hi, acc)
+    else:
+        if key >= 0:
+            acc = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def transform_block(
     x,
     bank,
@@ -92,7 +146,7 @@ def transform_block(
     """Encode ``B_h x B_w^T`` / decode ``B_h^T x B_w`` of a zero-padded fp32 block.
 
     In ONE_D mode (``TWO_D`` false) every row of ``x`` is its own 1-D tile: only the
-    right-hand transform applies. The dots use ``input_precision=DOT_PRECISION``. The bank's
+    right-hand transform applies. The dots run at ``DOT_PRECISION`` (:func:`dot_fp32`). The bank's
     matrices are zero outside their ``n x n`` part, so the result is too.
 
     Args:
@@ -112,10 +166,10 @@ def transform_block(
     Returns the transformed fp32 block, zero outside the valid part.
     """
     right = load_basis(bank, bw_off, BLOCK_W, not INVERSE)
-    y = tl.dot(x, right, input_precision=DOT_PRECISION)
+    y = dot_fp32(x, right, bw_off, DOT_PRECISION)
     if TWO_D:
         left = load_basis(bank, bh_off, BLOCK_ROWS, INVERSE)
-        y = tl.dot(left, y, input_precision=DOT_PRECISION)
+        y = dot_fp32(left, y, bh_off, DOT_PRECISION)
     return y
 
 

@@ -23,8 +23,8 @@ dense block through one-hot dots (exact: each output is one ``v * 1``), a 1-D ti
 one compare-and-add pass per slot. Every rank therefore computes bit-identical parameters
 from the same gathered payload, with no scratch memory, atomics or barriers.
 
-Launch configs (``num_warps``, stages, the ``tl.dot`` precision: ``"tf32x3"`` on NVIDIA,
-``"ieee"`` on AMD and in the interpreter) come from
+Launch configs (``num_warps``, stages, the ``tl.dot`` precision: ``"tf32x3"`` from sm_90,
+the hand-split ``"bf16x6"`` before, ``"ieee"`` on AMD and in the interpreter) come from
 :mod:`~cokit.triton_kernels.compress_config`.
 
 Layout: Triton kernels + launchers + torch references + ``torch.library`` ops (``cokit::``).
@@ -64,6 +64,28 @@ INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _block_pointers(g, pointers, col: tl.constexpr, ref, r, c, ALIGNED: tl.constexpr):
+    """Pointers to the elements of a program's block in one tensor of its class.
+
+    Args:
+        g: pointer to the program's geometry row (columns ``tiling.G_*``).
+        pointers: int64, ``(n_tensors, 2)`` pointer table of the launch class.
+        col (constexpr): the table column (0: buffer, 1: gradient).
+        ref: a pointer argument typed like the tensors of that column.
+        r: ``(BLOCK_ROWS, 1)`` row indices; c: ``(1, BLOCK_W)`` column indices.
+        ALIGNED (constexpr): pointer, block offset and row stride are multiples of 16.
+    """
+    base = table_pointer(pointers, tl.load(g + 0), col, 2, ref)
+    x_off = tl.load(g + 1)
+    row_stride = tl.load(g + 2)
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+        x_off = tl.multiple_of(x_off, 16)
+        row_stride = tl.multiple_of(row_stride, 16)
+    return base + x_off + r * row_stride + c
 
 
 @triton.jit
@@ -121,34 +143,25 @@ def _ef_encode_kernel(
             (:class:`~cokit.triton_kernels.compress_config.KernelConfig`).
         ALIGNED (constexpr): the class's buffers, gradients, row strides and tile widths are
             ``tiling.ALIGN``-aligned (:func:`~cokit.triton_kernels.tiling.aligned`): the hints
-            give vectorized loads and stores and keep the 64x64 builds from spilling on sm_90.
+            give vectorized loads and stores.
     """
     g = geometry + tl.program_id(0) * G_COLS
-    tensor = tl.load(g + 0)
-    x_off = tl.load(g + 1)
-    row_stride = tl.load(g + 2)
     rows = tl.load(g + 4)
     w = tl.load(g + 6)
     bh_off = tl.load(g + 7)
     bw_off = tl.load(g + 8)
     p_off = tl.load(g + 9)
     k = tl.load(g + 10)
-    delta_ptr = table_pointer(pointers, tensor, 0, 2, delta_ref)
-    grad_ptr = table_pointer(pointers, tensor, 1, 2, grad_ref)
-
     if ALIGNED:
-        delta_ptr = tl.multiple_of(delta_ptr, 16)
-        grad_ptr = tl.multiple_of(grad_ptr, 16)
-        x_off = tl.multiple_of(x_off, 16)
-        row_stride = tl.multiple_of(row_stride, 16)
         w = tl.multiple_of(w, 16)
     r = tl.arange(0, BLOCK_ROWS)[:, None]
     c = tl.arange(0, BLOCK_W)[None, :]
     mask = (r < rows) & (c < w)
-    addr = x_off + r * row_stride + c
-    delta = beta * tl.load(delta_ptr + addr, mask=mask, other=0.0) + lr * tl.load(
-        grad_ptr + addr, mask=mask, other=0.0
-    ).to(tl.float32)
+    delta_at = _block_pointers(g, pointers, 0, delta_ref, r, c, ALIGNED)
+    grad_at = _block_pointers(g, pointers, 1, grad_ref, r, c, ALIGNED)
+    delta = beta * tl.load(delta_at, mask=mask, other=0.0) + lr * tl.load(grad_at, mask=mask, other=0.0).to(
+        tl.float32
+    )
     coeffs = transform_block(delta, bank, bh_off, bw_off, TWO_D, False, BLOCK_ROWS, BLOCK_W, DOT_PRECISION)
     selected, slot = topk_select(coeffs, mask, k, TWO_D)
     # the payload first: its position and slot blocks are dead before the inverse transform
@@ -171,7 +184,11 @@ def _ef_encode_kernel(
         BLOCK_W,
         DOT_PRECISION,
     )
-    tl.store(delta_ptr + addr, delta - alpha * sent, mask=mask)
+    # the buffer's addresses again, read after the payload stores: otherwise ptxas keeps the
+    # 64-bit addresses of the first load live through the transforms and the top-k (triton
+    # 3.6 spilled them on sm_80)
+    delta_at = _block_pointers(g, pointers, 0, delta_ref, r, c, ALIGNED)
+    tl.store(delta_at, delta - alpha * sent, mask=mask)
 
 
 @triton.jit
