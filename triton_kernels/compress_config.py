@@ -152,12 +152,14 @@ def estimate_registers(kernel: str, config: KernelConfig, block: tuple[int, int]
     return live * per_thread + _BASE_REGISTERS
 
 
-def estimate_shared_bytes(kernel: str, config: KernelConfig, block: tuple[int, int]) -> int:
-    """Shared memory (LDS) one block uses, in bytes: the layout conversions around the dots
-    stage at most one fp32 operand block and one ``BLOCK_W x BLOCK_W`` basis matrix."""
+def estimate_shared_bytes(kernel: str, block: tuple[int, int], backend: str) -> int:
+    """Shared memory (LDS) one block of ``kernel`` uses on ``backend``, in bytes: the layout
+    conversions around the dots stage up to the vendor's ``SHARED_FP32_BLOCKS[kernel]`` fp32
+    blocks of ``max(BLOCK_ROWS, BLOCK_W) x BLOCK_W`` at once (an upper bound of every
+    compile-only build, tests/test_compile_targets.py)."""
     _check_kernel(kernel)
     rows, width = _check_block(block)
-    return 4 * (rows * width + width * width)
+    return 4 * _vendor(backend).SHARED_FP32_BLOCKS[kernel] * max(rows, width) * width
 
 
 def check_fits(kernel: str, config: KernelConfig, block: tuple[int, int], limits: ArchLimits) -> None:
@@ -183,7 +185,7 @@ def check_fits(kernel: str, config: KernelConfig, block: tuple[int, int], limits
             f"{where}: dot_precision={config.dot_precision!r} does not compile on {limits.backend}; "
             f"allowed: {', '.join(vendor.DOT_PRECISIONS)}"
         )
-    shared = estimate_shared_bytes(kernel, config, (rows, width))
+    shared = estimate_shared_bytes(kernel, (rows, width), limits.backend)
     if shared > limits.max_shared_per_block:
         raise ValueError(
             f"{where}: needs about {shared} B of shared memory per block; the limit is "
@@ -217,7 +219,7 @@ def config_space(
     """Every config that may be launched on ``backend`` ('cuda' / 'hip') for a
     ``(BLOCK_ROWS, BLOCK_W)`` block, in the vendor's order (the first is the default). With
     ``arch`` (80, 90, 'gfx942', ...) it is that chip's space (the vendor's ``space_for``:
-    8 warps at ``"bf16x6"`` before sm_90, where tf32x3 spills).
+    8 or 16 warps at ``"bf16x6"`` before sm_90, where tf32x3 spills).
 
     Configs that do not fit every named target of the vendor (:func:`check_fits`: shared
     memory, registers) are pruned. When the vendor's space has none that fits (a large

@@ -17,6 +17,7 @@ __all__ = [
     "DOT_PRECISIONS",
     "LIVE_FP32",
     "NUM_WARPS",
+    "SHARED_FP32_BLOCKS",
     "SPACE",
     "TARGETS",
     "WARP_SIZE",
@@ -39,14 +40,14 @@ DEFAULT_PRECISION = "ieee"
 
 #: the configs a block may be launched with, per kernel, as KernelConfig fields; the first
 #: that fits the block's register estimate is the default. All compile without VGPR spills
-#: on gfx942: the fused encode only at 4 waves (at 8 its 2-D build spills VGPRs); the decode
-#: starts at 8 waves, where it also has no SGPR spills.
+#: on gfx942 (triton 3.6 and 3.9); the fused encode still spills 6-82 SGPRs (to VGPR lanes,
+#: not memory); the decode starts at 8 waves, where it also has no SGPR spills.
 _W4 = {"num_warps": 4, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 _W8 = {"num_warps": 8, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 SPACE: dict[str, tuple[dict[str, object], ...]] = {
     "dct_encode": (_W4, _W8),
     "dct_decode": (_W4, _W8),
-    "ef_encode": (_W4,),
+    "ef_encode": (_W4, _W8),
     "ef_decode": (_W8, _W4),
 }
 
@@ -62,3 +63,6 @@ def space_for(kernel: str, arch: int | str) -> tuple[dict[str, object], ...]:
 #: spill predictor: whether a shipped build spills is read from the compiler
 #: (tests/test_compile_targets.py, ``cokit info --kernels``).
 LIVE_FP32: dict[str, int] = {"dct_encode": 6, "dct_decode": 6, "ef_encode": 6, "ef_decode": 6}
+#: fp32 blocks (``max(BLOCK_ROWS, BLOCK_W) x BLOCK_W``) a kernel's layout conversions stage in
+#: shared memory at once, the most any compile-only build of triton 3.6 or 3.9 uses (gfx942: 16 KiB for 64x64 blocks, 32 KiB for the fused encode on triton 3.9).
+SHARED_FP32_BLOCKS: dict[str, int] = {"dct_encode": 1, "dct_decode": 1, "ef_encode": 2, "ef_decode": 1}

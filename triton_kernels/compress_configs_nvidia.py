@@ -7,8 +7,9 @@ register estimate fitted to ``ptxas -v`` of compile-only builds (:data:`LIVE_FP3
 
 The dots run at ``"tf32x3"`` from sm_90 on: three TF32 tensor-core products (hi*hi + hi*lo +
 lo*hi) give fp32-class accuracy (tests/test_dct_precision.py: 2.1e-7 relative error on 64x64
-DCT encodes, as plain fp32). Before sm_90 (:func:`space_for`) they run at ``"bf16x6"`` and 8
-warps, which sm_80 compiles with far fewer spills than tf32x3. ``"ieee"`` (fp32 FMA dots) has no
+DCT encodes, as plain fp32). Before sm_90 (:func:`space_for`) they run at ``"bf16x6"``, split
+by hand into six bf16 products (:func:`cokit.triton_kernels.dct.dot_fp32`), at 8 or 16 warps:
+sm_80 compiles that without spills, tf32x3 with hundreds of bytes. ``"ieee"`` (fp32 FMA dots) has no
 tensor-core path and spills kilobytes per thread at 64x64 blocks (6.8 KB stack for the 2-D
 DCT encode on sm_90), so it is not in the space.
 """
@@ -21,6 +22,7 @@ __all__ = [
     "DOT_PRECISIONS",
     "LIVE_FP32",
     "NUM_WARPS",
+    "SHARED_FP32_BLOCKS",
     "SPACE",
     "TARGETS",
     "WARP_SIZE",
@@ -42,26 +44,31 @@ DEFAULT_PRECISION = "tf32x3"
 
 
 #: the configs a block may be launched with, per kernel, as KernelConfig fields; the first
-#: that fits the block's register estimate is the default. Only builds that ``ptxas -v``
-#: reports spill-free on sm_90 for the shipped 64x64 blocks are here, except the fused encode's
-#: 2-D build (tests/test_compile_targets.py lists what still spills): at 4 warps the
-#: error-feedback kernels spill more, so they start at 8.
+#: that fits the block's register estimate is the default. Every one compiles with no stack
+#: or spill bytes for the shipped 64x64 blocks on sm_90 (triton 3.6 and 3.9,
+#: tests/test_compile_targets.py); the fused encode spills at 4 warps (about 300 B) and at 16
+#: (about 100 B), the decode at 4 (224 B), so those are not here.
 _W4 = {"num_warps": 4, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 _W8 = {"num_warps": 8, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
+_W16 = {"num_warps": 16, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 SPACE: dict[str, tuple[dict[str, object], ...]] = {
-    "dct_encode": (_W4, _W8),
-    "dct_decode": (_W4, _W8),
+    "dct_encode": (_W4, _W8, _W16),
+    "dct_decode": (_W4, _W8, _W16),
     "ef_encode": (_W8,),
-    "ef_decode": (_W8,),
+    "ef_decode": (_W8, _W16),
 }
-#: before sm_90 (mma.sync keeps every warp's operand slices in registers) tf32x3 spills up to
-#: 800 B per thread on the 64x64 DCT; bf16x6 (fp32-class too) at 8 warps does not.
-_PRE_HOPPER = ({"num_warps": 8, "num_stages": 1, "dot_precision": "bf16x6"},)
+#: before sm_90 (mma.sync holds the operands in registers, wgmma reads them from shared
+#: memory) tf32x3 spills up to 800 B per thread on the 64x64 DCT; the hand-split bf16x6
+#: (fp32-class too) does not at 8 or 16 warps, and spills at 4 (the fused encode 330 B).
+_PRE_HOPPER: tuple[dict[str, object], ...] = (
+    {"num_warps": 8, "num_stages": 1, "dot_precision": "bf16x6"},
+    {"num_warps": 16, "num_stages": 1, "dot_precision": "bf16x6"},
+)
 
 
 def space_for(kernel: str, arch: int | str) -> tuple[dict[str, object], ...]:
-    """The configs of ``kernel`` on one chip: :data:`SPACE` from sm_90 on (wgmma reads its
-    operands from shared memory), 8 warps at ``"bf16x6"`` before."""
+    """The configs of ``kernel`` on one chip: :data:`SPACE` from sm_90 on, 8 or 16 warps at
+    ``"bf16x6"`` before."""
     return SPACE[kernel] if int(arch) >= 90 else _PRE_HOPPER
 
 
@@ -71,3 +78,6 @@ def space_for(kernel: str, arch: int | str) -> tuple[dict[str, object], ...]:
 #: spill predictor: whether a shipped build spills is read from the compiler
 #: (tests/test_compile_targets.py, ``cokit info --kernels``).
 LIVE_FP32: dict[str, int] = {"dct_encode": 6, "dct_decode": 6, "ef_encode": 6, "ef_decode": 6}
+#: fp32 blocks (``max(BLOCK_ROWS, BLOCK_W) x BLOCK_W``) a kernel's layout conversions stage in
+#: shared memory at once, the most any compile-only build of triton 3.6 or 3.9 uses (sm_90: 32 KiB for the 64x64 DCT, 64 KiB for the error-feedback kernels).
+SHARED_FP32_BLOCKS: dict[str, int] = {"dct_encode": 2, "dct_decode": 2, "ef_encode": 4, "ef_decode": 4}
