@@ -40,7 +40,7 @@ DEFAULT_PRECISION = "ieee"
 
 #: the configs a block may be launched with, per kernel, as KernelConfig fields; the first
 #: that fits the block's register estimate is the default. All compile without VGPR spills
-#: on gfx942 (triton 3.6 and 3.9); the fused encode still spills 6-82 SGPRs (to VGPR lanes,
+#: on gfx942 (triton 3.6 and 3.9); the fused encode still spills 4-77 SGPRs (to VGPR lanes,
 #: not memory); the decode starts at 8 waves, where it also has no SGPR spills.
 _W4 = {"num_warps": 4, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 _W8 = {"num_warps": 8, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
@@ -64,5 +64,6 @@ def space_for(kernel: str, arch: int | str) -> tuple[dict[str, object], ...]:
 #: (tests/test_compile_targets.py, ``cokit info --kernels``).
 LIVE_FP32: dict[str, int] = {"dct_encode": 6, "dct_decode": 6, "ef_encode": 6, "ef_decode": 6}
 #: fp32 blocks (``max(BLOCK_ROWS, BLOCK_W) x BLOCK_W``) a kernel's layout conversions stage in
-#: shared memory at once, the most any compile-only build of triton 3.6 or 3.9 uses (gfx942: 16 KiB for 64x64 blocks, 32 KiB for the fused encode on triton 3.9).
+#: shared memory at once, the most any compile-only build of triton 3.6 or 3.9 uses (gfx942:
+#: 16 KiB for 64x64 blocks, 32 KiB for the fused encode on triton 3.9).
 SHARED_FP32_BLOCKS: dict[str, int] = {"dct_encode": 1, "dct_decode": 1, "ef_encode": 2, "ef_decode": 1}

@@ -8,9 +8,9 @@ register estimate fitted to ``ptxas -v`` of compile-only builds (:data:`LIVE_FP3
 The dots run at ``"tf32x3"`` from sm_90 on: three TF32 tensor-core products (hi*hi + hi*lo +
 lo*hi) give fp32-class accuracy (tests/test_dct_precision.py: 2.1e-7 relative error on 64x64
 DCT encodes, as plain fp32). Before sm_90 (:func:`space_for`) they run at ``"bf16x6"``, split
-by hand into six bf16 products (:func:`cokit.triton_kernels.dct.dot_fp32`), at 8 or 16 warps:
-sm_80 compiles that without spills, tf32x3 with hundreds of bytes. ``"ieee"`` (fp32 FMA dots) has no
-tensor-core path and spills kilobytes per thread at 64x64 blocks (6.8 KB stack for the 2-D
+by hand into six bf16 products (:func:`cokit.triton_kernels.dct.dot_fp32`), at 8 or 16
+warps: sm_80 compiles that without spills, tf32x3 with hundreds of bytes. ``"ieee"`` (fp32 FMA
+dots) has no tensor-core path and spills kilobytes per thread at 64x64 blocks (6.8 KB stack for the 2-D
 DCT encode on sm_90), so it is not in the space.
 """
 
@@ -79,5 +79,6 @@ def space_for(kernel: str, arch: int | str) -> tuple[dict[str, object], ...]:
 #: (tests/test_compile_targets.py, ``cokit info --kernels``).
 LIVE_FP32: dict[str, int] = {"dct_encode": 6, "dct_decode": 6, "ef_encode": 6, "ef_decode": 6}
 #: fp32 blocks (``max(BLOCK_ROWS, BLOCK_W) x BLOCK_W``) a kernel's layout conversions stage in
-#: shared memory at once, the most any compile-only build of triton 3.6 or 3.9 uses (sm_90: 32 KiB for the 64x64 DCT, 64 KiB for the error-feedback kernels).
+#: shared memory at once, the most any compile-only build of triton 3.6 or 3.9 uses (sm_90:
+#: 32 KiB for the 64x64 DCT, 64 KiB for the error-feedback kernels).
 SHARED_FP32_BLOCKS: dict[str, int] = {"dct_encode": 2, "dct_decode": 2, "ef_encode": 4, "ef_decode": 4}

@@ -8,8 +8,9 @@ matrix (tiling rules in :mod:`cokit.triton_kernels.tiling`); decode is the exact
 Inputs may be fp32, fp16 or bf16; the math is fp32-class: every ``tl.dot`` takes the launch
 config's ``DOT_PRECISION`` (:mod:`cokit.triton_kernels.compress_config`: ``"tf32x3"`` on
 sm_90+ tensor cores, six bf16 products split by hand on sm_80 (:func:`dot_fp32`), native fp32
-``"ieee"`` MFMA on AMD, ``"ieee"`` under the interpreter; never plain TF32). The ``*_multi`` forms transform a whole bucket of tensors with one
-launch per tile class instead of one launch per tensor.
+``"ieee"`` MFMA on AMD, ``"ieee"`` under the interpreter; never plain TF32). The ``*_multi``
+forms transform a whole bucket of tensors with one launch per tile class instead of one
+launch per tensor.
 
 Layout: Triton kernel + launcher + torch reference + ``torch.library`` ops (``cokit::``).
 """
@@ -94,8 +95,8 @@ def dot_fp32(a, b, key, DOT_PRECISION: tl.constexpr):
 
     ``"bf16x6"`` is split by hand (:func:`split_bf16`): the six products of terms whose orders
     add up to at most 2, in the order ``a``'s terms die (lo*hi, mid*mid, mid*hi, hi*lo,
-    hi*mid, hi*hi), which keeps the fewest terms live; other precisions go to one ``tl.dot``. Each product
-    sits in its own region, under a condition that is always true (``key >= -i``; ``key`` is a
+    hi*mid, hi*hi), which keeps the fewest terms live; other precisions go to one ``tl.dot``.
+    Each product sits in its own region, under a condition that is always true (``key >= -i``; ``key`` is a
     bank offset, never negative) but that the compiler cannot fold or merge with the next
     one. Why: Triton's NVIDIA layout pass (``warpsPerTileV2``) gives all warps to the rows
     when it finds another dot in the dot's region (here: the accumulator chain, the second
@@ -146,8 +147,8 @@ def transform_block(
     """Encode ``B_h x B_w^T`` / decode ``B_h^T x B_w`` of a zero-padded fp32 block.
 
     In ONE_D mode (``TWO_D`` false) every row of ``x`` is its own 1-D tile: only the
-    right-hand transform applies. The dots run at ``DOT_PRECISION`` (:func:`dot_fp32`). The bank's
-    matrices are zero outside their ``n x n`` part, so the result is too.
+    right-hand transform applies. The dots run at ``DOT_PRECISION`` (:func:`dot_fp32`). The
+    bank's matrices are zero outside their ``n x n`` part, so the result is too.
 
     Args:
         x: fp32 ``(BLOCK_ROWS, BLOCK_W)`` block, zero outside the valid ``h x w`` (TWO_D) or
