@@ -36,13 +36,14 @@ def gemm_calls(monkeypatch) -> list[dict]:
     """Every GEMM the linear op launches writes into a NaN-poisoned output (so an unwritten
     element fails the check) and is recorded here: its operand shapes and keywords."""
     calls: list[dict] = []
+    real_gemm = G.gemm
 
     def poisoned_gemm(a, b, bias=None, **kw):
         calls.append({"a": tuple(a.shape), "b": tuple(b.shape), **kw})
         out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device)
-        return G.gemm(a, b, bias, out=out, **kw)
+        return real_gemm(a, b, bias, out=out, **kw)
 
-    monkeypatch.setattr(L, "gemm", poisoned_gemm)
+    monkeypatch.setattr(G, "gemm", poisoned_gemm)
     return calls
 
 

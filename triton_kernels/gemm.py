@@ -1,8 +1,11 @@
 """GEMM with a controllable resource footprint: ``C = A @ B (+ bias)``.
 
 Liger-Kernel layout: the Triton kernels, the launcher (:func:`gemm`: shapes, strides, grid,
-config choice), the pure-torch reference (:func:`gemm_reference`) and the ``cokit::matmul``
-custom op (:func:`matmul`, autograd through the same kernel).
+config choice), the pure-torch reference (:func:`gemm_reference`) and the ops: the
+``cokit::matmul`` ``torch.library.triton_op`` (:func:`matmul`, autograd through the same
+kernel; :func:`gemm_in_graph` launches the kernel through ``wrap_triton`` on a GPU, so
+Inductor compiles it into its graph) and the opaque ``cokit::gemm_launch`` for what
+Inductor cannot launch (CPU, occupancy-shaped configs).
 
 Two forms from one tile routine:
 
@@ -33,13 +36,21 @@ from .backend import (
     device_index,
     kernel_path,
 )
-from .gemm_config import GemmConfig, config_space, interpreter_config, parse_dtype, prune_configs
+from .gemm_config import (
+    GemmConfig,
+    config_space,
+    interpreter_config,
+    parse_config_spec,
+    parse_dtype,
+    prune_configs,
+)
 from .tuning_cache import TuningCache, autotune, bench_gpu
 
 __all__ = [
     "PRECISIONS",
     "compile_gemm",
     "gemm",
+    "gemm_in_graph",
     "gemm_occupancy",
     "gemm_reference",
     "matmul",
@@ -338,6 +349,17 @@ def _limits_for(path: str, device: torch.device) -> ArchLimits | None:
     return cached_device_limits(device)
 
 
+def _size_hint(size: int | torch.SymInt) -> int:
+    """A size as an int; a symbolic one by its hint, adding no guard (torch 2.13 calls the
+    function ``optimization_hint``, earlier versions ``hint_int``)."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    from torch.fx.experimental import symbolic_shapes
+
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int  # type: ignore[attr-defined]
+    return int(hint(size, fallback=4096))
+
+
 def select_config(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -352,10 +374,12 @@ def select_config(
 
     Interpreter: a fixed config of large tiles (deterministic). GPU: the winner cached for
     (device, dtype, form, precision, shape bucket); on a miss, the backend's config space
-    pruned by shared memory is timed (``tune=True``, result stored) or its first config used.
+    pruned by shared memory is timed (``tune=True``, result stored) or its first config used
+    (``tune=False``: nothing is timed). Symbolic sizes (``torch.compile(dynamic=True)``)
+    choose by their hints, without a guard: the choice changes speed, never the result.
     """
-    M, K = a.shape
-    N = b.shape[1]
+    M, K = (_size_hint(d) for d in a.shape)
+    N = _size_hint(b.shape[1])
     path = kernel_path(a.device)
     if path not in ("cuda", "hip"):
         return interpreter_config(M, N, K, persistent)
@@ -364,10 +388,10 @@ def select_config(
     configs = prune_configs(config_space(path, persistent), a.dtype, limits, M, N, K, precision)
     if not configs:
         raise RuntimeError(f"no GEMM config fits {limits.name} for {a.dtype}")
-    if not tune:
-        return configs[0]
     cache = TuningCache(cache_dir)
     key = TuningCache.key(cached_device_name(device_index(a.device)), a.dtype, M, N, K, persistent, precision)
+    if not tune:
+        return cache.load(key) or configs[0]
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if cache.load(key) is None:
         _precompile(a, b, bias, out, configs, precision, path, limits)
@@ -415,14 +439,14 @@ def _prepare(
         BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M,
         HAS_BIAS=bias is not None,
-        EVEN_K=K % cfg.BLOCK_K == 0,
+        EVEN_K=bool(K % cfg.BLOCK_K == 0),  # a constexpr: a guard when K is symbolic
         UPCAST=path == "interpreter" and a.dtype == torch.bfloat16,
         # precision only matters for fp32 operands; one spelling for 16-bit avoids recompiles
         INPUT_PRECISION=precision if a.dtype == torch.float32 else "ieee",
     )
     if cfg.persistent:
         sms = cfg.num_sms or (limits.num_sms if limits is not None else 2)
-        programs = min(sms, tiles)
+        programs = torch.sym_min(sms, tiles)  # no guard when tiles is symbolic
         kernel = _gemm_persistent_kernel
     else:
         programs = tiles
@@ -523,16 +547,9 @@ def gemm(
     inputs; 'tf32' needs NVIDIA. CPU tensors run the interpreter (``TRITON_INTERPRET=1``) or
     the torch reference.
     """
-    _check_inputs(a, b, bias, precision)
+    path = _check_call(a, b, bias, config, precision, persistent)
     M, K = a.shape
     N = b.shape[1]
-    path = kernel_path(a.device)
-    if path == "hip" and precision == "tf32" and a.dtype == torch.float32:
-        raise ValueError("precision='tf32' is not available on AMD GPUs in Triton; allowed there: 'ieee'")
-    if config is not None and persistent is not None and persistent != config.persistent:
-        raise ValueError(
-            f"persistent={persistent} contradicts config.persistent={config.persistent}; pass one of them"
-        )
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     elif out.shape != (M, N) or out.dtype != a.dtype or out.device != a.device:
@@ -549,6 +566,43 @@ def gemm(
             config.validate("interpreter", dtype=a.dtype)
         out.copy_(gemm_reference(a, b, bias, precision))
         return out
+    limits, config = _resolve_config(a, b, bias, config, precision, persistent, path, cache_dir, tune)
+    _launch(a, b, bias, out, config, precision, path, limits)
+    return out
+
+
+def _check_call(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None,
+    precision: str,
+    persistent: bool | None,
+) -> str:
+    """Check one GEMM call's arguments (before any work); returns its :func:`kernel_path`."""
+    _check_inputs(a, b, bias, precision)
+    path = kernel_path(a.device)
+    if path == "hip" and precision == "tf32" and a.dtype == torch.float32:
+        raise ValueError("precision='tf32' is not available on AMD GPUs in Triton; allowed there: 'ieee'")
+    if config is not None and persistent is not None and persistent != config.persistent:
+        raise ValueError(
+            f"persistent={persistent} contradicts config.persistent={config.persistent}; pass one of them"
+        )
+    return path
+
+
+def _resolve_config(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None,
+    precision: str,
+    persistent: bool | None,
+    path: str,
+    cache_dir: str | os.PathLike | None,
+    tune: bool,
+) -> tuple[ArchLimits | None, GemmConfig]:
+    """The device limits and the config of a launch: ``config`` validated, or the tuned one."""
     limits = _limits_for(path, a.device)
     if config is None:
         config = select_config(
@@ -557,8 +611,7 @@ def gemm(
     else:
         # On a GPU the exact need is checked against the compiled kernel in with_shared_memory.
         config.validate(path, limits, dtype=a.dtype if path == "interpreter" else None)
-    _launch(a, b, bias, out, config, precision, path, limits)
-    return out
+    return limits, config
 
 
 # ---------------------------------------------------------------------- compile-only
@@ -683,21 +736,97 @@ def _specialization_attrs(kernel: Any, backend: str, aligned: bool) -> dict[tupl
     return attrs
 
 
-# ---------------------------------------------------------------------- custom op
-@torch.library.custom_op("cokit::matmul", mutates_args=())
+# ---------------------------------------------------------------------- ops
+def _config_from_spec(spec: str) -> GemmConfig | None:
+    return parse_config_spec(spec) if spec else None
+
+
+@torch.library.custom_op("cokit::gemm_launch", mutates_args=())
+def _gemm_launch_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: str,
+    precision: str,
+    persistent: bool,
+) -> torch.Tensor:
+    """``cokit::gemm_launch``: :func:`gemm` as an opaque op (``torch.compile`` calls it as is).
+
+    The GEMM ops' launch where Inductor cannot launch the kernel itself: CPU tensors (the
+    interpreter or the torch reference), empty problems, occupancy-shaped configs
+    (``smem_bytes``: a compiled kernel launched with a resized shared-memory reservation) and
+    configs with launch knobs other than ``num_warps``/``num_stages`` (``maxnreg``, AMD's
+    ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``). ``config`` is a
+    :meth:`GemmConfig.spec` string or ``''`` (the tuned config; ``persistent`` picks the form).
+    """
+    cfg = _config_from_spec(config)
+    return gemm(a, b, bias, config=cfg, precision=precision, persistent=None if cfg else persistent)
+
+
+@_gemm_launch_op.register_fake
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: str,
+    precision: str,
+    persistent: bool,
+) -> torch.Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "cokit GEMM: a and b must be 2-D")
+    torch._check(a.shape[1] == b.shape[0], lambda: "cokit GEMM: a.shape[1] must equal b.shape[0]")
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+#: launch options a user-defined Triton kernel keeps under Inductor (as its triton.Config's)
+_INDUCTOR_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages"})
+
+
+def gemm_in_graph(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: str,
+    precision: str,
+    persistent: bool,
+) -> torch.Tensor:
+    """``a @ b (+ bias)`` as the body of the ``torch.library.triton_op`` GEMM ops
+    (``cokit::matmul``, ``cokit::linear``), so that ``torch.compile`` sees the kernel.
+
+    On a GPU the tiled or persistent kernel is launched through ``wrap_triton``: Inductor
+    puts it into its graph as a user-defined Triton kernel (its own wrapper code, no opaque
+    call). The config is ``config`` (a :meth:`GemmConfig.spec` string) or, for ``''``, the
+    tuned one; while ``torch.compile`` traces (fake tensors) nothing can be timed, so the
+    tuning cache's winner for the traced shape is used, else the space's first config; run
+    the op once outside ``torch.compile`` for a shape to tune it. Everything else runs the
+    opaque ``cokit::gemm_launch`` (see there), with the same result.
+    """
+    cfg = _config_from_spec(config)
+    form = None if cfg is not None else persistent
+    path = kernel_path(a.device)
+    if path not in ("cuda", "hip"):
+        return _gemm_launch_op(a, b, bias, config, precision, persistent)
+    _check_call(a, b, bias, cfg, precision, form)
+    M, K = a.shape
+    N = b.shape[1]
+    if M == 0 or N == 0 or K == 0:
+        return _gemm_launch_op(a, b, bias, config, precision, persistent)
+    from torch._subclasses.fake_tensor import is_fake
+
+    limits, cfg = _resolve_config(a, b, bias, cfg, precision, form, path, None, not is_fake(a))
+    if cfg.smem_bytes is not None or not set(cfg.launch_options(path)) <= _INDUCTOR_LAUNCH_OPTIONS:
+        return _gemm_launch_op(a, b, bias, cfg.spec(), precision, cfg.persistent)
+    out = a.new_empty((M, N))
+    kernel, grid, args, opts = _prepare(a, b, bias, out, cfg, precision, path, limits)
+    torch.library.wrap_triton(kernel)[grid](**args, **opts)
+    return out
+
+
+@torch.library.triton_op("cokit::matmul", mutates_args=())
 def _matmul_op(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool
 ) -> torch.Tensor:
-    return gemm(a, b, bias, precision=precision, persistent=persistent)
-
-
-@_matmul_op.register_fake
-def _(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, precision: str, persistent: bool
-) -> torch.Tensor:
-    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "cokit::matmul: a and b must be 2-D")
-    torch._check(a.shape[1] == b.shape[0], lambda: "cokit::matmul: a.shape[1] must equal b.shape[0]")
-    return a.new_empty((a.shape[0], b.shape[1]))
+    """``cokit::matmul``: ``a @ b (+ bias)`` with the tuned config (:func:`gemm_in_graph`)."""
+    return gemm_in_graph(a, b, bias, "", precision, persistent)
 
 
 def _matmul_setup(ctx, inputs, output) -> None:

@@ -349,7 +349,7 @@ def estimate_shared_bytes(
     else:
         lim = arch_limits(str(target))
         backend, arch = lim.backend, lim.arch
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     bm, bn, bk, stages = config.BLOCK_M, config.BLOCK_N, config.BLOCK_K, config.num_stages
     tile = bk * (bm + bn) * elem
     if backend == "hip":

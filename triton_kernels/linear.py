@@ -1,19 +1,20 @@
 """``y = x @ W^T (+ b)`` on the project's GEMM: a drop-in for ``torch.nn.functional.linear``.
 
 Liger-Kernel layout: the functional front end (:func:`linear`: ``F.linear``'s shapes, dtype
-and autocast rules, argument checks before any work) and the ``cokit::linear`` custom op
-(2-D, autograd through the same kernel, a fake implementation for ``torch.compile``). The op
-runs :func:`cokit.triton_kernels.gemm.gemm` with ``b = weight.t()`` (a transposed view: the
-kernel takes any strides, nothing is copied); a fixed :class:`GemmConfig` travels through
-the op as its ``spec()`` string, since op schemas take no Python objects.
+and autocast rules, argument checks before any work) and the ``cokit::linear`` op (2-D,
+autograd through the same kernel). The op is a ``torch.library.triton_op`` running
+:func:`cokit.triton_kernels.gemm.gemm_in_graph` with ``b = weight.t()`` (a transposed view:
+the kernel takes any strides, nothing is copied): on a GPU ``torch.compile`` sees the Triton
+kernel itself. A fixed :class:`GemmConfig` travels through the op as its ``spec()`` string,
+since op schemas take no Python objects.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .gemm import PRECISIONS, gemm
-from .gemm_config import DTYPES, GemmConfig, parse_config_spec
+from .gemm import PRECISIONS, gemm_in_graph
+from .gemm_config import DTYPES, GemmConfig
 
 __all__ = ["linear", "linear_reference"]
 
@@ -28,12 +29,8 @@ def linear_reference(
     return out.to(input.dtype)
 
 
-# ---------------------------------------------------------------------- custom op
-def _config_from_spec(spec: str) -> GemmConfig | None:
-    return parse_config_spec(spec) if spec else None
-
-
-@torch.library.custom_op("cokit::linear", mutates_args=())
+# ---------------------------------------------------------------------- op
+@torch.library.triton_op("cokit::linear", mutates_args=())
 def _linear_op(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -54,28 +51,7 @@ def _linear_op(
 
     Returns a new ``(M, N)`` tensor in input's dtype.
     """
-    cfg = _config_from_spec(config)
-    return gemm(
-        input, weight.t(), bias, config=cfg, precision=precision, persistent=None if cfg else persistent
-    )
-
-
-@_linear_op.register_fake
-def _(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: str,
-    precision: str,
-    persistent: bool,
-) -> torch.Tensor:
-    torch._check(
-        input.dim() == 2 and weight.dim() == 2, lambda: "cokit::linear: input and weight must be 2-D"
-    )
-    torch._check(
-        input.shape[1] == weight.shape[1], lambda: "cokit::linear: input.shape[1] must equal weight.shape[1]"
-    )
-    return input.new_empty((input.shape[0], weight.shape[0]))
+    return gemm_in_graph(input, weight.t(), bias, config, precision, persistent)
 
 
 def _linear_setup(ctx, inputs, output) -> None:
