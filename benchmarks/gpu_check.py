@@ -16,6 +16,8 @@ budget is spent stops adding work and is marked BUDGET):
   optimizer        DeMo step (Triton kernels, world size 1) vs fused AdamW
   gemm.*           correctness, occupancy vs the driver, TFLOP/s vs torch.matmul, occupancy sweep
   linear           cokit.nn.Linear TFLOP/s vs torch.nn.functional.linear, bf16 LLM shapes
+  linear.compile   cokit.nn.Linear in torch.compile(fullgraph=True): its GEMM kernel inside
+                   Inductor's code, vs eager and vs compiled nn.Linear, dynamic shapes
   overlap          one-GPU study: GEMM next to an EMULATED communication kernel
 
 Needs a visible GPU and TRITON_INTERPRET unset (else exits 2 with one line); ``--allow-cpu``
@@ -645,6 +647,79 @@ def phase_linear(ctx: Context) -> dict:
     return {"rows": rows, "problems": problems, "key": key}
 
 
+#: (tokens, model width) of the compiled MLP block: Linear(D, 4D), GELU, Linear(4D, D)
+MLP_SHAPES = {"gpu": (8192, 4096), "gpu_quick": (4096, 4096), "cpu": (64, 48)}
+
+
+def phase_linear_compile(ctx: Context) -> dict:
+    """``cokit.nn.Linear`` inside ``torch.compile(fullgraph=True)``: an MLP block. On a GPU,
+    Inductor must compile cokit's GEMM kernel into its own code (the ``cokit::linear``
+    ``triton_op``), not call an opaque op; the compiled block must equal the eager one, and
+    its time is set beside eager cokit and the same block on ``nn.Linear``, compiled. A
+    second token count under ``dynamic=True`` must reuse the graph. On the CPU the
+    ``aot_eager`` backend traces the same graph (no GPU numbers)."""
+    import torch
+    from torch import nn
+
+    from cokit.bench.timing import median_ms
+    from cokit.nn import Linear
+
+    dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
+    tokens, width = MLP_SHAPES["cpu" if not ctx.on_gpu else "gpu_quick" if ctx.quick else "gpu"]
+    backend = "inductor" if ctx.on_gpu else "aot_eager"
+    torch.manual_seed(0)
+    model = nn.Sequential(Linear(width, 4 * width), nn.GELU(), Linear(4 * width, width))
+    model = model.to(ctx.device, dtype)
+    baseline = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+    baseline = baseline.to(ctx.device, dtype)
+    baseline.load_state_dict(model.state_dict())  # the same weights: Linear's state dict is nn.Linear's
+    x = torch.randn(tokens, width, device=ctx.device, dtype=dtype)
+    problems: list[str] = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x)  # tunes the GEMMs' shapes: the trace below reads the tuning cache
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        if ctx.on_gpu:
+            from torch._inductor.utils import run_and_get_code
+
+            out, codes = run_and_get_code(compiled, x)
+            code = "\n".join(codes)
+            in_graph = "_gemm_kernel" in code and "gemm_launch" not in code
+            if not in_graph:
+                problems.append("Inductor did not compile cokit's GEMM kernel into its graph")
+        else:
+            out, in_graph = compiled(x), None
+        err = rel_err(out, eager)
+        if not err <= 2e-2:
+            problems.append(f"compiled vs eager rel_err={_fmt(err)} (limit 0.02)")
+        row: dict[str, Any] = {
+            "shape": f"{tokens}x{width}->{4 * width}->{width}",
+            "dtype": str(dtype).replace("torch.", ""),
+            "backend": backend,
+            "kernel_in_graph": in_graph,
+            "rel_err": err,
+            "eager_ms": median_ms(functools.partial(model, x), ctx.on_gpu, ctx.quick),
+            "compiled_ms": median_ms(functools.partial(compiled, x), ctx.on_gpu, ctx.quick),
+        }
+        torch_compiled = torch.compile(baseline, fullgraph=True, backend=backend)
+        row["torch_compiled_ms"] = median_ms(functools.partial(torch_compiled, x), ctx.on_gpu, ctx.quick)
+        row["vs_torch_compiled"] = row["torch_compiled_ms"] / row["compiled_ms"]
+        dynamic = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for n in (tokens // 2, tokens // 2 + 8):
+            dynamic(x[:n])
+        row["dynamic_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        if row["dynamic_graphs"] != 1:
+            problems.append(f"dynamic=True compiled {row['dynamic_graphs']} graphs for 2 token counts")
+    cols = ["shape", "dtype", "backend", "kernel_in_graph", "eager_ms", "compiled_ms", "torch_compiled_ms"]
+    print_rows([row], [*cols, "vs_torch_compiled", "dynamic_graphs", "rel_err"])
+    key = (
+        f"kernel in graph: {in_graph}; compiled {row['compiled_ms']:.3g} ms, "
+        f"x{row['vs_torch_compiled']:.2f} vs compiled nn.Linear"
+    )
+    return {"rows": [row], "problems": problems, "key": key}
+
+
 def phase_overlap(ctx: Context) -> dict:
     from cokit.bench import overlap_bench
 
@@ -683,6 +758,7 @@ def default_phases() -> list[Phase]:
         Phase("gemm.perf", _gemm_phase("perf"), 18, 75, needs_gpu=True, what="tuned GEMM TFLOP/s vs torch"),
         Phase("gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep"),
         Phase("linear", phase_linear, 20, 45, what="cokit.nn.Linear vs F.linear (bf16)"),
+        Phase("linear.compile", phase_linear_compile, 40, 70, what="Linear in torch.compile (Inductor)"),
         Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
     ]
 

@@ -74,7 +74,7 @@ def test_allow_cpu_quick_runs_every_phase(tmp_path):
     assert dct_row["n_regs"] == "-" and dct_row["rel_err"] < 1e-5
     # the log is everything printed, the summary table ends stdout
     assert "[gpu-check] summary" in res.stdout and "[gpu-check] summary" in log
-    assert "[gpu-check] [1/13] env: start" in log and "kernels.ef_decode" in res.stdout.split("summary")[-1]
+    assert "[gpu-check] [1/14] env: start" in log and "kernels.ef_decode" in res.stdout.split("summary")[-1]
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
 
 

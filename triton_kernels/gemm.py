@@ -182,7 +182,8 @@ def _gemm_kernel(
       ``c_ptr + m*stride_cm + n*stride_cn``; the fp32 accumulator is cast to C's element type.
     * ``bias_ptr`` -- bias, ``N`` elements at ``bias_ptr + n*stride_bias``, added to every row
       (in fp32) when ``HAS_BIAS``; otherwise any valid pointer, never read (the launcher
-      passes ``c_ptr``).
+      passes ``a_ptr``, so that under ``torch.compile`` the written C is never also an
+      argument read by the same launch).
 
     Scalars (int32; the launcher handles empty problems and never launches them):
 
@@ -423,7 +424,7 @@ def _prepare(
         a_ptr=a,
         b_ptr=b,
         c_ptr=c,
-        bias_ptr=bias if bias is not None else c,
+        bias_ptr=bias if bias is not None else a,
         M=M,
         N=N,
         K=K,
