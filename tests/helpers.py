@@ -1,6 +1,12 @@
-"""Shared test helpers: poisoned outputs and the shapes every kernel is checked on."""
+"""Shared test helpers: poisoned outputs, the shapes every kernel is checked on, workers."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,3 +61,29 @@ def regression_data(rank: int, n: int = 256) -> tuple[torch.Tensor, torch.Tensor
     g.manual_seed(100 + rank)
     x = torch.randn(n, 24, generator=g)
     return x, x @ w
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker_report(script: str, *args: str, mark: str, timeout: float, **env_defaults: str) -> dict:
+    """Run the test file ``script`` as a script without ``TRITON_INTERPRET`` and return the JSON
+    it prints after ``mark``: GPU-path code (compile-only builds, traced graphs) needs a process
+    where ``@triton.jit`` gives real ``JITFunction``s."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for key, value in env_defaults.items():
+        env.setdefault(key, value)
+    proc = subprocess.run(
+        [sys.executable, str(Path(script).resolve()), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(mark)]
+    assert proc.returncode == 0 and lines, (
+        f"{Path(script).name} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    return json.loads(lines[-1][len(mark) :])

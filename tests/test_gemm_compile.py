@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, worker_report
 
-ROOT = Path(__file__).resolve().parents[1]
 MARK = "COKIT-COMPILE-REPORT:"
 # one subprocess compiles ~15 kernels for three targets: ~30 s on 2 cores with a cold cache
 pytestmark = pytest.mark.slow
@@ -219,22 +217,7 @@ def _worker() -> dict:
 # ---------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    assert proc.returncode == 0 and lines, (
-        f"compile worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    return json.loads(lines[-1][len(MARK) :])
+    return worker_report(__file__, mark=MARK, timeout=900, TRITON_DEFAULT_FP_FUSION="1")
 
 
 def _builds(report: dict, target: str) -> list[dict]:

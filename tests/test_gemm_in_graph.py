@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import ROOT, worker_report
 
-ROOT = Path(__file__).resolve().parents[1]
 MARK = "COKIT-IN-GRAPH-REPORT:"
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CACHED = "BLOCK_M=64,BLOCK_N=128,BLOCK_K=32,GROUP_M=4,num_warps=4,num_stages=4"
@@ -160,22 +158,8 @@ def _source(name: str):
 # ---------------------------------------------------------------------- the graph
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cache = tmp_path_factory.mktemp("in-graph-cache")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(cache)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    assert proc.returncode == 0 and lines, (
-        f"trace worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    return json.loads(lines[-1][len(MARK) :])
+    return worker_report(__file__, str(cache), mark=MARK, timeout=600)
 
 
 def _only_kernel(case: dict) -> dict:
