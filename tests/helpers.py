@@ -30,6 +30,28 @@ def poison(monkeypatch):
     monkeypatch.setattr(tiling, "empty_output", _poisoned)
 
 
+class LaunchSpy:
+    """Stands in for a Triton kernel (``monkeypatch.setattr(module, name, LaunchSpy(kernel))``)
+    and records the keyword arguments of every launch before running it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches.append(kwargs)
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def misaligned(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` whose data starts one element past an aligned address."""
+    return torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape).copy_(x)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or poisoned elements)"

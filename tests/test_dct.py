@@ -3,8 +3,9 @@ interpreter on CPU, compiled kernels on a GPU)."""
 
 import pytest
 import torch
-from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
+from helpers import DTYPES, SHAPES, LaunchSpy, misaligned, poison, rel_err  # noqa: F401
 
+from cokit.triton_kernels import dct as dct_module
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels.dct import (
     dct_decode,
@@ -113,6 +114,34 @@ def test_non_contiguous_input(device):
     x = torch.randn(96, 64, device=device).t()  # (64, 96), transposed view
     assert not x.is_contiguous()
     assert rel_err(dct_encode(x), dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
+
+
+def test_alignment_rule():
+    """A launch class may promise ALIGN-aligned addresses only when every tensor's data is
+    16-byte aligned and every tile width (so every row stride) is a multiple of 16."""
+    square, narrow, one_d = (tiling.TensorTiling.of(s, 64) for s in ((64, 128), (48, 40), (128,)))
+    assert (narrow.w, one_d.one_d, one_d.w) == (40, True, 64)
+    x = torch.zeros(64 * 128)
+    assert tiling.aligned([square, one_d], [x, x[:128]])
+    assert not tiling.aligned([square], [misaligned(x)])
+    assert not tiling.aligned([square, narrow], [x, x])
+
+
+@pytest.mark.parametrize("case", ["aligned", "misaligned", "narrow"])
+@pytest.mark.usefixtures("poison")
+def test_alignment_hints_only_where_they_hold(case, device, monkeypatch):
+    """The launcher passes ALIGNED exactly when :func:`tiling.aligned` holds for the class,
+    and both builds give the float64 result."""
+    spy = LaunchSpy(dct_module._dct_kernel)
+    monkeypatch.setattr(dct_module, "_dct_kernel", spy)
+    x = torch.randn((48, 40) if case == "narrow" else (64, 128), device=device)
+    if case == "misaligned":
+        x = misaligned(x)
+    coeffs = dct_encode(x)
+    back = dct_decode(misaligned(coeffs) if case == "misaligned" else coeffs, x.shape)
+    assert [launch["ALIGNED"] for launch in spy.launches] == [case == "aligned"] * 2
+    assert rel_err(coeffs, dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
+    assert rel_err(back, x) < 2e-6
 
 
 def test_pointer_tables_are_cached_by_pointer_values():

@@ -3,8 +3,9 @@ device (the Triton interpreter on CPU, compiled kernels on a GPU)."""
 
 import pytest
 import torch
-from helpers import DTYPES, SHAPES, poison, rel_err  # noqa: F401
+from helpers import DTYPES, SHAPES, LaunchSpy, misaligned, poison, rel_err  # noqa: F401
 
+from cokit.triton_kernels import error_feedback as ef_module
 from cokit.triton_kernels.error_feedback import (
     ef_decode,
     ef_decode_reference,
@@ -99,6 +100,36 @@ def test_decode_vs_float64(ranks, k, use_sign, device):
             assert ((p.double() - r).abs() > 1e-6).float().mean() < 0.01
         else:
             assert rel_err(p, r) < 1e-6
+
+
+@pytest.mark.parametrize("case", ["aligned", "misaligned", "narrow"])
+@pytest.mark.usefixtures("poison")
+def test_alignment_hints_only_where_they_hold(case, device, monkeypatch):
+    """Encode and decode pass ALIGNED exactly when every buffer, gradient and parameter of
+    the class is 16-byte aligned with tile widths that are multiples of 16; both builds give
+    the float64 result."""
+    encode_spy, decode_spy = LaunchSpy(ef_module._ef_encode_kernel), LaunchSpy(ef_module._ef_decode_kernel)
+    monkeypatch.setattr(ef_module, "_ef_encode_kernel", encode_spy)
+    monkeypatch.setattr(ef_module, "_ef_decode_kernel", decode_spy)
+    shape = (48, 40) if case == "narrow" else (64, 128)
+    place = misaligned if case == "misaligned" else (lambda t: t)
+    delta, grad = place(torch.randn(shape, device=device)), place(torch.randn(shape, device=device))
+    ref_delta = [delta.double()]
+    idx, vals = ef_encode([delta], [grad], beta=0.9, lr=0.1, k=8)
+    ref_idx, ref_vals = ef_encode_reference(
+        ref_delta, [grad.double()], 0.9, 0.1, 64, 8, value_dtype=torch.float64, dtype=torch.float64
+    )
+    assert torch.equal(idx.long(), ref_idx.long()) and rel_err(vals, ref_vals) < 1e-6
+    assert rel_err(delta, ref_delta[0]) < 1e-6
+    param = place(torch.randn(shape, device=device))
+    ref_param = [param.double()]
+    ef_decode([param], idx[None], vals[None], lr=0.01, k=8, use_sign=False)
+    ef_decode_reference(
+        ref_param, idx[None], vals[None].double(), 64, 8, 0.01, use_sign=False, dtype=torch.float64
+    )
+    assert rel_err(param, ref_param[0]) < 1e-6
+    launches = encode_spy.launches + decode_spy.launches
+    assert [launch["ALIGNED"] for launch in launches] == [case == "aligned"] * 2
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])

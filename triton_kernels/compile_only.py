@@ -16,6 +16,10 @@ build's PTX with the same ``ptxas`` and flags Triton uses (registers, stack fram
 stores and loads), on AMD from the AMDGCN kernel metadata and its "Kernel info" block (VGPRs,
 AGPRs, SGPRs, VGPR and SGPR spills, scratch, occupancy in waves per SIMD); shared memory/LDS
 is the launch's ``metadata.shared``.
+
+Builds are specialized as the JIT specializes them for torch allocations on a GPU
+(:func:`pointer_attrs`): without that, hints that rest on a pointer's alignment (the basis
+loads, the ``ALIGNED`` builds) do not vectorize and the report describes another binary.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ __all__ = [
     "compile_all",
     "compile_for_target",
     "kernel_specs",
+    "pointer_attrs",
     "resource_rows",
     "spill_problems",
 ]
@@ -207,6 +212,20 @@ def compile_for_target(
     )
 
 
+def pointer_attrs(fn: Any, signature: dict[str, str], backend: str) -> dict[tuple[int, ...], list]:
+    """The specialization attributes the JIT gives ``fn``'s pointer arguments when they are
+    torch allocations (``ASTSource`` ``attrs``): 16-byte alignment and, on AMD, a buffer under
+    2 GB (buffer loads and stores)."""
+    attrs: dict[tuple[int, ...], list] = {}
+    for name, ty in signature.items():
+        if ty.startswith("*"):
+            attr = [["tt.divisibility", 16]]
+            if backend == "hip":
+                attr.append(["tt.pointer_range", 32])
+            attrs[(fn.arg_names.index(name),)] = attr
+    return attrs
+
+
 def kernel_specs(target: str) -> list[KernelSpec]:
     """Every build of :data:`KERNEL_MODULES` for ``target``: each module's
     ``compile_specs(target)`` (every shipped launch config of its kernels), in order."""
@@ -222,7 +241,8 @@ def _compile_spec(target: str, index: int) -> CompiledKernel:
     :func:`compile_all`: specs hold kernels, so each process collects its own)."""
     label, fn, sig, constexprs, options = kernel_specs(target)[index]
     try:
-        ck = compile_for_target(fn, sig, constexprs, target, **options)
+        attrs = pointer_attrs(fn, sig, arch_limits(target).backend)
+        ck = compile_for_target(fn, sig, constexprs, target, attrs=attrs, **options)
     except Exception as exc:
         raise RuntimeError(f"{label} failed to compile for {target}: {exc}") from exc
     return dataclasses.replace(ck, name=label, compiled=None)

@@ -236,6 +236,7 @@ def _ef_decode_kernel(
     K_POW2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCATTER_PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Error-feedback decode of gathered payloads into the parameters (module docstring).
 
@@ -274,6 +275,9 @@ def _ef_decode_kernel(
         DOT_PRECISION (constexpr): ``tl.dot`` input precision of the inverse transform.
         SCATTER_PRECISION (constexpr): input precision of the one-hot value dots
             (:func:`scatter_rank`; exact for the payload's value dtype).
+        ALIGNED (constexpr): the class's parameters, row strides and tile widths are
+            ``tiling.ALIGN``-aligned (:func:`~cokit.triton_kernels.tiling.aligned`): the
+            hints give vectorized parameter loads and stores.
     """
     g = geometry + tl.program_id(0) * G_COLS
     tensor = tl.load(g + 0)
@@ -284,6 +288,11 @@ def _ef_decode_kernel(
     p_off = tl.load(g + 9)
     k = tl.load(g + 10)
     param_ptr = table_pointer(pointers, tensor, 0, 1, param_ref)
+    if ALIGNED:
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        x_off = tl.multiple_of(x_off, 16)
+        row_stride = tl.multiple_of(row_stride, 16)
+        w = tl.multiple_of(w, 16)
 
     r = tl.arange(0, BLOCK_ROWS)[:, None]
     c = tl.arange(0, BLOCK_W)[None, :]
@@ -374,8 +383,8 @@ def _encode_compile_specs(target: str) -> list[CompileSpec]:
 
 
 def _decode_compile_specs(target: str) -> list[CompileSpec]:
-    """Decode builds: every shipped block x every config of the target backend's space
-    (signum update, 32 slots per tile)."""
+    """Decode builds: every shipped block x every config of the target backend's space, with
+    and without the alignment hints (signum update, 32 slots per tile)."""
     limits = arch_limits(target)
     specs: list[CompileSpec] = []
     for mode, two_d, rows, width in tiling.compile_blocks():
@@ -390,24 +399,35 @@ def _decode_compile_specs(target: str) -> list[CompileSpec]:
         )
         sig.update(
             dict.fromkeys(
-                ("G_COLS", "TWO_D", "USE_SIGN", "BLOCK_ROWS", "BLOCK_W", "K_POW2", "DOT_PRECISION"),
+                (
+                    "G_COLS",
+                    "TWO_D",
+                    "USE_SIGN",
+                    "BLOCK_ROWS",
+                    "BLOCK_W",
+                    "K_POW2",
+                    "DOT_PRECISION",
+                    "SCATTER_PRECISION",
+                    "ALIGNED",
+                ),
                 "constexpr",
             )
         )
         for cfg in compress_config.config_space("ef_decode", limits.backend, (rows, width), limits.arch):
-            constexprs = {
-                "G_COLS": tiling.G_COLS,
-                "TWO_D": two_d,
-                "USE_SIGN": True,
-                "BLOCK_ROWS": rows,
-                "BLOCK_W": width,
-                "K_POW2": 32,
-                "DOT_PRECISION": cfg.dot_precision,
-                "SCATTER_PRECISION": scatter_precision(cfg, torch.float16),
-            }
-            specs.append(
-                (f"ef_decode_{mode}[{cfg.spec()}]", _ef_decode_kernel, sig, constexprs, cfg.launch_options())
-            )
+            for aligned in (False, True):
+                constexprs = {
+                    "G_COLS": tiling.G_COLS,
+                    "TWO_D": two_d,
+                    "USE_SIGN": True,
+                    "BLOCK_ROWS": rows,
+                    "BLOCK_W": width,
+                    "K_POW2": 32,
+                    "DOT_PRECISION": cfg.dot_precision,
+                    "SCATTER_PRECISION": scatter_precision(cfg, torch.float16),
+                    "ALIGNED": aligned,
+                }
+                label = f"ef_decode_{mode}[{cfg.spec()}]" + ("+aligned" if aligned else "")
+                specs.append((label, _ef_decode_kernel, sig, constexprs, cfg.launch_options()))
     return specs
 
 
@@ -518,6 +538,7 @@ def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
     for cls in plan.classes:
         members = list(cls.tensors)
         pointers = tiling.pointer_table([[work[i] for i in members]], device)
+        aligned = tiling.aligned([plan.tilings[i] for i in members], [work[i] for i in members])
         # The decode updates the parameters in place, so it is never timed on them: it
         # takes the tuned config when there is one, else the space's default.
         block = (cls.block_rows, cls.block_w)
@@ -541,6 +562,7 @@ def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
             K_POW2=max(tiling.MIN_BLOCK, tiling.next_pow2(cls.max_k)),
             DOT_PRECISION=cfg.dot_precision,
             SCATTER_PRECISION=scatter_precision(cfg, values.dtype),
+            ALIGNED=aligned,
             **cfg.launch_options(),
         )
     for p, wk in zip(params, work):

@@ -683,7 +683,7 @@ def compile_gemm(
     )
     for name in constexprs:
         signature[name] = "constexpr"
-    attrs = _specialization_attrs(kernel, limits.backend, aligned)
+    attrs = _specialization_attrs(kernel, signature, limits.backend, aligned)
     options = {**config.launch_options(limits.backend), **(extra_options or {})}
     return compile_for_target(kernel, signature, constexprs, target, attrs=attrs, **options)
 
@@ -722,18 +722,17 @@ def gemm_occupancy(
     return kernel_occupancy(built, limits), built, used
 
 
-def _specialization_attrs(kernel: Any, backend: str, aligned: bool) -> dict[tuple[int, ...], list]:
-    """What the JIT would specialize on a GPU: 16-byte aligned pointers (and, on AMD, buffers
-    under 2 GB: buffer loads), and, when ``aligned``, M, N, K and row strides divisible by 16."""
-    names = kernel.arg_names
-    pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")
-    ints = ("M", "N", "K", "stride_am", "stride_bk", "stride_cm") if aligned else ()
-    attrs: dict[tuple[int, ...], list] = {}
-    for name in pointers + ints:
-        attr = [["tt.divisibility", 16]]
-        if backend == "hip" and name in pointers:
-            attr.append(["tt.pointer_range", 32])
-        attrs[(names.index(name),)] = attr
+def _specialization_attrs(
+    kernel: Any, signature: dict[str, str], backend: str, aligned: bool
+) -> dict[tuple[int, ...], list]:
+    """What the JIT would specialize on a GPU: aligned pointers in buffers under 2 GB
+    (:func:`~cokit.triton_kernels.compile_only.pointer_attrs`) and, when ``aligned``, M, N, K
+    and row strides divisible by 16."""
+    from .compile_only import pointer_attrs
+
+    attrs = pointer_attrs(kernel, signature, backend)
+    for name in ("M", "N", "K", "stride_am", "stride_bk", "stride_cm") if aligned else ():
+        attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
     return attrs
 
 
