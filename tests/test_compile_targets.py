@@ -88,9 +88,39 @@ def test_nvidia_builds_have_no_stack_or_spills(report):
     assert not spilling, f"builds that spill on triton {triton.__version__} (stack bytes): {spilling}"
 
 
+@pytest.mark.slow
+def test_aligned_builds_have_wider_memory_accesses(report):
+    """Every ``+aligned`` build turns some of its twin's narrow global loads and stores into
+    128-bit ones, on every target. Hints that never reach the compiler (triton 3.6 dropped a
+    ``tl.multiple_of`` on a called function's result) leave the two builds alike."""
+    rows = {(r["name"], r["target"]): r for r in report}
+    pairs = [
+        (r, rows[(r["name"].removesuffix("+aligned"), r["target"])])
+        for r in report
+        if r["name"].endswith("+aligned")
+    ]
+    assert {a["name"].split("[")[0] for a, _ in pairs} == {
+        "dct_encode_2d",
+        "dct_decode_2d",
+        "dct_encode_1d",
+        "dct_decode_1d",
+        "ef_encode_2d",
+        "ef_encode_1d",
+        "ef_decode_2d",
+        "ef_decode_1d",
+    }
+    alike = [
+        f"{a['name']} on {a['target']}: {a['wide_accesses']}/{a['narrow_accesses']} wide/narrow, "
+        f"without hints {b['wide_accesses']}/{b['narrow_accesses']}"
+        for a, b in pairs
+        if not (a["wide_accesses"] > b["wide_accesses"] and a["narrow_accesses"] < b["narrow_accesses"])
+    ]
+    assert not alike, f"alignment hints without effect on triton {triton.__version__}: {alike}"
+
+
 def test_resource_parsers_read_the_compiler_reports():
     """The ptxas and AMDGCN readers on text in the tools' own formats (no compiler needed)."""
-    from cokit.triton_kernels.compile_only import _PTXAS_REGS, _PTXAS_STACK, _hip_resources
+    from cokit.triton_kernels.compile_only import _PTXAS_REGS, _PTXAS_STACK, _hip_resources, global_accesses
 
     log = (
         "ptxas info    : Function properties for k\n"
@@ -104,6 +134,15 @@ def test_resource_parsers_read_the_compiler_reports():
         "    .sgpr_count:     106\n    .sgpr_spill_count: 168\n    .vgpr_count:     208\n"
         "    .vgpr_spill_count: 0\n"
     )
+    ptx = (
+        "@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];\n"
+        "ld.global.L1::evict_last.b64 %rd5, [%rd6];\n"
+        "st.global.v2.b64 [%rd7], {%rd8, %rd9};\n"
+        "st.global.b16 [%rd10], %rs1;\n"
+    )
+    assert global_accesses(ptx, "cuda") == {"wide_accesses": 2, "narrow_accesses": 2}
+    gcn = "global_load_dwordx4 v[0:3], v[4:5], off\nbuffer_load_dword v1, v2, s[0:3], 0 offen\nglobal_store_short v[0:1], v2, off\n"
+    assert global_accesses(gcn, "hip") == {"wide_accesses": 1, "narrow_accesses": 2}
     assert _hip_resources(amdgcn) == {
         "registers": 212,
         "agprs": 4,

@@ -40,6 +40,7 @@ __all__ = [
     "CompiledKernel",
     "compile_all",
     "compile_for_target",
+    "global_accesses",
     "kernel_specs",
     "pointer_attrs",
     "resource_rows",
@@ -77,6 +78,8 @@ class CompiledKernel:
     vgpr_spills: int | None = None  # AMD spilled VGPRs
     sgpr_spills: int | None = None  # AMD spilled SGPRs
     occupancy: int | None = None  # AMD waves per SIMD the compiler expects
+    wide_accesses: int | None = None  # 128-bit global loads and stores in the code (static count)
+    narrow_accesses: int | None = None  # narrower global loads and stores (static count)
     num_stages: int | None = None
     compiled: Any = dataclasses.field(repr=False, compare=False, default=None)
 
@@ -113,6 +116,29 @@ class CompiledKernel:
         row["max_shared_per_block"] = self.limits.max_shared_per_block
         row["max_registers_per_thread"] = self.limits.max_registers_per_thread
         return row
+
+
+_PTX_ACCESS = re.compile(r"\b(?:ld|st)\.global((?:\.[\w:]+)+)")
+_AMD_ACCESS = re.compile(r"\b(?:global|buffer)_(?:load|store)_(\w+)")
+
+
+def global_accesses(asm: str, backend: str) -> dict[str, int]:
+    """Global-memory load and store instructions in a build's code (PTX or AMDGCN), split
+    into 128-bit ones and narrower ones: a static count, the number that shows whether the
+    alignment hints turned a kernel's tensor accesses into vector accesses."""
+    wide = narrow = 0
+    if backend == "cuda":
+        for suffix in _PTX_ACCESS.findall(asm):
+            vec = re.search(r"\.v(\d)\b", suffix)
+            bits = re.findall(r"\.[bsuf](\d+)\b", suffix)
+            width = (int(vec.group(1)) if vec else 1) * (int(bits[-1]) if bits else 0)
+            wide, narrow = (wide + 1, narrow) if width >= 128 else (wide, narrow + 1)
+    else:
+        for suffix in _AMD_ACCESS.findall(asm):
+            wide, narrow = (
+                (wide + 1, narrow) if suffix.startswith(("dwordx4", "b128")) else (wide, narrow + 1)
+            )
+    return {"wide_accesses": wide, "narrow_accesses": narrow}
 
 
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -198,8 +224,10 @@ def compile_for_target(
     compiled = triton.compile(src, target=compile_target(target), options=options)
     if limits.backend == "cuda":
         resources = _cuda_resources(compiled.asm["ptx"], int(limits.arch))
+        resources.update(global_accesses(compiled.asm["ptx"], "cuda"))
     else:
         resources = _hip_resources(compiled.asm["amdgcn"])
+        resources.update(global_accesses(compiled.asm["amdgcn"], "hip"))
     return CompiledKernel(
         name=compiled.metadata.name,
         target=target,
@@ -312,6 +340,7 @@ def resource_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         "spills V/S",
         "smem B",
         "waves/SIMD",
+        "ld/st 128b/narrow",
     ]
     table = [header]
     for r in rows:
@@ -328,6 +357,7 @@ def resource_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                 cell(r, "vgpr_spills", "sgpr_spills"),
                 cell(r, "shared_bytes"),
                 cell(r, "occupancy"),
+                cell(r, "wide_accesses", "narrow_accesses"),
             ]
         )
     return table

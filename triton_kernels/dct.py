@@ -43,8 +43,11 @@ __all__ = [
 
 
 @triton.jit
-def table_pointer(table, row, col: tl.constexpr, n_cols: tl.constexpr, ref):
+def table_pointer(table, row, col: tl.constexpr, n_cols: tl.constexpr, ref, ALIGNED: tl.constexpr):
     """The data pointer at ``table[row, col]``, typed like the tensor argument ``ref``.
+
+    The alignment hint is applied here, to the op that makes the pointer: on triton 3.6 a
+    ``tl.multiple_of`` on the value a called ``@triton.jit`` function returns is dropped.
 
     Args:
         table: int64, ``(n_rows, n_cols)`` row-major: data pointers stored as integers
@@ -53,8 +56,12 @@ def table_pointer(table, row, col: tl.constexpr, n_cols: tl.constexpr, ref):
         col (constexpr): the column (which argument), ``0 <= col < n_cols``.
         n_cols (constexpr): columns of the table.
         ref: a pointer argument of the kernel; the result points at ``ref``'s element type.
+        ALIGNED (constexpr): the pointer is ``tiling.ALIGN``-byte aligned (a hint).
     """
-    return tl.load(table + row * n_cols + col).to(tl.pointer_type(ref.dtype.element_ty), bitcast=True)
+    pointer = tl.load(table + row * n_cols + col).to(tl.pointer_type(ref.dtype.element_ty), bitcast=True)
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
 
 
 @triton.jit
@@ -236,11 +243,9 @@ def _dct_kernel(
     y_off = tl.load(g + 3)
     rows = tl.load(g + 4)
     w = tl.load(g + 6)
-    src = table_pointer(pointers, tensor, 0, 2, src_ref)
-    dst = table_pointer(pointers, tensor, 1, 2, dst_ref)
+    src = table_pointer(pointers, tensor, 0, 2, src_ref, ALIGNED)
+    dst = table_pointer(pointers, tensor, 1, 2, dst_ref, ALIGNED)
     if ALIGNED:
-        src = tl.multiple_of(src, 16)
-        dst = tl.multiple_of(dst, 16)
         x_off = tl.multiple_of(x_off, 16)
         row_stride = tl.multiple_of(row_stride, 16)
         y_off = tl.multiple_of(y_off, 16)

@@ -78,11 +78,10 @@ def _block_pointers(g, pointers, col: tl.constexpr, ref, r, c, ALIGNED: tl.const
         r: ``(BLOCK_ROWS, 1)`` row indices; c: ``(1, BLOCK_W)`` column indices.
         ALIGNED (constexpr): pointer, block offset and row stride are multiples of 16.
     """
-    base = table_pointer(pointers, tl.load(g + 0), col, 2, ref)
+    base = table_pointer(pointers, tl.load(g + 0), col, 2, ref, ALIGNED)
     x_off = tl.load(g + 1)
     row_stride = tl.load(g + 2)
     if ALIGNED:
-        base = tl.multiple_of(base, 16)
         x_off = tl.multiple_of(x_off, 16)
         row_stride = tl.multiple_of(row_stride, 16)
     return base + x_off + r * row_stride + c
@@ -186,8 +185,11 @@ def _ef_encode_kernel(
     )
     # the buffer's addresses again, read after the payload stores: otherwise ptxas keeps the
     # 64-bit addresses of the first load live through the transforms and the top-k (triton
-    # 3.6 spilled them on sm_80)
-    delta_at = _block_pointers(g, pointers, 0, delta_ref, r, c, ALIGNED)
+    # 3.6 spilled them on sm_80). The 1-D bf16x6 (sm_80) store goes without the hints: with
+    # them triton 3.6's build holds 128 registers and spills 4 B.
+    delta_at = _block_pointers(
+        g, pointers, 0, delta_ref, r, c, ALIGNED and (TWO_D or DOT_PRECISION != "bf16x6")
+    )
     tl.store(delta_at, delta - alpha * sent, mask=mask)
 
 
@@ -287,9 +289,8 @@ def _ef_decode_kernel(
     w = tl.load(g + 6)
     p_off = tl.load(g + 9)
     k = tl.load(g + 10)
-    param_ptr = table_pointer(pointers, tensor, 0, 1, param_ref)
+    param_ptr = table_pointer(pointers, tensor, 0, 1, param_ref, ALIGNED)
     if ALIGNED:
-        param_ptr = tl.multiple_of(param_ptr, 16)
         x_off = tl.multiple_of(x_off, 16)
         row_stride = tl.multiple_of(row_stride, 16)
         w = tl.multiple_of(w, 16)

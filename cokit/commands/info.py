@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         nargs="*",
         metavar="TARGET",
         help="compile every shipped kernel config for these targets (default sm_80 sm_90 gfx942; "
-        "no GPU needed, a few minutes) and print registers, stack, spills, shared memory and occupancy",
+        "no GPU needed, a few minutes) and print registers, stack, spills, shared memory, occupancy "
+        "and 128-bit vs narrower global accesses",
     )
     p.set_defaults(func=run)
 
