@@ -2,7 +2,9 @@
 
 Every results file (JSON, CSV, logs, PNG plots) is written through the one atomic writer,
 :mod:`cokit.triton_kernels._atomic_file` (re-exported here): a reader, a crash or a kill never
-sees a half-written file, and a failed write leaves the previous file in place.
+sees a half-written file, and a failed write leaves the previous file in place. A write that
+the filesystem refuses (full, over quota, read-only, failing) raises :class:`WriteError`: one
+exception that names the file and its filesystem and says what to do.
 
 Output folders are checked before any work starts (:func:`prepare_out_dir`,
 :func:`prepare_out_file`): the folder is created and a probe file written and removed, so an
@@ -14,6 +16,7 @@ replaces the first one's results silently.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import io
 import os
@@ -22,24 +25,106 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cokit.triton_kernels._atomic_file import atomic_open, atomic_write_bytes, atomic_write_text, fsync_dir
+from cokit.triton_kernels import _atomic_file
+from cokit.triton_kernels._atomic_file import atomic_open, fsync_dir
 
 __all__ = [
+    "STORAGE_ERRNOS",
     "OutputError",
+    "WriteError",
     "atomic_open",
     "atomic_savefig",
     "atomic_write_bytes",
     "atomic_write_text",
     "existing_outputs",
     "fsync_dir",
+    "mount_point",
     "prepare_out_dir",
     "prepare_out_file",
     "remove_stale_outputs",
+    "storage_error",
 ]
 
 
 class OutputError(ValueError):
     """An output folder or file that cannot be used; the message says what to do."""
+
+
+#: errors of the storage rather than of the caller: no space, over quota, file too large,
+#: read-only filesystem, I/O error
+STORAGE_ERRNOS = frozenset(
+    code
+    for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EFBIG, errno.EROFS, errno.EIO)
+    if code is not None
+)
+
+
+def mount_point(path: str | os.PathLike) -> str:
+    """The mount point of the filesystem holding ``path`` (its nearest existing folder's)."""
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.ismount(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+class WriteError(OSError):
+    """A file its filesystem would not take (full, over quota, read-only, failing).
+
+    An :class:`OSError` with the original ``errno`` and ``strerror``; ``filename`` is the file.
+    ``str()`` is one line: what failed, where, and what to do (:meth:`describe`).
+    """
+
+    @property
+    def filesystem(self) -> str:
+        """The mount point of the filesystem the file is on."""
+        return mount_point(os.path.dirname(os.path.abspath(self.filename or ".")))
+
+    def advice(self) -> str:
+        """What would let the write succeed, for this errno."""
+        if self.errno == errno.EROFS:
+            return f"{self.filesystem} is mounted read-only: remount it writable"
+        if self.errno == errno.EIO:
+            return f"check the device of {self.filesystem} (it reported an I/O error)"
+        return f"free space on {self.filesystem}"
+
+    def describe(self, elsewhere: str = "write to another filesystem") -> str:
+        """``cannot write <file>: <why>; <advice> or <elsewhere>`` (``elsewhere``: how the
+        caller's user picks another place, e.g. ``pass --out <a folder on another disk>``)."""
+        return f"cannot write {self.filename}: {self.strerror}; {self.advice()} or {elsewhere}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def storage_error(exc: BaseException, path: str | os.PathLike) -> WriteError | None:
+    """``exc`` as a :class:`WriteError` about ``path`` when it is a storage failure
+    (:data:`STORAGE_ERRNOS`), else None (the caller re-raises ``exc`` as it is)."""
+    if isinstance(exc, WriteError):
+        return exc
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code is None or code not in STORAGE_ERRNOS:
+        return None
+    return WriteError(code, getattr(exc, "strerror", None) or os.strerror(code), os.fspath(path))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and durably (:func:`atomic_open`); returns the
+    path. A full, read-only or failing filesystem raises one :class:`WriteError`."""
+    try:
+        return _atomic_file.atomic_write_bytes(path, data)
+    except OSError as exc:
+        error = storage_error(exc, path)
+        if error is None:
+            raise
+        raise error from None  # one error: not the writer's chain of flush and close failures
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """:func:`atomic_write_bytes` of UTF-8 text."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_savefig(fig: Any, path: str | os.PathLike, **savefig_kw: Any) -> Path:

@@ -3,9 +3,14 @@
 The one launcher of cokit (``cokit demo``/``sweep``/``bench``, notebooks, benchmarks, tests):
 under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) the group comes from the
 environment; otherwise ``world_size`` processes are spawned on this machine (gloo on CPU,
-NCCL/RCCL with one GPU per rank), each with the usual torchrun variables set. Spawned ranks
+NCCL/RCCL with one GPU per rank), each with torchrun's rank variables set. Spawned ranks
 never outlive the process that spawned them: on Linux each asks the kernel for SIGKILL when
 its parent dies (``PR_SET_PDEATHSIG``), and SIGTERM to the parent terminates them first.
+
+Spawned ranks listen on no outside interface: they meet through a ``file://`` rendezvous in a
+private temporary folder (torch's TCP store would listen on every interface, whatever
+``MASTER_ADDR`` says), and on loopback gloo's and NCCL's own sockets are bound to the loopback
+interface (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``) unless ``env`` names another.
 """
 
 from __future__ import annotations
@@ -13,11 +18,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import ipaddress
 import os
+import pickle
 import queue as queue_module
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -28,7 +37,45 @@ import torch
 
 from cokit.triton_kernels._checks import check_int
 
-__all__ = ["backend_for", "free_port", "in_torchrun", "local_device", "run", "spawn"]
+__all__ = [
+    "RankFailed",
+    "backend_for",
+    "free_port",
+    "in_torchrun",
+    "is_loopback",
+    "local_device",
+    "loopback_interface",
+    "run",
+    "spawn",
+]
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised: the message holds its traceback; ``rank`` is the rank and
+    ``error`` its exception, when it could be carried back (pickled), else None."""
+
+    def __init__(self, rank: int, trace: str, error: BaseException | None = None) -> None:
+        super().__init__(f"rank {rank} failed:\n{trace}")
+        self.rank = rank
+        self.error = error
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    """``exc`` pickled for the parent (without its traceback), or None when it cannot be."""
+    try:
+        return pickle.dumps(exc)
+    except Exception:
+        return None
+
+
+def _unpickled(data: bytes | None) -> BaseException | None:
+    if data is None:
+        return None
+    try:
+        error = pickle.loads(data)  # from our own child process
+    except Exception:
+        return None
+    return error if isinstance(error, BaseException) else None
 
 
 def free_port() -> int:
@@ -36,6 +83,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def is_loopback(address: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name: not known to be this machine's loopback
+        return False
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on BSD/macOS)."""
+    names = {name for _, name in socket.if_nameindex()}
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise RuntimeError(
+        f"no loopback interface (lo, lo0) among this machine's interfaces {sorted(names)}; "
+        "bring it up (`ip link set lo up`) or run under torchrun"
+    )
 
 
 def in_torchrun() -> bool:
@@ -75,7 +144,7 @@ def die_with_parent(parent_pid: int) -> None:
 def _entry(
     rank: int,
     world_size: int,
-    port: int,
+    init_method: str,
     backend: str,
     threads: int,
     fn: Callable,
@@ -96,24 +165,27 @@ def _entry(
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(port),
         }
     )
+    os.environ.pop("MASTER_PORT", None)  # no TCP store: the group meets through init_method
     torch.set_num_threads(threads)
     try:
         if child_setup is not None:  # e.g. enter this rank's network namespace
             child_setup(rank)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
         try:
             buffer = io.BytesIO()  # plain bytes: tensors must not travel as shared memory
             torch.save(fn(rank, world_size, *args), buffer)
             queue.put((rank, True, buffer.getvalue()))
+        except BaseException as exc:  # reported before the group goes, so before its echoes on others
+            queue.put((rank, False, (traceback.format_exc(), _pickled(exc))))
+            return
         finally:
             dist.destroy_process_group()
-    except BaseException:  # reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as exc:  # reported to the parent
+        queue.put((rank, False, (traceback.format_exc(), _pickled(exc))))
 
 
 class _Terminated(BaseException):
@@ -206,12 +278,17 @@ def spawn(
 
     ``env`` sets (or with None removes) variables in the children from their start. A rank
     that raises, dies or outlives ``timeout`` seconds raises ``RuntimeError``/``TimeoutError``
-    here with its traceback. Each rank gets ``cpu_count // world_size`` threads. The ranks
-    die with this process (SIGKILL on Linux, from the kernel) and SIGTERM to it terminates
-    them first; call from the thread that stays in this call (the main one for SIGTERM).
-    ``master_addr`` is rank 0's address (the TCP store); ``child_setup(rank)``, a module-level
-    function (or a partial of one), runs in each child before the group is created (e.g. to
-    enter the rank's network namespace, :mod:`cokit.netbed`); its errors fail that rank.
+    here with its traceback (a raise: :class:`RankFailed`, which also carries the exception).
+    Each rank gets ``cpu_count // world_size`` threads. The ranks die with this process
+    (SIGKILL on Linux, from the kernel) and SIGTERM to it terminates them first; call from the
+    thread that stays in this call (the main one for SIGTERM).
+    ``master_addr`` is rank 0's address (``MASTER_ADDR`` in the ranks); ``child_setup(rank)``, a
+    module-level function (or a partial of one), runs in each child before the group is
+    created (e.g. to enter the rank's network namespace, :mod:`cokit.netbed`); its errors fail
+    that rank. The ranks meet through a file in a private temporary folder (removed afterwards),
+    so no rendezvous port is opened; when ``master_addr`` is a loopback address, gloo (NCCL)
+    binds its sockets to the loopback interface unless ``env`` sets ``GLOO_SOCKET_IFNAME``
+    (``NCCL_SOCKET_IFNAME``).
     """
     import torch.multiprocessing as mp
 
@@ -220,22 +297,34 @@ def spawn(
         raise ValueError(f"backend={backend!r} is invalid; allowed: gloo, nccl")
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend nccl needs {world_size} GPUs here; found {torch.cuda.device_count()}")
+    child_env: dict[str, str | None] = dict(env or {})
+    if is_loopback(master_addr):
+        ifname = "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"
+        child_env.setdefault(ifname, loopback_interface())
     threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(r, world_size, port, backend, threads, fn, args, queue, child_setup, master_addr),
-            kwargs={"parent_pid": os.getpid()},
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
+    rendezvous = tempfile.mkdtemp(prefix="cokit-rendezvous-")  # mode 0700: this user's only
+    init_method = "file://" + os.path.join(rendezvous, "store")
     results: dict[int, Any] = {}
     with _sigterm_raises():
-        _wait_for_ranks(procs, queue, results, timeout, env)
+        try:
+            procs = [
+                ctx.Process(
+                    target=_entry,
+                    args=(r, world_size, init_method, backend, threads, fn, args, queue),
+                    kwargs={
+                        "child_setup": child_setup,
+                        "master_addr": master_addr,
+                        "parent_pid": os.getpid(),
+                    },
+                    daemon=True,
+                )
+                for r in range(world_size)
+            ]
+            _wait_for_ranks(procs, queue, results, timeout, child_env)
+        finally:  # before a SIGTERM ends this process
+            shutil.rmtree(rendezvous, ignore_errors=True)
     return [results[r] for r in range(world_size)]
 
 
@@ -262,7 +351,8 @@ def _wait_for_ranks(
                     raise TimeoutError(f"ranks did not finish within {timeout:.0f} s") from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                trace, error = value
+                raise RankFailed(rank, trace, _unpickled(error))
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     except _Terminated:
         _reap(procs, grace=0.0)

@@ -121,6 +121,46 @@ def test_nan_literals_and_unknown_keys_are_tolerated(tmp_path):
     assert tel.skipped_count == 0
 
 
+def test_out_of_range_numbers_are_skipped_and_counted(tmp_path, capsys):
+    """Numbers no array holds (a step of 10**30, an int beyond float64) skip their record, like
+    any malformed line; the page is still written with the good records drawn."""
+    folder = tmp_path / "out" / "telemetry" / "hand"
+    folder.mkdir(parents=True)
+    good = [_rec("meta", method="x")]
+    good += [_rec("step", step=i, step_s=0.1 * (i + 1), loss=5.0 - i) for i in range(4)]
+    good += [_rec("summary", step=2, slowest_rank=0), _rec("end", steps=4, wall_s=1.5)]
+    bad = [
+        _rec("step", step=10**30, step_s=0.1, loss=1.0),
+        _rec("step", step=2**63, loss=1.0),
+        _rec("step", step=-1, loss=1.0),
+        _rec("step", step=9, step_s=10**400, loss=1.0),  # an int no float64 holds
+        _rec("step", step=9, loss=1.0, comm={"sent_bytes": 10**400}),
+        _rec("step", step=9, loss=1.0, kernels=[{"name": "k", "blocks_per_sm": -(10**999)}]),
+        _rec("step", world=10**30, step=9, loss=1.0),
+        _rec("summary", step=10**30, slowest_rank=0),
+        _rec("summary", step=3, slowest_rank=10**400),
+        _rec("end", steps=4, wall_s="1.5 s"),
+        _rec("end", steps=4, wall_s=1.0).replace('"wall_s": 1.0', '"wall_s": 1e999'),
+        _rec("step", step=9, loss=1.0).replace('"step": 9', '"step": ' + "9" * 5000),  # > int()'s limit
+    ]
+    lines = good[:3] + bad[:6] + good[3:5] + bad[6:] + good[5:]
+    (folder / "rank0.jsonl").write_text("".join(lines))
+    out = tmp_path / "page.html"
+    assert main(["dashboard", str(tmp_path / "out"), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {len(bad)} unreadable telemetry line(s)" in err, err
+    for why in ("step out of range", "beyond float64's range", "world_size out of range", "wall_s"):
+        assert why in err, why
+    assert f"{len(bad)} unreadable line(s) skipped" in out.read_text()
+    tel = load_telemetry(folder)
+    log = tel.runs[0].ranks[0]
+    assert [r["step"] for r in log.steps] == [0, 1, 2, 3] and log.world_size == 1
+    assert [r["step"] for r in log.summaries] == [2] and log.end is not None and log.end["wall_s"] == 1.5
+    loss = next(p for p in figures(tel) if p.key == "loss")
+    ys = [list(t["y"]) for t in _traces(loss) if t.get("legendgroup") == "hand" and t.get("y") is not None]
+    assert [5.0, 4.0, 3.0, 2.0] in ys, ys
+
+
 # ---------------------------------------------------------------------- numbers
 def test_series_derives_compute_hidden_and_fractions(tmp_path):
     folder = tmp_path / "hand"

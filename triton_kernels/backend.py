@@ -9,7 +9,7 @@ cokit kernels run on one of four paths:
   without the interpreter).
 
 The limits of the chips we tune for are tabulated below (vendor documentation, checked
-against DESIGN.md section 2); on a machine with a GPU they are read live from the driver.
+against docs/design.md §3); on a machine with a GPU they are read live from the driver.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Two forms from one tile routine:
 
 * tiled      -- one program per ``BLOCK_M x BLOCK_N`` output tile, grouped ordering;
 * persistent -- ``num_sms`` programs loop over the tiles, so SMs/CUs can be left free for a
-  communication kernel (SM carve-out, DESIGN.md 1.2).
+  communication kernel (SM carve-out, docs/design.md §1.2).
 
 fp16, bf16 and fp32 inputs (fp32 with ``precision='tf32'`` or ``'ieee'``), any M, N, K
 (masked edges), any strides (transposed operands need no copy), fp32 accumulation; the

@@ -4,7 +4,7 @@ No public Triton knob requests extra shared memory. The launcher passes a compil
 ``metadata.shared`` as the launch's dynamic shared-memory size (inside ``packed_metadata``)
 and raises the function's opt-in limit from the same field when it loads the binary, so a
 copy of a compiled kernel whose metadata carries a larger ``shared`` launches the same code
-with a bigger per-block footprint: fewer blocks fit on an SM/CU (DESIGN.md section 2).
+with a bigger per-block footprint: fewer blocks fit on an SM/CU (docs/design.md §1.2).
 
 * :func:`with_shared_memory` makes that copy (from a live kernel or a compile-only build);
 * :func:`launch_shaped` compiles a ``@triton.jit`` kernel for the live GPU, shapes it once

@@ -1,6 +1,6 @@
 """How tensors are cut into DCT tiles, and the tables that let one launch cover many tensors.
 
-Rules (DESIGN.md section 1.1, step 3):
+Rules (docs/design.md §1.1, step 3):
 
 * a tensor is viewed as a matrix: 0-D and 1-D tensors as one row, N-D tensors as
   ``(shape[0], prod(shape[1:]))`` (a conv weight becomes ``(out, in*kh*kw)``);

@@ -25,8 +25,12 @@ import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from cokit.cli import CliError
+
+if TYPE_CHECKING:
+    from cokit.files import WriteError
 
 METHOD_NAMES = ("demo", "sparseloco", "adamw")
 #: telemetry run name of each method (``<out>/telemetry/<run>/rank<r>.jsonl``)
@@ -357,7 +361,35 @@ def _specs(args: argparse.Namespace, methods: list[str]) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate, train each method on every rank, then report and write the results."""
+    """Validate, train each method on every rank, then report and write the results.
+
+    A write that the filesystem under ``--out`` refuses (full, over quota, read-only,
+    failing), on any rank or here, ends the demo with one line naming the file (exit 2).
+    """
+    try:
+        return _run(args)
+    except (RuntimeError, OSError) as exc:
+        error = _storage_failure(exc)
+        if error is None:
+            raise
+        raise CliError(error.describe("pass --out <a folder on another filesystem>")) from None
+
+
+def _storage_failure(exc: BaseException) -> WriteError | None:
+    """The :class:`cokit.files.WriteError` behind ``exc`` (raised here, or on a spawned rank),
+    or None when ``exc`` is something else."""
+    from cokit.files import storage_error
+    from cokit.launch import RankFailed
+
+    if isinstance(exc, RankFailed):
+        if exc.error is None:
+            return None
+        exc = exc.error
+    filename = getattr(exc, "filename", None)
+    return storage_error(exc, filename) if isinstance(filename, str) else None
+
+
+def _run(args: argparse.Namespace) -> int:
     world, device, torchrun, methods, gpus = _resolve(args)
     cfg = _workload_config(args)
     specs = _specs(args, methods)

@@ -3,15 +3,19 @@
 A RUN_DIR may be a results folder holding ``telemetry/<run>/rank<r>.jsonl``, the
 ``telemetry`` folder itself, or one ``<run>`` folder. Lines that are not JSON objects of this
 schema (a truncated last line of a killed run, a corrupt byte) are skipped and counted per
-file, so a damaged file still shows what it holds; unknown kinds and keys are ignored
-(forward compatible).
+file, so a damaged file still shows what it holds. So are records whose numbers a page cannot
+hold (an integer beyond float64's range; a step or slowest rank outside 0..2**53-1, a world
+size outside 1..2**53-1; an end record's wall time that is not a finite number). Unknown
+kinds and keys are ignored (forward compatible).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +105,24 @@ def _no_constant(name: str) -> None:
     return None
 
 
+class _OutOfRange(ValueError):
+    """A number in a line that no float64 holds."""
+
+
+def _bounded_int(text: str) -> int:
+    """JSON integers beyond float64's range make the line unreadable (the arrays are float64)."""
+    if len(text) > 320:  # also spares int() its 4300-digit limit
+        raise _OutOfRange(text)
+    value = int(text)
+    if abs(value) > sys.float_info.max:
+        raise _OutOfRange(text)
+    return value
+
+
 #: one decoder for every line (json.loads with options builds a new one per call)
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_int=_bounded_int)
+#: steps, slowest ranks and world sizes are integers below this (exact in float64; int64 arrays hold them)
+MAX_INDEX = 2**53
 
 
 def rank_files(run_dir: str | os.PathLike) -> list[tuple[str, Path, int]]:
@@ -138,6 +158,29 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_index(v: Any, low: int = 0) -> bool:
+    """An integer from ``low`` to ``MAX_INDEX - 1``: a step, a rank, a world size."""
+    return _is_int(v) and low <= v < MAX_INDEX
+
+
+def _out_of_range(rec: dict[str, Any]) -> str | None:
+    """Why a record's step, world size, slowest rank or wall time cannot be shown (None: it can)."""
+    if _is_int(rec.get("world_size")) and not _is_index(rec["world_size"], 1):
+        return "world_size out of range (1 to 2**53 - 1)"
+    kind = rec["kind"]
+    if kind in ("step", "summary") and _is_int(rec.get("step")) and not _is_index(rec["step"]):
+        return f"{kind} record with a step out of range (0 to 2**53 - 1)"
+    if kind == "summary" and _is_int(rec.get("slowest_rank")) and not _is_index(rec["slowest_rank"]):
+        return "summary record with a slowest_rank out of range (0 to 2**53 - 1)"
+    if kind == "end":
+        wall = rec.get("wall_s")
+        if wall is not None and (
+            isinstance(wall, bool) or not isinstance(wall, (int, float)) or not math.isfinite(wall)
+        ):
+            return "end record whose wall_s is not a finite number"
+    return None
+
+
 def read_rank_file(path: Path, rank: int, skipped: Skipped) -> RankLog:
     """Parse one rank file; bad lines go to ``skipped``."""
     log = RankLog(path=path, rank=rank)
@@ -148,6 +191,9 @@ def read_rank_file(path: Path, rank: int, skipped: Skipped) -> RankLog:
                 continue
             try:
                 rec = _DECODER.decode(raw.decode("utf-8"))
+            except _OutOfRange:
+                skipped.add(lineno, "a number beyond float64's range")
+                continue
             except (ValueError, UnicodeDecodeError):
                 skipped.add(lineno, "not JSON (truncated or corrupt)")
                 continue
@@ -157,6 +203,10 @@ def read_rank_file(path: Path, rank: int, skipped: Skipped) -> RankLog:
             schema = rec.get("schema")
             if not (isinstance(schema, str) and schema.startswith(SCHEMA_PREFIX)):
                 skipped.add(lineno, f"schema {schema!r}, not {SCHEMA_PREFIX}*")
+                continue
+            why = _out_of_range(rec)
+            if why is not None:
+                skipped.add(lineno, why)
                 continue
             if _is_int(rec.get("world_size")):
                 log.world_size = rec["world_size"]

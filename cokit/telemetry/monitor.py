@@ -199,6 +199,7 @@ class Monitor:
         if self.rank == 0:
             self._remove_stale_rank_files()
         self.sinks: list[Sink] = []
+        self._failed_sinks: list[Sink] = []  # raised on a write: not written again
         try:
             for s in specs:
                 self.sinks.append(make_sink(s, self.folder, self.rank) if isinstance(s, str) else s)
@@ -446,7 +447,13 @@ class Monitor:
             }
         )
         for sink in self.sinks:
-            sink.write(record)
+            if any(sink is s for s in self._failed_sinks):
+                continue
+            try:
+                sink.write(record)
+            except BaseException:
+                self._failed_sinks.append(sink)
+                raise
         return record
 
     def flush(self) -> None:
@@ -456,11 +463,18 @@ class Monitor:
 
     def close(self, error: BaseException | None = None) -> None:
         """Write the ``end`` line (with ``error`` when the run failed) and close the sinks.
-        A second call does nothing."""
+        A second call does nothing.
+
+        Every sink is closed whatever fails. Without ``error`` the first failure is raised
+        (one exception, e.g. :class:`cokit.files.WriteError` on a full disk); with ``error``
+        (the run is already failing with it, e.g. a sink's own write) failures here are
+        dropped, so the caller's exception is the one that surfaces, without a chain of
+        others. A sink that failed a write gets no ``end`` line."""
         if self._closed:
             return
         self._closed = True
         extra = {"error": f"{type(error).__name__}: {error}"[:1000]} if error is not None else {}
+        problems: list[Exception] = []
         try:
             if error is None:
                 self._finish_summary()
@@ -468,15 +482,16 @@ class Monitor:
                 _ABANDONED.append(self._pending[1])
                 self._pending = None
             self._emit("end", steps=self.steps, wall_s=float(self.clock()) - self._start, **extra)
+        except Exception as exc:
+            problems.append(exc)
         finally:
-            problems = []
             for sink in self.sinks:
                 try:
                     sink.close()
-                except Exception as exc:  # close the others anyway; report the first
+                except Exception as exc:  # close the others anyway
                     problems.append(exc)
-            if problems:
-                raise problems[0]
+        if problems and error is None:
+            raise problems[0]
 
     @property
     def closed(self) -> bool:

@@ -1,7 +1,9 @@
 """Where telemetry records go: one small interface, :class:`Sink`, and four implementations.
 
-* :class:`JsonlSink` (the default): one JSON object per line, line-buffered, so every record
-  is on disk (in the OS) as soon as it is written and a crash leaves whole lines.
+* :class:`JsonlSink` (the default): one JSON object per line, each line handed to the OS in one
+  ``write`` as soon as it is written, so a crash leaves whole lines; a write the filesystem
+  refuses (full disk) is undone (the file is cut back to its last whole line) and raises
+  :class:`cokit.files.WriteError`.
 * :class:`CsvSink` and :class:`ParquetSink`: flat tables for BI tools (nested objects as
   ``comm.exposed_s`` columns, lists as JSON strings). They buffer the rows and write the whole
   file atomically (temporary file, then rename) on :meth:`~Sink.flush` and :meth:`~Sink.close`,
@@ -15,6 +17,7 @@ A sink of your own subclasses :class:`Sink` (or just has the three methods) and 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -24,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cokit.files import atomic_write_bytes, atomic_write_text
+from cokit.files import atomic_write_bytes, atomic_write_text, storage_error
 from cokit.telemetry.schema import COMMON_FIELDS, KIND_FIELDS, flatten
 
 __all__ = ["SINK_NAMES", "CsvSink", "JsonlSink", "ParquetSink", "Sink", "TensorBoardSink", "make_sink"]
@@ -51,26 +54,64 @@ class Sink(ABC):
 
 
 class JsonlSink(Sink):
-    """One JSON object per line in ``path`` (replaced when it exists), line-buffered."""
+    """One JSON object per line in ``path`` (replaced when it exists), each line one complete
+    ``write`` to an append-only descriptor: the file only ever grows by whole lines. A failed
+    write cuts the file back to its length before the line and raises
+    :class:`~cokit.files.WriteError` (storage failures) or the OSError."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: Any = self.path.open("w", buffering=1, encoding="utf-8")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, flags, 0o666)
+        except OSError as exc:
+            error = storage_error(exc, self.path)
+            if error is None:
+                raise
+            raise error from None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is None:
+        if self._fd is None:
             raise ValueError(f"JsonlSink({self.path}) is closed")
-        self._file.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
+        line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
+        fd = self._fd
+        before = os.fstat(fd).st_size
+        try:
+            view = memoryview(line)
+            while view:  # a regular file writes short only when full: the next write says why
+                view = view[os.write(fd, view) :]
+        except BaseException as exc:  # also an interrupt between two parts of the line
+            self._cut(fd, before)
+            error = storage_error(exc, self.path)
+            if error is None:
+                raise
+            raise error from None
 
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+    @staticmethod
+    def _cut(fd: int, length: int) -> None:
+        """Remove a partly written line (best effort: a file that cannot be cut, e.g.
+        /dev/full, keeps what it has, and readers skip a partial line)."""
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_size > length:
+                os.ftruncate(fd, length)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError as exc:
+                error = storage_error(exc, self.path)
+                if error is None:
+                    raise
+                raise error from None
+
+    def __del__(self) -> None:  # a sink dropped without close() does not leak its descriptor
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class _TableSink(Sink):
@@ -114,7 +155,7 @@ class _TableSink(Sink):
 
     def flush(self) -> None:
         if self._dirty:
-            self._write_table()
+            self._write_table()  # atomic: a failed write (WriteError) keeps the previous table
             self._dirty = False
 
     def close(self) -> None:
