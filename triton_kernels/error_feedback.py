@@ -1,6 +1,6 @@
 """Fused error feedback: the encode and decode passes of a DeMo step.
 
-Encode, one pass per tile over a bucket of tensors (DESIGN.md section 1.1, steps 2-6)::
+Encode, one pass per tile over a bucket of tensors (docs/design.md §1.1, steps 2-6)::
 
     delta  = beta * delta + lr * grad          # fp32 buffer, updated in place
     coeffs = DCT(delta)
@@ -43,6 +43,7 @@ from . import compress_config, tiling
 from ._checks import (
     FLOAT_DTYPES,
     check_float_tensor,
+    check_number,
     check_positive_int,
     check_same_device,
     check_tensor_list,
@@ -677,16 +678,6 @@ def _(params, indices, values, chunk, k, lr, weight_decay, use_sign):
     return None
 
 
-def _check_scalar(name: str, value: object, low: float, high: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    v = float(value)
-    if v != v or v in (float("inf"), float("-inf")) or v < low or (high is not None and v > high):
-        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be finite and {allowed}, got {value}")
-    return v
-
-
 def ef_encode(
     deltas: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -710,9 +701,9 @@ def ef_encode(
     check_positive_int("chunk", chunk)
     check_positive_int("k", k)
     beta, lr, alpha = (
-        _check_scalar("beta", beta, 0.0, 1.0),
-        _check_scalar("lr", lr, 0.0),
-        _check_scalar("alpha", alpha, 0.0, 1.0),
+        check_number("beta", beta, 0.0, 1.0),
+        check_number("lr", lr, 0.0),
+        check_number("alpha", alpha, 0.0, 1.0),
     )
     if value_dtype not in FLOAT_DTYPES:
         raise TypeError(f"value_dtype must be torch.float32, float16 or bfloat16, got {value_dtype}")
@@ -776,8 +767,8 @@ def ef_decode(
     params = check_tensor_list("params", params)
     check_positive_int("chunk", chunk)
     check_positive_int("k", k)
-    lr = _check_scalar("lr", lr, 0.0)
-    weight_decay = _check_scalar("weight_decay", weight_decay, 0.0)
+    lr = check_number("lr", lr, 0.0)
+    weight_decay = check_number("weight_decay", weight_decay, 0.0)
     for i, p in enumerate(params):
         check_float_tensor(f"params[{i}]", p)
     check_same_device(**{f"params[{i}]": p for i, p in enumerate(params)}, indices=indices, values=values)
