@@ -404,6 +404,10 @@ class Testbed:
                     }
         return out
 
+    def set_links(self, up: bool) -> None:
+        """Bring every link of the testbed up or down now (a partition of your own timing)."""
+        self._set_links("up" if up else "down")
+
     def _set_links(self, state: str) -> None:
         for ns, dev in self.links:
             _run("ip", "-n", ns, "link", "set", dev, state)

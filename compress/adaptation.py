@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from cokit.compress.policy import (
     StaticPolicy,
 )
 
-__all__ = ["POLICIES", "POLICIES_FOR", "PolicyDriver", "make_policy"]
+__all__ = ["MEASUREMENT_BYTES", "POLICIES", "POLICIES_FOR", "PolicyDriver", "make_policy"]
 
 logger = logging.getLogger("cokit.compress.policy")
 
@@ -42,7 +43,7 @@ POLICIES_FOR: dict[str, tuple[str, ...]] = {
     "DeMo": ("static", "bandwidth"),
     "SparseLoCo": ("static", "interval"),
 }
-_MEASUREMENT_BYTES = 16  # two float64: step_s, exposed_s
+MEASUREMENT_BYTES = 16  # two float64: step_s, exposed_s (in every status row: rows have one size)
 
 
 def make_policy(spec: NetworkPolicy | str | dict[str, Any] | None, owner: str = "DeMo") -> NetworkPolicy:
@@ -76,21 +77,19 @@ def make_policy(spec: NetworkPolicy | str | dict[str, Any] | None, owner: str = 
 
 
 class PolicyDriver:
-    """Feeds one optimizer's policy with agreed measurements and records its decisions."""
+    """Feeds one optimizer's policy with agreed measurements and records its decisions.
 
-    def __init__(self, policy: NetworkPolicy) -> None:
+    ``clock``: seconds for the step times (``time.perf_counter``; tests inject a fake clock)."""
+
+    def __init__(self, policy: NetworkPolicy, clock: Callable[[], float] = time.perf_counter) -> None:
         self.policy = policy
+        self.clock = clock
         self.log: list[dict[str, Any]] = []
         self.decision: Decision | None = None  # the last decision (None: none since start/resume)
         self._blocked_s = 0.0  # blocked in collectives during the current step
         self._last_end: float | None = None  # perf_counter at the end of the previous step
         self._measured: tuple[float, float] | None = None  # (step_s, exposed_s) of the last full step
         self._last: tuple[int, int, bool] | None = None  # (sent, dense, synced) of the last step
-
-    @property
-    def status_bytes(self) -> int:
-        """Bytes this driver adds to each rank's row of the status exchange."""
-        return _MEASUREMENT_BYTES if self.policy.observes else 0
 
     @property
     def syncing(self) -> bool:
@@ -102,8 +101,12 @@ class PolicyDriver:
         self._blocked_s += seconds
 
     def measurement(self, device: torch.device) -> torch.Tensor:
-        """This rank's last full step as ``status_bytes`` raw bytes (NaN before there is one)."""
-        values = self._measured if self._measured is not None else (float("nan"), float("nan"))
+        """This rank's last full step as :data:`MEASUREMENT_BYTES` raw bytes (NaN before there is
+        one, and whenever the policy does not observe: every status row has one size whatever
+        the policy, so that ranks with different policies are told so instead of pairing
+        collectives of different sizes)."""
+        measured = self._measured if self.policy.observes else None
+        values = measured if measured is not None else (float("nan"), float("nan"))
         return torch.tensor(values, dtype=torch.float64).view(torch.uint8).to(device)
 
     def decide(self, rows: torch.Tensor | None, step: int) -> Decision:
@@ -131,7 +134,7 @@ class PolicyDriver:
 
     def step_done(self, sent: int, dense: int, synced: bool) -> None:
         """Close a step: remember its bytes and, once a previous step end is known, its times."""
-        now = time.perf_counter()
+        now = self.clock()
         if self._last_end is not None:
             self._measured = (now - self._last_end, self._blocked_s)
         self._last_end = now

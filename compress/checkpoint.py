@@ -344,10 +344,14 @@ def _check_world(
     return False
 
 
+# settings that change nothing a checkpoint holds (checking peers' bytes): not compared on load
+_LOOSE = ("validate_payload",)
+
+
 def _check_settings(opt: DeMo, common: dict[str, Any], strict: bool, warns: list[str]) -> None:
     saved, here = common.get("settings") or {}, _settings(opt)
     diffs = []
-    for k in sorted(set(saved) | set(here)):
+    for k in sorted((set(saved) | set(here)) - set(_LOOSE)):
         if saved.get(k) != here.get(k):
             if k == "policy":
                 diffs.append(

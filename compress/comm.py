@@ -11,13 +11,25 @@ checkpoint. Byte counts are per rank, ring algorithm volumes (:mod:`cokit.compre
 each collective is also timed (:mod:`cokit.compress.timing`: launch, completion, waits).
 Without an initialized process group (or world size 1) the collectives are local copies
 and count zero bytes.
+
+Work lifetimes: every launched collective stays referenced (``_INFLIGHT``) until a wait sees it
+complete, and the most recent completed ones a while longer (``_RECENT``). When its group is
+aborted, every collective still in flight on it moves to ``_FAILED_WORK``; an owner whose step
+raised for another reason calls :meth:`Communicator.drain`, which waits for what the step
+launched. At exit the collectives still held are never freed. So no gloo worker thread is
+ever the one that frees a collective while the interpreter finalizes, which would
+``std::terminate`` the process (SIGABRT: freeing its tensors needs the GIL).
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import ctypes
 import datetime
 import math
 import numbers
+import threading
 import weakref
 from typing import Any, NoReturn
 
@@ -27,7 +39,14 @@ import torch.distributed as dist
 from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
 from cokit.compress.timing import CollectiveTiming, StepTimer, StepTiming
 
-__all__ = ["CollectiveTimeout", "Communicator", "Pending", "ProcessGroupAborted", "parse_timeout"]
+__all__ = [
+    "CollectiveTimeout",
+    "Communicator",
+    "Pending",
+    "ProcessGroupAborted",
+    "guard_future",
+    "parse_timeout",
+]
 
 RESTART_HINT = (
     "The step cannot be retried in place: restart every rank from the last checkpoint "
@@ -40,6 +59,15 @@ _ABORTED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 # tensors') is dropped by a Python thread: dropped by gloo's worker thread while the
 # interpreter finalizes, it takes the GIL and std::terminate()s the process (SIGABRT).
 _FAILED_WORK: list[Any] = []
+# The most recent completed collectives (work, result, input). A gloo worker thread drops its
+# reference to a collective a moment after the waiter saw it complete; were that the last
+# reference while the interpreter finalizes, freeing the tensors would need the GIL, which a
+# finalizing interpreter refuses: the thread exits mid-unwind and the process ends in
+# std::terminate (SIGABRT). Held here until newer ones replace them, and never freed at exit.
+_RECENT: collections.deque = collections.deque(maxlen=8)  # > the worker threads of the groups in use
+# Collectives launched and not yet seen complete, per process group (see the module docstring).
+_INFLIGHT: weakref.WeakKeyDictionary[Any, dict[int, Pending]] = weakref.WeakKeyDictionary()
+_INFLIGHT_LOCK = threading.Lock()
 # A collective that carries its own timeout ends with it; waiting this much longer for it
 # (rather than abandoning it at the same instant) lets it end on its thread first.
 _GRACE = datetime.timedelta(seconds=10)
@@ -100,6 +128,36 @@ def _abort(group: Any) -> str:
     return "it was aborted"
 
 
+def _keep(entry: tuple) -> None:
+    """Hold a collective that just completed a little longer (see ``_RECENT``)."""
+    _RECENT.append(entry)
+
+
+def _keep_until_exit() -> None:
+    """At exit, before the interpreter finalizes: the collectives still held (the most recent
+    ones, the failed ones) are never freed, so no gloo thread can be the one that frees them
+    while the interpreter finalizes (module docstring)."""
+    kept = [*_RECENT, *_FAILED_WORK]
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # a reference that is never dropped
+    _RECENT.clear()
+    _FAILED_WORK.clear()
+
+
+atexit.register(_keep_until_exit)
+
+
+def _retire(group: Any) -> None:
+    """``group`` failed: keep every collective still in flight on it referenced until exit;
+    waiting on one raises :class:`ProcessGroupAborted`."""
+    with _INFLIGHT_LOCK:
+        stuck = _INFLIGHT.pop(group, {})
+    for pending in stuck.values():
+        if pending._work is not None:
+            _FAILED_WORK.append((pending._work, pending._result, pending._source))
+            pending._work = None
+            pending._abandoned = True
+
+
 class Pending:
     """A launched collective: ``wait()`` returns its result tensor."""
 
@@ -122,9 +180,27 @@ class Pending:
         self._group = group
         self._op_timeout = op_timeout  # the collective itself ends at `timeout`
         self._source = source  # the input tensor, when it is not the result
+        self._abandoned = False  # its group was aborted while it was in flight
+        if work is not None and group is not None:
+            with _INFLIGHT_LOCK:
+                _INFLIGHT.setdefault(group, {})[id(self)] = self
+
+    def _landed(self) -> None:
+        """The collective completed: held a little longer (``_RECENT``), then released."""
+        if self._work is not None:
+            _keep((self._work, self._result, self._source))
+        self._work = None
+        if self._group is not None:
+            with _INFLIGHT_LOCK:
+                _INFLIGHT.get(self._group, {}).pop(id(self), None)
 
     def wait(self) -> torch.Tensor:
         """The result, once every rank took part; ``CollectiveTimeout`` (group aborted) if not."""
+        if self._abandoned:
+            raise ProcessGroupAborted(
+                f"{self._owner}: the {self._what} was abandoned: its process group was aborted after "
+                f"another collective failed ({_ABORTED.get(self._group, 'unknown')}). {RESTART_HINT}."
+            )
         if self._work is not None:
             limit = self._timeout
             if limit is not None and self._op_timeout:
@@ -139,10 +215,30 @@ class Pending:
                 self._fail(None, timed_out=True)
             if self._timer is not None and self._record is not None:
                 self._timer.waited(self._record, start, self._timer.mark(device))
-            self._work = None
+            self._landed()
         return self._result
 
-    def _fail(self, cause: BaseException | None, timed_out: bool) -> NoReturn:
+    def future(self) -> torch.futures.Future:
+        """A future of the result, for callers that cannot block (a DDP comm hook). A failed
+        collective fails it with :class:`CollectiveTimeout` (group aborted, work kept alive)."""
+        if self._work is None:
+            ready: torch.futures.Future = torch.futures.Future()
+            ready.set_result(self._result)
+            return ready
+
+        def landed(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                fut.wait()
+            except RuntimeError as exc:
+                self._fail(exc, timed_out="timed out" in str(exc).lower(), abort=False)
+            self._landed()
+            return self._result
+
+        return self._work.get_future().then(landed)
+
+    def _fail(self, cause: BaseException | None, timed_out: bool, abort: bool = True) -> NoReturn:
+        """Raise the error naming the owner; the group is marked dead (and aborted, unless
+        ``abort=False``: on a communication thread) and its collectives in flight kept alive."""
         if self._work is not None:
             _FAILED_WORK.append((self._work, self._result, self._source))
         self._work = None
@@ -153,7 +249,8 @@ class Pending:
         first = f"{self._owner}: the {self._what} {happened}"
         if self._group is not None and self._group not in _ABORTED:
             _ABORTED[self._group] = first
-            fate = _abort(self._group)
+            _retire(self._group)
+            fate = _abort(self._group) if abort else "it is marked unusable"
         else:
             fate = "it was aborted"
         raise CollectiveTimeout(
@@ -162,6 +259,24 @@ class Pending:
             f"waiting. {RESTART_HINT}; the process group is unusable ({fate}). Raise "
             f"`timeout=` if steps are just slow."
         ) from cause
+
+
+def guard_future(
+    fut: torch.futures.Future, owner: str, what: str, timeout: object = None, group: Any = None
+) -> torch.futures.Future:
+    """``fut`` (a collective another library launched, e.g. torch's PowerSGD hook on a group
+    made with a timeout) whose failure raises :class:`CollectiveTimeout` naming ``owner``, and
+    marks ``group`` unusable, as a failed :class:`Pending` does."""
+    limit = parse_timeout(timeout, owner)
+
+    def check(done: torch.futures.Future) -> Any:
+        try:
+            return done.value()
+        except RuntimeError as exc:
+            failed = Pending(None, torch.empty(0), owner, what, limit, group)
+            failed._fail(exc, timed_out="timed out" in str(exc).lower(), abort=False)
+
+    return fut.then(check)
 
 
 class Communicator:
@@ -291,6 +406,13 @@ class Communicator:
 
     def all_reduce_mean(self, tensor: torch.Tensor, what: str) -> Pending:
         """Start an in-place all-reduce; ``wait()`` gives the mean over ranks (same tensor)."""
+        return self._all_reduce(tensor, what, mean=True)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> Pending:
+        """Start an in-place all-reduce; ``wait()`` gives the sum over ranks (same tensor)."""
+        return self._all_reduce(tensor, what, mean=False)
+
+    def _all_reduce(self, tensor: torch.Tensor, what: str, mean: bool) -> Pending:
         if not self.distributed:
             return Pending(None, tensor, self.owner, what, None)
         group = self._usable_group(what)
@@ -300,18 +422,10 @@ class Communicator:
         work = group.allreduce([tensor], opts)
         nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
         record = self._count(what, nbytes, work, start)
-        return _Scaled(
-            work,
-            tensor,
-            1.0 / self.world_size,
-            self.owner,
-            what,
-            self.timeout,
-            group,
-            own,
-            self.timer,
-            record,
-        )
+        args = (work, tensor, self.owner, what, self.timeout, group, own)
+        if not mean:
+            return Pending(*args, None, self.timer, record)
+        return _Scaled(*args, 1.0 / self.world_size, timer=self.timer, record=record)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> Pending:
         """Start an in-place broadcast from the group's rank ``src``; ``wait()`` gives the
@@ -331,17 +445,20 @@ class Communicator:
         self.timer.watch(record, work)
         return Pending(work, tensor, self.owner, what, self.timeout, group, own, None, self.timer, record)
 
-    def gather_objects(self, obj: object) -> list:
-        """All-gather picklable objects (rare and small: error reports; not counted)."""
+    def drain(self) -> None:
+        """Wait for every collective still in flight on this process group (a step that raised
+        after launching some: its peers launched them too, so they complete). Failures here
+        abort the group as any failed wait does; the caller's error is the one to raise, so
+        they are not raised again."""
         if not self.distributed:
-            return [obj]
-        group = self._usable_group("object all-gather")
-        out: list = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as exc:
-            Pending(None, torch.empty(0), self.owner, "object all-gather", None, group)._fail(exc, False)
-        return out
+            return
+        with _INFLIGHT_LOCK:
+            pending = list(_INFLIGHT.get(self._process_group(), {}).values())
+        for p in pending:
+            try:
+                p.wait()
+            except CollectiveTimeout:
+                return  # the group is aborted: everything still in flight is kept alive
 
 
 class _Scaled(Pending):
@@ -351,12 +468,13 @@ class _Scaled(Pending):
         self,
         work,
         result,
-        scale: float,
         owner: str,
         what: str,
         timeout,
         group=None,
         op_timeout=False,
+        scale: float = 1.0,
+        *,
         timer: StepTimer | None = None,
         record: CollectiveTiming | None = None,
     ):

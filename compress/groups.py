@@ -60,14 +60,24 @@ class NodeGroups:
     def inter_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.inter)
 
-    def check_tiling(self, owner: str = "NodeGroups") -> None:
-        """Collective over the world: raise on every rank unless the ranks' groups tile it."""
-        world = dist.get_world_size()
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (sorted(self.intra_ranks), sorted(self.inter_ranks)))
+    def check_tiling(self, owner: str = "NodeGroups", timeout: Any = None) -> None:
+        """Collective over the world: raise on every rank unless the ranks' groups tile it.
+        Each rank's groups travel as JSON (never pickled), with ``timeout`` (seconds)."""
+        from cokit.compress.agreement import gather_json
+        from cokit.compress.comm import Communicator
+
+        comm = Communicator(None, owner, timeout)
+        everyone = gather_json(
+            comm,
+            [sorted(self.intra_ranks), sorted(self.inter_ranks)],
+            "node groups report",
+            lambda p: p.wait(),
+        )
         problem = _tiling_problem([e[0] for e in everyone], [e[1] for e in everyone])
         if problem:
-            raise ValueError(f"{owner}: the node groups do not tile the world of {world} ranks: {problem}")
+            raise ValueError(
+                f"{owner}: the node groups do not tile the world of {comm.world_size} ranks: {problem}"
+            )
 
 
 def _tiling_problem(intras: list[list[int]], inters: list[list[int]]) -> str | None:

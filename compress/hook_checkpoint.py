@@ -27,7 +27,6 @@ import torch.distributed as dist
 from cokit.compress.buckets import sends_dense
 from cokit.compress.payload import get_codec
 from cokit.compress.stats import CommStats
-from cokit.compress.timing import StepTimer
 
 if TYPE_CHECKING:
     from cokit.compress.hooks import DCTTopKState
@@ -39,7 +38,7 @@ logger = logging.getLogger("cokit.compress.hooks")
 FORMAT = "cokit.DCTTopKState/1"
 # Settings that change what the hook computes: a checkpoint loads only into a state with the same.
 MATCHING = ("topk", "chunk", "payload", "value_dtype", "decay", "warmup_steps")
-SETTINGS = (*MATCHING, "nonfinite")
+SETTINGS = (*MATCHING, "nonfinite", "timeout", "validate_payload")
 _KEYS = {
     "format",
     "rank",
@@ -375,13 +374,14 @@ def getstate(state: DCTTopKState) -> dict[str, Any]:
 
 def setstate(state: DCTTopKState, saved: dict[str, Any]) -> None:
     """Rebuild a pickled state on the default process group; its buffers wait for :meth:`attach`."""
-    for name in SETTINGS:
-        setattr(state, name, saved[name])
+    defaults = {f.name: f.default for f in dataclasses.fields(state)}
+    for name in SETTINGS:  # a pickle of an older cokit lacks the newer settings: their defaults
+        setattr(state, name, saved.get(name, defaults[name]))
     state.process_group = None
     state.iteration, state.skipped_steps = saved["iteration"], saved["skipped_steps"]
     state.comm_stats = CommStats.from_dict(saved["comm_stats"])
     state._layouts, state._errors, state._params, state._attached = {}, {}, {}, None
-    state._timer, state._round, state._lock = StepTimer(), None, threading.Lock()
+    state._exchange, state._round, state._lock, state._device = None, None, threading.Lock(), None
     restored = saved["restored"]
     state._restored = restored if restored.origin is not None or restored.buffers else None
     state.__post_init__()  # the settings are checked as on construction

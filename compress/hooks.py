@@ -1,7 +1,7 @@
 """A DDP communication hook: DCT + top-k compressed gradients with error feedback.
 
     from cokit.compress.hooks import DCTTopKState, dct_topk_hook
-    state = DCTTopKState(topk=32, chunk=64, warmup_steps=10)
+    state = DCTTopKState(topk=32, chunk=64, warmup_steps=10, timeout=60)
     ddp_model.register_comm_hook(state, dct_topk_hook)
 
 Per DDP bucket and rank: ``e = decay * e + grad``; the top-k DCT coefficients per tile of
@@ -15,6 +15,14 @@ tensors send nothing. ``warmup_steps`` dense iterations come first (like PowerSG
 ``start_powerSGD_iter``); the error buffers live in the state, one per compressed parameter
 (keyed by the parameter, so they follow it when DDP rebuilds its buckets after its first
 iteration).
+
+The guarantees come from the exchange core (:mod:`cokit.compress.exchange`): every iteration
+opens, in its first bucket, with the fixed-size status all-gather whose 64-bit fingerprint
+covers the settings, the iteration and the payload format, waited before any payload is sent
+(ranks with other settings raise the same error instead of pairing collectives of different
+sizes); every collective carries ``timeout`` (a frozen peer makes ``backward()`` raise
+:class:`~cokit.compress.comm.CollectiveTimeout`); every peer's payload is validated before it
+is decoded; and failed collectives are kept alive until exit.
 
 Checkpoints (like PowerSGD's state): the state pickles, without its process group (the loaded
 state uses the default group: set ``state.process_group = g`` if it ran on another), and
@@ -35,10 +43,9 @@ Non-finite gradients: each rank's "my bucket is not finite" flag travels in the 
 dense all-reduce (``world_size`` extra elements; a bucket without dense tensors gets an
 all-reduce of just the flags), so every rank learns about every rank's bucket. Encoding
 works on copies of the error buffers, committed only once every bucket of the iteration is
-known finite on every rank (one extra copy of the buffers during backward, one tiny
-device-to-host copy per iteration). Otherwise no buffer changes on any rank and the
-bucket's gradient is NaN on every rank, as with plain DDP (GradScaler then skips the step on
-every rank); ``nonfinite="error"`` also raises (DDP reports the ``FloatingPointError`` from
+known finite on every rank. Otherwise no buffer changes on any rank and the bucket's gradient
+is NaN on every rank, as with plain DDP (GradScaler then skips the step on every rank);
+``nonfinite="error"`` also raises (DDP reports the ``FloatingPointError`` from
 ``backward()`` as a ``RuntimeError`` quoting it), ``"skip"`` counts it in ``skipped_steps``.
 """
 
@@ -55,31 +62,42 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress import hook_checkpoint
+from cokit.compress.agreement import Report, canonical, fingerprint
 from cokit.compress.buckets import sends_dense
+from cokit.compress.comm import Pending, parse_timeout
+from cokit.compress.exchange import Exchange
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import all_finite
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec
-from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce_bytes
-from cokit.compress.timing import CollectiveTiming, StepTimer
+from cokit.compress.peer_check import check_dense
+from cokit.compress.stats import CommStats, ring_allreduce_bytes
+from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 from cokit.triton_kernels.dct import dct_decode_multi
 from cokit.triton_kernels.error_feedback import ef_encode, payload_layout
 
 __all__ = ["DCTTopKState", "dct_topk_hook"]
+
+# shapes whose payload layout goes into the fingerprint: a codec that lays out bytes differently
+# (another cokit version on one rank) is caught before any payload is sent
+_PROBE = [(64, 64), (96, 40), (130,)]
 
 
 @dataclasses.dataclass
 class DCTTopKState:
     """Settings and error-feedback buffers of :func:`dct_topk_hook`.
 
-    ``comm_stats`` counts this rank's bytes per iteration (ring volumes, the non-finite flags
-    included) and the dense all-reduce bytes of the same gradients, and times it
-    (:mod:`cokit.compress.timing`): encode and decode of every bucket, each collective, and
-    as exposed time the wait from the last bucket's launch (backward's end) to the last
-    bucket's assembly, which DDP blocks on. It is recorded when an iteration's last bucket
-    is assembled. ``nonfinite``: what a
-    non-finite gradient on any rank does (module docstring): ``"error"`` raises on every rank,
-    ``"skip"`` hands NaN gradients so that GradScaler skips the step; in both no error buffer
-    changes. ``skipped_steps`` counts the iterations skipped so.
+    ``timeout``: seconds each collective may take (None: the process group's own); after a
+    timeout ``backward()`` raises and the group is unusable: restart every rank from its
+    checkpoint. ``validate_payload``: check every peer's payload before decoding (default
+    True). ``comm_stats`` counts this rank's bytes per iteration (ring volumes, the status row
+    and non-finite flags included) and the dense all-reduce bytes of the same gradients, and
+    times it (:mod:`cokit.compress.timing`): encode and decode of every bucket, each
+    collective, and as exposed time the wait from the last bucket's launch (backward's end) to
+    the last bucket's assembly, which DDP blocks on. It is recorded when an iteration's last
+    bucket is assembled. ``nonfinite``: what a non-finite gradient on any rank does (module
+    docstring): ``"error"`` raises on every rank, ``"skip"`` hands NaN gradients so that
+    GradScaler skips the step; in both no error buffer changes. ``skipped_steps`` counts the
+    iterations skipped so.
 
     Checkpoints (module docstring): :meth:`attach` names the error buffers after the model's
     parameters; then :meth:`state_dict` / :meth:`load_state_dict` and pickling keep settings,
@@ -97,6 +115,8 @@ class DCTTopKState:
     iteration: int = 0
     skipped_steps: int = 0
     comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
+    timeout: "float | None" = None
+    validate_payload: bool = True
     # bucket index -> _BucketLayout; id(parameter) -> its fp32 error buffer, and the parameter
     _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     _errors: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -104,17 +124,17 @@ class DCTTopKState:
     # from attach(): id(parameter) -> (name, the parameter); from unpickling: a Restored
     _attached: "dict | None" = dataclasses.field(default=None, repr=False, compare=False)
     _restored: "hook_checkpoint.Restored | None" = dataclasses.field(default=None, repr=False, compare=False)
-    _timer: StepTimer = dataclasses.field(default_factory=StepTimer, repr=False, compare=False)
+    _exchange: "Exchange | None" = dataclasses.field(default=None, repr=False, compare=False)
     _round: "_Round | None" = dataclasses.field(default=None, repr=False, compare=False)
+    _device: Any = dataclasses.field(default=None, repr=False, compare=False)  # of the last iteration
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self):
-        check_process_group("DCTTopKState", self.process_group)
-        for name in ("topk", "chunk"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"DCTTopKState: {name} must be a positive integer, got {v!r}")
-        codec = get_codec(self.payload, owner="DCTTopKState")
+        where = "DCTTopKState"
+        check_process_group(where, self.process_group)
+        check_int("topk", self.topk, 1, where=where)
+        check_int("chunk", self.chunk, 1, where=where)
+        codec = get_codec(self.payload, owner=where)
         if not codec.bucketed:
             bucketed = tuple(n for n in codec_names() if get_codec(n).bucketed)
             raise ValueError(
@@ -125,24 +145,23 @@ class DCTTopKState:
             raise TypeError(
                 f"DCTTopKState: value_dtype must be float16, bfloat16 or float32, got {self.value_dtype}"
             )
-        decay = self.decay
-        if isinstance(decay, bool) or not (isinstance(decay, (int, float)) and 0.0 <= decay <= 1.0):
-            raise ValueError(f"DCTTopKState: decay must be a number in [0, 1], got {decay!r}")
-        for name in ("warmup_steps", "iteration"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"DCTTopKState: {name} must be an integer >= 0, got {v!r}")
-        if self.nonfinite not in ("error", "skip"):
-            raise ValueError(f"DCTTopKState: nonfinite must be 'error' or 'skip', got {self.nonfinite!r}")
+        check_number("decay", self.decay, 0.0, 1.0, where=where)
+        check_int("warmup_steps", self.warmup_steps, 0, where=where)
+        check_int("iteration", self.iteration, 0, where=where)
+        check_choice("nonfinite", self.nonfinite, ("error", "skip"), where=where)
+        limit = parse_timeout(self.timeout, where)
+        self.timeout = None if limit is None else limit.total_seconds()
+        check_flag("validate_payload", self.validate_payload, where=where)
 
-    def _count(self, rnd: "_Round", sent: int, dense: int, last: bool, device) -> None:
-        """Count a launched bucket's bytes; the iteration's last bucket ends backward."""
-        with self._lock:
-            rnd.sent += sent
-            rnd.dense += dense
-            if last:
-                rnd.launch_end = self._timer.mark(device)
-                self.iteration += 1
+    @property
+    def exchange(self) -> Exchange:
+        """The exchange core on this state's group (made at first use: the group may be set late)."""
+        ex = self._exchange
+        if ex is None or ex.comm.group is not self.process_group:
+            ex = self._exchange = Exchange(
+                "dct_topk_hook", self.process_group, self.timeout, validate=self.validate_payload
+            )
+        return ex
 
     def attach(self, model: torch.nn.Module) -> "DCTTopKState":
         """Name the error buffers after ``model``'s parameters (the DDP model, or its module:
@@ -169,15 +188,16 @@ class DCTTopKState:
 
         Everything is checked before anything changes: the rank and world size must be this
         process's, the settings that change what is computed (topk, chunk, payload,
-        value_dtype, decay, warmup_steps) must match (``nonfinite`` stays this state's), and
-        the buffers must be finite fp32 tensors of the parameters' shapes covering every
-        compressed parameter (or none). Buffers are copied onto the parameters' devices.
+        value_dtype, decay, warmup_steps) must match (``nonfinite``, ``timeout`` and
+        ``validate_payload`` stay this state's), and the buffers must be finite fp32 tensors of
+        the parameters' shapes covering every compressed parameter (or none). Buffers are
+        copied onto the parameters' devices.
         """
         hook_checkpoint.load_state_dict(self, state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the process group, lock, timer or an iteration in flight (logged, as
-        torch's ``PowerSGDState`` does); the buffers go by parameter name (needs :meth:`attach`)."""
+        """Pickle without the process group, lock, exchange or an iteration in flight (logged,
+        as torch's ``PowerSGDState`` does); the buffers go by parameter name (needs :meth:`attach`)."""
         return hook_checkpoint.getstate(self)
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
@@ -200,6 +220,23 @@ class DCTTopKState:
             )
         self._restored = None
 
+    def _describe(self, globally: bool = False) -> dict[str, Any]:
+        """What the iteration's fingerprint covers (the mismatch report)."""
+        settings = hook_checkpoint.settings(self)
+        codec = get_codec(self.payload)
+        probe = codec(payload_layout(_PROBE, self.chunk, self.topk), self.value_dtype)
+        return {
+            "settings": {k: v for k, v in settings.items() if k not in ("timeout",)},
+            "derived": {"payload wire sizes": [[w.numel, str(w.dtype)] for w in probe.wire]},
+            "counters": {"iteration": self.iteration},
+        }
+
+    def _open(self) -> None:
+        """The iteration's first collective: agree on settings, iteration and payload format
+        before any bucket is sent (raises on every rank when they differ)."""
+        fp = fingerprint(canonical(self._describe()))
+        self.exchange.agree((fp, fp), Report(), self._describe, device=self._device)
+
     def _layout(
         self, bucket: dist.GradBucket, grads: list[torch.Tensor], world: int, device
     ) -> "_BucketLayout":
@@ -208,32 +245,46 @@ class DCTTopKState:
         params = bucket.parameters()
         ids = tuple(map(id, params))
         layout = self._layouts.get(bucket.index())
-        if layout is None or layout.ids != ids:
+        if layout is None or layout.ids != ids or layout.settings != (self.topk, self.chunk, self.payload):
             layout = _BucketLayout.build(self, params, [tuple(g.shape) for g in grads], world, device)
             self._layouts[bucket.index()] = layout
         return layout
 
-    def _join_round(self, last: bool) -> "_Round":
-        """The iteration this bucket belongs to (a new one after the previous last bucket)."""
+    def _join_round(self, last: bool, device) -> "_Round":
+        """The iteration this bucket belongs to (a new one, opened with the status row, after
+        the previous last bucket)."""
         with self._lock:
-            if self._round is None or self._round.closed:
+            fresh = self._round is None or self._round.closed
+            if fresh:
                 self._round = _Round()
-            self._round.launched += 1
-            self._round.closed = last
-            return self._round
+            rnd = self._round
+            assert rnd is not None
+            rnd.launched += 1
+            rnd.closed = last
+        if fresh:
+            self._device = device
+            self._open()
+        return rnd
+
+    def _launched(self, rnd: "_Round", last: bool, device) -> None:
+        """A bucket's collectives are in flight; the iteration's last one ends backward."""
+        if last:
+            with self._lock:
+                rnd.launch_end = self.exchange.timer.mark(device)
+                self.iteration += 1
 
     def _bucket_done(self, rnd: "_Round", done: "_Done") -> None:
         """Record an assembled bucket; the iteration's last one commits or drops the copies."""
         with self._lock:
             rnd.done.append(done)
+            rnd.dense += done.dense
             complete = rnd.closed and len(rnd.done) == rnd.launched
         if not complete:
             return
+        timer = self.exchange.timer
         if rnd.launch_end is not None:
-            self._timer.blocked(rnd.launch_end, self._timer.mark(done.flags.device))
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        group = _world(self)
-        self.comm_stats.record(rnd.sent, rnd.sent, rnd.dense, self._timer.take(), world, group)
+            timer.blocked(rnd.launch_end, timer.mark(done.flags.device))
+        self.exchange.record(self.comm_stats, rnd.dense)
         flags = torch.stack([d.flags for d in rnd.done]).cpu()  # one small copy per iteration
         bad = [(rnd.done[b].index, r) for b, r in flags.nonzero().tolist()]
         if not bad:
@@ -246,21 +297,23 @@ class DCTTopKState:
             return
         (index, rank), more = min(bad), f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise FloatingPointError(
-            f"DCTTopKState: non-finite gradient in DDP bucket {index} on rank {rank}{more}; no error "
-            "buffer changed and the gradients are NaN. Fix the loss scale / data, or pass "
-            "nonfinite='skip' (with GradScaler) to skip such steps on every rank"
+            f"DCTTopKState: non-finite gradient in DDP bucket {index} on rank "
+            f"{self.exchange.global_rank(rank)}{more}; no error buffer changed and the gradients are "
+            "NaN. Fix the loss scale / data, or pass nonfinite='skip' (with GradScaler) to skip such "
+            "steps on every rank"
         )
 
 
 @dataclasses.dataclass
 class _Done:
-    """An assembled bucket: its layout (None in warmup), the buffer copies it encoded into and
-    its all-reduced per-rank non-finite flags."""
+    """An assembled bucket: its layout (None in warmup), the buffer copies it encoded into, its
+    all-reduced per-rank non-finite flags and the dense bytes of its gradients."""
 
     index: int
     layout: "_BucketLayout | None"
     work: list
     flags: torch.Tensor
+    dense: int
 
 
 @dataclasses.dataclass
@@ -271,8 +324,7 @@ class _Round:
     launched: int = 0
     closed: bool = False  # its last bucket was launched
     done: list = dataclasses.field(default_factory=list)
-    sent: int = 0  # bytes of its buckets, so far
-    dense: int = 0  # what a dense all-reduce of them would send
+    dense: int = 0  # what a dense all-reduce of its buckets would send
     launch_end: Any = None  # a timing mark: its last bucket was launched (backward ended)
 
 
@@ -281,6 +333,7 @@ class _BucketLayout:
     """Which tensors of a DDP bucket go dense, and the codec and buffer keys of the others."""
 
     ids: tuple[int, ...]  # id() of the bucket's parameters: a rebuilt bucket has others
+    settings: tuple  # (topk, chunk, payload) it was built for
     shapes: list[tuple[int, ...]]
     dense_idx: list[int]
     sparse_idx: list[int]
@@ -328,11 +381,10 @@ class _BucketLayout:
             if ref is None or ref() is not params[i]:  # new (or an id reused after its parameter died)
                 state._errors[key] = torch.zeros(shapes[i], dtype=torch.float32, device=device)
                 state._params[key] = weakref.ref(params[i])
-        return cls(tuple(map(id, params)), shapes, dense_idx, sparse_idx, codec, keys, state._errors)
-
-
-def _world(state: DCTTopKState) -> int:
-    return dist.get_world_size(state.process_group)
+        settings = (state.topk, state.chunk, state.payload)
+        return cls(
+            tuple(map(id, params)), settings, shapes, dense_idx, sparse_idx, codec, keys, state._errors
+        )
 
 
 def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -340,22 +392,20 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     if state._restored is not None:
         state._check_restored()
     buffer = bucket.buffer()
-    world = _world(state)
-    dense_bytes = ring_allreduce_bytes(buffer.numel() * buffer.element_size(), world)
-    rnd = state._join_round(bucket.is_last())
+    ex = state.exchange
+    comm, world = ex.comm, ex.comm.world_size
+    rnd = state._join_round(bucket.is_last(), buffer.device)
     # This rank's flag, without a host sync: every rank's arrives summed with the dense part.
     flags = torch.zeros(world, dtype=buffer.dtype, device=buffer.device)
-    flags[dist.get_rank(state.process_group)] = ~all_finite(buffer)
+    flags[comm.rank] = ~all_finite(buffer)
     grads = bucket.gradients()
     warmup = state.iteration < state.warmup_steps
     layout = None if warmup else state._layout(bucket, grads, world, buffer.device)
     dense_idx = [] if layout is None else layout.dense_idx
     codec = None if layout is None else layout.codec
     dense_parts = [buffer] if layout is None else [grads[i].reshape(-1) for i in dense_idx]
-    flat = torch.cat([*dense_parts, flags])
-    timer, device = state._timer, buffer.device
-    records = [_all_reduce_sum(state, flat)]
-
+    timer, device = ex.timer, buffer.device
+    pending: list[Pending] = [comm.all_reduce_sum(torch.cat([*dense_parts, flags]), "dense all-reduce")]
     work: list[torch.Tensor] = []
     if layout is not None and codec is not None:
         with timer.span("encode", device):
@@ -370,64 +420,53 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
                 value_dtype=codec.encode_dtype,
             )
             wires = codec.to_wire(idx, vals)
-        records += [_all_gather(state, wire.reshape(-1), world) for wire in wires]
-    state._count(rnd, sum(r.sent_bytes for r, _ in records), dense_bytes, bucket.is_last(), device)
+        pending += ex.gather(codec, wires)
+    dense = ring_allreduce_bytes(buffer.numel() * buffer.element_size(), world)
+    label = f"DDP bucket {bucket.index()}"
+    state._launched(rnd, bucket.is_last(), device)
 
     def assemble(fut: torch.futures.Future) -> torch.Tensor:
         if device.type == "cuda":  # the stream got here once they completed (CPU: callbacks)
             arrived = timer.mark(device)
-            for record, _ in records:
-                timer.completed_at(record, arrived)
+            for p in pending:
+                if p._record is not None:
+                    timer.completed_at(p._record, arrived)
         with timer.span("decode", device):
             results = [f.value() for f in fut.value()]
             reduced = results.pop(0)
             mean, summed_flags = reduced[:-world].div_(world), reduced[-world:]
+            flagged = bool(summed_flags.ne(0).any())
+            if not flagged and ex.validate:
+                check_dense(mean, owner=ex.owner, bucket=f"{label} (dense part)")
+            decoded = []
+            if codec is not None and layout is not None:
+                indices, values = (
+                    ex.checked(codec, results, label) if not flagged else codec.from_wire(results)
+                )
+                shapes = [layout.shapes[i] for i in layout.sparse_idx]
+                decoded = _average_decoded(codec, indices, values, shapes, state.chunk)
             if layout is None:
                 buffer.copy_(mean)
             else:
                 for i, part in zip(dense_idx, mean.split([grads[i].numel() for i in dense_idx])):
                     grads[i].copy_(part.view(grads[i].shape))
-                if codec is not None:
-                    shapes = [layout.shapes[i] for i in layout.sparse_idx]
-                    for i, d in zip(layout.sparse_idx, _average_decoded(codec, results, shapes, state.chunk)):
-                        grads[i].copy_(d)
+                for i, d in zip(layout.sparse_idx, decoded):
+                    grads[i].copy_(d)
             buffer.masked_fill_(summed_flags.ne(0).any(), float("nan"))  # non-finite on every rank
-        state._bucket_done(rnd, _Done(bucket.index(), layout, work, summed_flags.ne(0)))
+        state._bucket_done(rnd, _Done(bucket.index(), layout, work, summed_flags.ne(0), dense))
         return buffer
 
-    return torch.futures.collect_all([f for _, f in records]).then(assemble)
-
-
-def _all_reduce_sum(
-    state: DCTTopKState, tensor: torch.Tensor
-) -> tuple[CollectiveTiming, torch.futures.Future]:
-    """Start a sum all-reduce: its timing record and the future of the sum."""
-    nbytes = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), _world(state))
-    start = state._timer.mark(tensor.device)
-    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
-    record = state._timer.launched("dense all-reduce", nbytes, nbytes, start)
-    state._timer.watch(record, work)
-    return record, work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _all_gather(
-    state: DCTTopKState, tensor: torch.Tensor, world: int
-) -> tuple[CollectiveTiming, torch.futures.Future]:
-    """Start an all-gather: its timing record and the future of the ``(world, n)`` result."""
-    gathered = tensor.new_empty(world * tensor.numel())
-    nbytes = ring_allgather_bytes(tensor.numel() * tensor.element_size(), world)
-    start = state._timer.mark(tensor.device)
-    work = dist.all_gather_single(gathered, tensor, group=state.process_group, async_op=True)
-    record = state._timer.launched("payload all-gather", nbytes, nbytes, start)
-    state._timer.watch(record, work)
-    return record, work.get_future().then(lambda _: gathered.view(world, -1))
+    return torch.futures.collect_all([p.future() for p in pending]).then(assemble)
 
 
 def _average_decoded(
-    codec: PayloadCodec, gathered: list[torch.Tensor], shapes: list[tuple[int, ...]], chunk: int
+    codec: PayloadCodec,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    shapes: list[tuple[int, ...]],
+    chunk: int,
 ) -> list[torch.Tensor]:
     """Sum every rank's coefficients in rank order, divide by the world size, inverse DCT."""
-    indices, values = codec.from_wire(gathered)
     world = indices.shape[0]
     plan = codec.plan
     coeffs = []

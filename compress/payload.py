@@ -200,6 +200,22 @@ class PayloadCodec(abc.ABC):
                     f"{tuple(g.shape)}: the ranks disagree on the bucket layout"
                 )
 
+    def slot_bounds(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per payload slot: the size of its tile (int64) and whether it opens a tile (bool),
+        on ``device`` (made once per device): what the validation of peers' payloads reads."""
+        cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault("_bounds", {})
+        found = cache.get(str(device))
+        if found is None:
+            sizes, starts = [], []
+            for t in self.plan.tilings:
+                ke = t.k_eff(self.plan.k)
+                sizes.append(torch.full((t.n_tiles * ke,), t.tile_numel, dtype=torch.int64))
+                opens = torch.zeros(t.n_tiles * ke, dtype=torch.bool)
+                opens[::ke] = True
+                starts.append(opens)
+            found = cache[str(device)] = (torch.cat(sizes).to(device), torch.cat(starts).to(device))
+        return found
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(name={self.name!r}, slots={self.plan.payload_numel}, "

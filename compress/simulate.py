@@ -114,7 +114,9 @@ class SimulatedLatencyCommunicator(Communicator):
             )
         if not isinstance(model, LatencyModel):
             raise TypeError(f"model must be a LatencyModel, got {type(model).__name__}")
-        super().__init__(inner.group, owner=inner.owner, timeout=inner.timeout)
+        super().__init__(
+            inner.group, owner=inner.owner, timeout=inner.timeout, local=inner.local, timer=inner.timer
+        )
         self.sent, self.received = inner.sent, inner.received
         self.model = model
         self.delays: list[float] = []
@@ -146,16 +148,9 @@ class SimulatedLatencyCommunicator(Communicator):
         launched = time.perf_counter()
         return self._delayed(super().all_gather(tensor, what), launched)
 
-    def all_reduce_mean(self, tensor: torch.Tensor, what: str) -> Pending:
+    def _all_reduce(self, tensor: torch.Tensor, what: str, mean: bool) -> Pending:
         launched = time.perf_counter()
-        return self._delayed(super().all_reduce_mean(tensor, what), launched)
-
-    def gather_objects(self, obj: object) -> list:
-        launched = time.perf_counter()
-        out = super().gather_objects(obj)
-        if self.distributed:
-            self._sleep_until(launched + self._next_delay())
-        return out
+        return self._delayed(super()._all_reduce(tensor, what, mean), launched)
 
 
 def simulate_latency(

@@ -16,32 +16,42 @@ error feedback. Inner optimizer state and error buffers never leave the rank; ``
 (fp32), the outer momentum and the counters are the same on every rank. Tensors whose
 compressed payload would not be smaller than a dense all-reduce (biases, norms) send their
 pseudo-gradient dense, without error feedback (:mod:`cokit.compress.buckets`).
+
+Every guarantee comes from the exchange core (:mod:`cokit.compress.exchange`): each sync opens
+with the fixed-size status row (settings fingerprint, non-finite report, the policy's
+measurement), every collective has the timeout, peers' payloads are validated, and a sync that
+raises leaves no collective behind. The state dict has torch's layout, so
+``torch.distributed.checkpoint`` saves and loads it (:mod:`cokit.compress.sparseloco_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
-import math
 import time
-import zlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cokit.compress import precision as lowp
+from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
+from cokit.compress.agreement import Report, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
-from cokit.compress.comm import Communicator, Pending
+from cokit.compress.comm import Communicator
+from cokit.compress.demo_step import split_like
 from cokit.compress.dtensor import is_dtensor
+from cokit.compress.exchange import Exchange
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import all_finite
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels import tiling
+from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
 from cokit.triton_kernels.topk import chunk_topk
 
@@ -49,8 +59,14 @@ __all__ = ["SparseLoCo"]
 
 OUTER = ("average", "nesterov")
 NONFINITE = ("error", "skip")
-_FORMAT = 1
-_OK, _BAD = 0, 1
+
+
+@dataclasses.dataclass
+class _Skipped:
+    """Inner steps this rank skipped since the last sync (non-finite gradients, a GradScaler's inf)."""
+
+    steps: int = 0
+    first_param: int = -1  # the first non-finite parameter not reported by a GradScaler
 
 
 class SparseLoCo(torch.optim.Optimizer):
@@ -60,7 +76,9 @@ class SparseLoCo(torch.optim.Optimizer):
         params: the model's parameters (tensors, ``(name, tensor)`` pairs or param groups).
         inner: the local optimizer: None (``AdamW(lr=1e-3)``), a ``torch.optim.Optimizer``
             over exactly ``params``, or a callable ``params -> Optimizer``. ``param_groups``
-            are the inner optimizer's, so LR schedulers drive the inner lr.
+            are the inner optimizer's, so LR schedulers drive the inner lr (with
+            ``precision="master"``: copies over the model's parameters, whose values reach
+            the inner optimizer at its next step).
         sync_every: H, local steps between syncs (default 15, the paper's main setting).
         topk: values kept per tile of the error buffer (default 64: 1.6% of a 64x64 tile, in
             the paper's 1-3% range); None sends the dense pseudo-gradient (DiLoCo).
@@ -76,10 +94,16 @@ class SparseLoCo(torch.optim.Optimizer):
             (DiLoCo: ``m = mu * m + mean; theta -= outer_lr * (mean + mu * m)``).
         outer_lr / outer_momentum: the outer step's lr and Nesterov momentum ``mu``.
         process_group, timeout: the group synced over, and seconds a collective may take.
-        nonfinite: a non-finite pseudo-gradient on any rank: ``"error"`` raises on every rank
-            naming the parameter and rank, nothing changed; ``"skip"`` skips the sync on every
-            rank (``skipped_syncs``): error buffers, ``theta_global`` and outer momentum stay as
-            they were and every rank's parameters return to ``theta_global``.
+        nonfinite: what a non-finite value does. A non-finite *gradient* never reaches the
+            inner optimizer: that local step is skipped on its rank (its state stays clean) and
+            the next sync reports it; ``"error"`` then raises on every rank (naming rank,
+            parameter and step; the sync changed nothing), ``"skip"`` counts it in
+            ``skipped_steps`` and syncs. A non-finite *pseudo-gradient* at a sync (the inner
+            optimizer overflowed) raises on every rank with ``"error"``; with ``"skip"`` every
+            rank skips the sync (``skipped_syncs``), returns to ``theta_global`` and resets the
+            inner optimizer's state of the parameters whose state is no longer finite
+            (``inner_resets`` counts them; a warning names them). A GradScaler's ``found_inf``
+            skips that local step like a non-finite gradient, in either mode.
         precision: how fp32 values are written into bf16/fp16 parameters
             (:mod:`cokit.compress.precision`): ``"nearest"``, ``"master"`` (the inner optimizer
             steps fp32 masters; parameters hold their rounding) or ``"stochastic"``
@@ -92,13 +116,17 @@ class SparseLoCo(torch.optim.Optimizer):
             interval), or ``{"name": "interval", **arguments}``. Each sync carries every rank's
             times of the interval before it (16 bytes), so every rank decides alike;
             ``policy_log`` lists the changes and ``current_interval`` the interval in force.
+        validate_payload: check what every peer sent before it is used (default True).
+        clock: seconds for the policy's times (``time.perf_counter``; tests inject a fake clock).
 
-    Every rank must use the same settings, inner hyper-parameters and starting parameters:
-    each sync compares a crc of them (4 bytes in the status exchange) and the first step
-    compares the parameters; a difference raises ``ValueError`` on every rank, naming it.
+    Every rank must use the same settings, inner hyper-parameters and starting parameters: each
+    sync opens with a 64-bit fingerprint of them (the exchange core's status row) and the first
+    step compares the parameters; a difference raises ``ValueError`` on every rank, naming it.
     ``comm_stats`` counts each step's bytes (non-sync steps send 0); ``bytes_per_step`` is the
     amortized mean.
     """
+
+    _step_supports_amp_scaling = True  # GradScaler calls step() on every rank
 
     def __init__(
         self,
@@ -122,30 +150,33 @@ class SparseLoCo(torch.optim.Optimizer):
         seed: int = 0,
         bucket_cap_mb: float = 25.0,
         policy: NetworkPolicy | str | dict[str, Any] | None = None,
+        validate_payload: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ):
-        _check_int("sync_every", sync_every, 1)
+        where = "SparseLoCo"
+        self.sync_every = check_int("sync_every", sync_every, 1, where=where)
         if topk is not None:
-            _check_int("topk", topk, 1, "or None for a dense pseudo-gradient (DiLoCo)")
-        _check_int("chunk", chunk, 1)
-        if not isinstance(dct, bool):
-            raise TypeError(f"SparseLoCo: dct must be True or False, got {dct!r}")
-        self.codec = get_codec(payload, owner="SparseLoCo")
+            check_int("topk", topk, 1, where=where, more="or None for a dense pseudo-gradient (DiLoCo)")
+        self.chunk = check_int("chunk", chunk, 1, where=where)
+        self.dct = check_flag("dct", dct, where=where)
+        self.codec = get_codec(payload, owner=where)
         if value_dtype not in VALUE_DTYPES:
             raise TypeError(
                 f"SparseLoCo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}"
             )
-        _check_float("error_decay", error_decay, 0.0, 1.0)
-        if outer not in OUTER:
-            raise ValueError(f"SparseLoCo: outer must be one of {OUTER}, got {outer!r}")
-        _check_float("outer_lr", outer_lr, 0.0, None, strict_low=True)
-        _check_float("outer_momentum", outer_momentum, 0.0, 1.0, strict_high=True)
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"SparseLoCo: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
-        self.precision = lowp.check_precision("SparseLoCo", precision)
-        _check_int("seed", seed, 0)
-        _check_float("bucket_cap_mb", bucket_cap_mb, 0.0, None, strict_low=True)
-        check_process_group("SparseLoCo", process_group)
-        network_policy = make_policy(policy, "SparseLoCo")
+        self.error_decay = check_number("error_decay", error_decay, 0.0, 1.0, where=where)
+        self.outer = check_choice("outer", outer, OUTER, where=where)
+        self.outer_lr = check_number("outer_lr", outer_lr, 0.0, low_open=True, where=where)
+        self.outer_momentum = check_number(
+            "outer_momentum", outer_momentum, 0.0, 1.0, high_open=True, where=where
+        )
+        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE, where=where)
+        self.precision = lowp.check_precision(where, precision)
+        self.seed = check_int("seed", seed, 0, where=where)
+        self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, where=where)
+        check_flag("validate_payload", validate_payload, where=where)
+        check_process_group(where, process_group)
+        self.policy = make_policy(policy, where)
 
         groups, names = _param_groups(params)
         model_params = [p for g in groups for p in g["params"]]
@@ -163,25 +194,25 @@ class SparseLoCo(torch.optim.Optimizer):
                 raise TypeError(
                     f"SparseLoCo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}"
                 )
-        self.sync_every, self.topk, self.chunk, self.dct = sync_every, topk, chunk, dct
-        self.payload = payload
+        self.topk, self.payload = topk, payload
         self.value_dtype = self.codec.resolve_value_dtype(value_dtype)
-        self.error_decay, self.outer = float(error_decay), outer
-        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
-        self.nonfinite, self.seed = nonfinite, seed
-        self.bucket_cap_mb = float(bucket_cap_mb)
         self._names = names
         self._model_params = model_params
-        self.comm = Communicator(process_group, owner="SparseLoCo.step", timeout=timeout)
+        self._driver = PolicyDriver(self.policy, clock)
+        self.exchange = Exchange(
+            "SparseLoCo.step",
+            process_group,
+            timeout,
+            validate=validate_payload,
+            clock=clock,
+            on_blocked=self._driver.blocked,
+        )
         self.comm_stats = CommStats()
-        self.policy = network_policy
-        self._driver = PolicyDriver(network_policy)
         self.current_interval = sync_every
-        self.syncs = 0
-        self.skipped_syncs = 0
-        self._steps = 0
-        self._since_sync = 0
+        self.syncs = self.skipped_syncs = self.skipped_steps = self.inner_resets = 0
+        self._steps = self._since_sync = 0
         self._checked = False
+        self._skipped = _Skipped()
         self._buckets: list[Bucket] | None = None
         super().__init__(model_params, {})
         # masters: the inner optimizer steps fp32 copies of low-precision parameters
@@ -191,7 +222,16 @@ class SparseLoCo(torch.optim.Optimizer):
                 if p.dtype != torch.float32:
                     self._masters[id(p)] = lowp.master_copy(p.detach())
         self.inner = self._make_inner(inner, groups, model_params)
+        if len(groups) != len(self.inner.param_groups):
+            raise ValueError("SparseLoCo: inner(params) must keep the param groups it was given")
+        # param_groups are the inner optimizer's (schedulers drive it); with fp32 masters they
+        # are copies holding the model's parameters (what DCP maps to names), whose values are
+        # copied into the inner groups before every inner step
         self.param_groups = self.inner.param_groups
+        if self._masters:
+            self.param_groups = [
+                {**_hyper(ig), "params": g["params"]} for g, ig in zip(groups, self.inner.param_groups)
+            ]
         self.defaults = self.inner.defaults
         lowp.warn_if_unmastered("SparseLoCo", model_params, self.precision)
 
@@ -211,6 +251,11 @@ class SparseLoCo(torch.optim.Optimizer):
                     "SparseLoCo: the inner optimizer must optimize exactly the parameters given to "
                     "SparseLoCo (build it over the same model.parameters())"
                 )
+            if [id(p) for p in held] != [id(p) for p in params] or len(inner.param_groups) != len(groups):
+                raise ValueError(
+                    "SparseLoCo: the inner optimizer's param groups must list the parameters in the order "
+                    "given to SparseLoCo (build both from the same groups)"
+                )
             if swap:
                 if inner.state:
                     raise ValueError(
@@ -219,30 +264,33 @@ class SparseLoCo(torch.optim.Optimizer):
                     )
                 for g in inner.param_groups:
                     g["params"] = stepped(g["params"])
-            opt = inner
-        elif inner is None or callable(inner):
-            inner_groups = [{**g, "params": stepped(g["params"])} for g in groups]
-            if inner is None:
-                opt = torch.optim.AdamW(inner_groups, lr=1e-3)
-            else:
-                opt = inner(inner_groups)
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(
-                    f"SparseLoCo: inner(params) must return a torch.optim.Optimizer, got {type(opt).__name__}"
-                )
-            held_ids = {id(p) for g in opt.param_groups for p in g["params"]}
-            if held_ids != {id(p) for g in inner_groups for p in g["params"]}:
-                raise ValueError(
-                    "SparseLoCo: inner(params) must optimize exactly the parameters it was given"
-                )
-        else:
+            return inner
+        if inner is not None and not callable(inner):
             raise TypeError(
                 "SparseLoCo: inner must be None (AdamW, lr 1e-3), a torch.optim.Optimizer or a callable "
                 f"params -> Optimizer, got {type(inner).__name__}"
             )
+        inner_groups = [{**g, "params": stepped(g["params"])} for g in groups]
+        opt = torch.optim.AdamW(inner_groups, lr=1e-3) if inner is None else inner(inner_groups)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"SparseLoCo: inner(params) must return a torch.optim.Optimizer, got {type(opt).__name__}"
+            )
+        held_ids = [id(p) for g in opt.param_groups for p in g["params"]]
+        if held_ids != [id(p) for g in inner_groups for p in g["params"]]:
+            raise ValueError("SparseLoCo: inner(params) must optimize exactly the parameters it was given")
         return opt
 
     # ------------------------------------------------------------------ public
+    @property
+    def comm(self) -> Communicator:
+        """The exchange group's communicator (settable: ``simulate_latency`` wraps it)."""
+        return self.exchange.comm
+
+    @comm.setter
+    def comm(self, value: Communicator) -> None:
+        self.exchange.comm = value
+
     @property
     def bytes_per_step(self) -> float:
         """Bytes this rank sent per step, amortized over every step so far."""
@@ -292,7 +340,7 @@ class SparseLoCo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One local step of the inner optimizer; every ``sync_every``-th step, a sync."""
+        """One local step of the inner optimizer; every ``current_interval``-th step, a sync."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -303,24 +351,41 @@ class SparseLoCo(torch.optim.Optimizer):
                 if m is not None:
                     m.copy_(p)
                 self.state[p]["global"] = p.detach().float().clone(memory_format=torch.contiguous_format)
-        if not self._checked:
-            self._check_start()
-        self._inner_step()
-        self._steps += 1
-        self._since_sync += 1
-        if self._since_sync >= self.current_interval:
-            self._sync()
-        sent, received, timing = self.comm.take_step()
-        dense = self._dense_bytes()
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.comm_stats.record(sent, received, dense, timing, world, self.comm.world_size)
+        with self.exchange.guarded():
+            if not self._checked:
+                self._check_start()
+            self._inner_step()
+            self._steps += 1
+            self._since_sync += 1
+            if self._since_sync >= self.current_interval:
+                self._sync()
+        self.exchange.record(self.comm_stats, self._dense_bytes())
         return loss
 
     # ------------------------------------------------------------------ local steps
     def _inner_step(self) -> None:
-        if not self._masters:
-            self.inner.step()
+        """One step of the inner optimizer, unless this rank's gradients are not finite (or a
+        GradScaler found inf): then the step is skipped here and reported at the next sync."""
+        grads = [p.grad for p in self._model_params]
+        present = [g for g in grads if g is not None]
+        scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        found_inf = found is not None and float(found) > 0
+        if scale is not None and present and not found_inf:  # GradScaler left them scaled
+            torch._foreach_mul_(present, scale.double().reciprocal().float().to(present[0].device))
+        bad = -1
+        if present and not found_inf:
+            finite = torch.stack([all_finite(g) for g in present]).cpu().tolist()
+            where = [n for n, g in enumerate(grads) if g is not None]
+            bad = next((where[j] for j, ok in enumerate(finite) if not ok), -1)
+        if found_inf or bad >= 0:
+            s = self._skipped
+            s.steps += 1
+            if s.first_param < 0:
+                s.first_param = bad
             return
+        if self.param_groups is not self.inner.param_groups:
+            for outer, inner in zip(self.param_groups, self.inner.param_groups):
+                inner.update(_hyper(outer))
         for p in self._model_params:
             m = self._masters.get(id(p))
             if m is not None:
@@ -337,54 +402,65 @@ class SparseLoCo(torch.optim.Optimizer):
         return m if m is not None else p.float()
 
     # ------------------------------------------------------------------ sync
+    def _row(self, deltas: list[torch.Tensor] | None) -> Report:
+        """This rank's status: non-finite pseudo-gradients (``deltas``) and skipped local steps."""
+        bad: list[int] = []
+        if deltas is not None:
+            finite = torch.stack([all_finite(d) for d in deltas]).cpu().tolist()
+            bad = [n for n, ok in enumerate(finite) if not ok]
+        me = self.exchange.global_rank()
+        return Report(
+            n_bad=len(bad),
+            first_bad=bad[0] if bad else -1,
+            culprit=me if bad else -1,
+            skipped=self._skipped.steps,
+            skipped_first=self._skipped.first_param,
+        )
+
+    def _agree(self, deltas: list[torch.Tensor] | None) -> Any:
+        return self.exchange.agree(
+            self._fingerprints(),
+            self._row(deltas),
+            self._describe,
+            extra=self._driver.measurement(torch.device("cpu")),
+            device=self._model_params[0].device,
+        )
+
     def _sync(self) -> None:
         params = self._model_params
         deltas = [(self.state[p]["global"] - self._local(p)).contiguous() for p in params]
-        device = params[0].device
-        finite = torch.stack([all_finite(d) for d in deltas])  # one transfer, not one per tensor
-        flags = torch.where(finite, _OK, _BAD).to(torch.uint8)
-        crc = zlib.crc32(repr(self._settings()).encode())
-        crc_bytes = torch.tensor(list(crc.to_bytes(4, "little")), dtype=torch.uint8, device=device)
-        measured = self._driver.status_bytes
-        parts = [flags, crc_bytes]
-        if measured:  # the previous interval's times, for the policy
-            parts.append(self._driver.measurement(device))
-        everyone = self._wait(self.comm.all_gather(torch.cat(parts), "pseudo-gradient status exchange")).cpu()
-        times, everyone = (
-            everyone[:, everyone.shape[1] - measured :],
-            everyone[:, : everyone.shape[1] - measured],
-        )
-        if bool((everyone[:, -4:] != everyone[:1, -4:]).any()):
-            self._raise_mismatch()
-        bad = (everyone[:, :-4] == _BAD).nonzero().tolist()
+        rnd = self._agree(deltas)
+        self._skipped = _Skipped()  # reported now, on every rank
+        blamed = [(r, rep) for r, rep in enumerate(rnd.reports) if rep.skipped_first >= 0]
+        if blamed and self.nonfinite == "error":
+            r, rep = blamed[0]
+            raise FloatingPointError(
+                f"SparseLoCo: non-finite gradient in {self._name(rep.skipped_first)} on rank "
+                f"{self.exchange.global_rank(r)} ({rep.skipped} local step(s) since the last sync skipped "
+                "there); those steps were not taken, so the inner optimizer's state stayed finite, and "
+                "the sync changed nothing. Fix the data / loss scale, or pass nonfinite='skip' to skip "
+                "such local steps and sync on"
+            )
+        self.skipped_steps += sum(rep.skipped for rep in rnd.reports)
+        bad = rnd.bad
         if not bad or self.nonfinite == "skip":
-            self._follow_policy(times if measured else None)
+            self._follow_policy(rnd.extras if self.policy.observes else None)
         if bad:
             if self.nonfinite == "skip":
-                self._since_sync = 0
-                self.skipped_syncs += 1
-                self._driver.step_done(0, 0, synced=False)
-                generator = None
-                if self.precision == "stochastic":
-                    generator = lowp.rounding_generator(self.seed, self.syncs, params[0].device)
-                for p in params:
-                    self._write(p, self.state[p]["global"], generator)
+                self._skip_sync(params)
                 return
-            self.comm.reset_counts()
-            r, n = bad[0]
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            _, first = bad[0]
+            total = sum(rep.n_bad for _, rep in bad)
+            more = f" (and {total - 1} more)" if total > 1 else ""
             raise FloatingPointError(
-                f"SparseLoCo: non-finite pseudo-gradient in {self._name(n)} on rank "
-                f"{self.comm.global_rank(r)}{more}; the sync changed nothing (theta_global, error "
-                "buffers and outer momentum as they were; the parameters hold this rank's local "
-                "values). Lower the inner lr / fix the data, or pass nonfinite='skip' to skip such "
-                "syncs on every rank"
+                f"SparseLoCo: non-finite pseudo-gradient in {self._name(first.first_bad)} on rank "
+                f"{first.culprit}{more}; the sync changed nothing (theta_global, error buffers and outer "
+                "momentum as they were; the parameters hold this rank's local values). Lower the inner "
+                "lr / fix the data, or pass nonfinite='skip' to skip such syncs on every rank"
             )
         means = self._exchange(deltas)
         self.syncs += 1
-        generator = None
-        if self.precision == "stochastic":
-            generator = lowp.rounding_generator(self.seed, self.syncs, params[0].device)
+        generator = self._generator(params[0].device)
         mu, lr = self.outer_momentum, self.outer_lr
         for p, mean in zip(params, means):
             g = self.state[p]["global"]
@@ -399,6 +475,37 @@ class SparseLoCo(torch.optim.Optimizer):
         self._since_sync = 0
         self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
 
+    def _skip_sync(self, params: list[torch.Tensor]) -> None:
+        """Every rank skips this sync: back to theta_global, with the inner optimizer's state of
+        any parameter whose state is no longer finite reset (say which)."""
+        self._since_sync = 0
+        self.skipped_syncs += 1
+        self._driver.step_done(0, 0, synced=False)
+        generator = self._generator(params[0].device)
+        for p in params:
+            self._write(p, self.state[p]["global"], generator)
+        reset = []
+        for n, p in enumerate(params):
+            held = self._masters.get(id(p), p)
+            state = self.inner.state.get(held, {})
+            if any(isinstance(v, torch.Tensor) and not bool(all_finite(v)) for v in state.values()):
+                del self.inner.state[held]
+                reset.append(self._name(n))
+        if reset:
+            self.inner_resets += len(reset)
+            warnings.warn(
+                f"SparseLoCo: skipped a sync with a non-finite pseudo-gradient and reset the inner "
+                f"optimizer's state of {len(reset)} parameter(s) whose state was not finite "
+                f"({', '.join(reset[:4])}{', ...' if len(reset) > 4 else ''}): they restart from a fresh "
+                "state at theta_global",
+                stacklevel=3,
+            )
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.precision != "stochastic":
+            return None
+        return lowp.rounding_generator(self.seed, self.syncs, device)
+
     def _follow_policy(self, times: torch.Tensor | None) -> None:
         """The interval until the next sync, from every rank's times of the last one."""
         decision = self._driver.decide(times, self.syncs + self.skipped_syncs + 1)
@@ -408,13 +515,6 @@ class SparseLoCo(torch.optim.Optimizer):
                 "SparseLoCo follows only sync_scale decisions (IntervalPolicy)"
             )
         self.current_interval = self.sync_every * decision.sync_scale
-
-    def _wait(self, pending: Pending) -> torch.Tensor:
-        """Wait on a collective, counting the time blocked for the policy."""
-        start = time.perf_counter()
-        result = pending.wait()
-        self._driver.blocked(time.perf_counter() - start)
-        return result
 
     def _dense_bytes(self) -> int:
         """What a dense all-reduce of every parameter would send from this rank."""
@@ -429,55 +529,47 @@ class SparseLoCo(torch.optim.Optimizer):
     def _plan(self) -> list[Bucket]:
         if self._buckets is None:
             shapes = [tuple(p.shape) for p in self._model_params]
-            if self.topk is None:
-                self._buckets = make_buckets(
-                    [0] * len(shapes),
-                    shapes,
-                    [{"compression_chunk": self.chunk, "compression_topk": 1}],
-                    self.codec,
-                    self.value_dtype,
-                    int(self.bucket_cap_mb * 2**20),
-                    False,
-                    self.comm.world_size,
-                    all_dense=True,
-                )
-            else:
-                self._buckets = make_buckets(
-                    [0] * len(shapes),
-                    shapes,
-                    [{"compression_chunk": self.chunk, "compression_topk": self.topk}],
-                    self.codec,
-                    self.value_dtype,
-                    int(self.bucket_cap_mb * 2**20),
-                    self.codec.dense_fallback,
-                    self.comm.world_size,
-                )
+            self._buckets = make_buckets(
+                [0] * len(shapes),
+                shapes,
+                [{"compression_chunk": self.chunk, "compression_topk": self.topk or 1}],
+                self.codec,
+                self.value_dtype,
+                int(self.bucket_cap_mb * 2**20),
+                self.topk is not None and self.codec.dense_fallback,
+                self.comm.world_size,
+                all_dense=self.topk is None,
+            )
         return self._buckets
 
     def _exchange(self, deltas: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Encode every bucket (updating the error buffers), launch all collectives, then
-        decode each into the mean pseudo-gradient of its tensors (None: empty tensors)."""
+        """Encode every bucket (updating the error buffers), launch all collectives, check every
+        rank's bytes, then decode each into the mean pseudo-gradient of its tensors (None:
+        empty tensors)."""
         means: list[torch.Tensor | None] = [None] * len(deltas)
-        finishers = [self._launch(b, deltas) for b in self._plan()]
-        for bucket, finish in zip(self._plan(), finishers):
+        launched = [self._launch(b, bucket, deltas) for b, bucket in enumerate(self._plan())]
+        received = [receive() for receive in launched]
+        for bucket, finish in zip(self._plan(), received):
             for i, mean in zip(bucket.members, finish()):
                 means[i] = mean
         return means
 
-    def _launch(self, bucket: Bucket, deltas: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    def _launch(
+        self, b: int, bucket: Bucket, deltas: list[torch.Tensor]
+    ) -> Callable[[], Callable[[], list[torch.Tensor]]]:
+        """Start bucket ``b``'s collectives; returns its receive (wait and check), which returns
+        its decode."""
         members = bucket.members
+        label = f"bucket {b}"
         if bucket.dense:
             flat = torch.cat([deltas[i].reshape(-1) for i in members])
             pending = self.comm.all_reduce_mean(flat, "pseudo-gradient all-reduce")
 
-            def finish_dense() -> list[torch.Tensor]:
-                mean = self._wait(pending)
-                return [
-                    part.view(deltas[i].shape)
-                    for i, part in zip(members, mean.split([deltas[i].numel() for i in members]))
-                ]
+            def receive_dense() -> Callable[[], list[torch.Tensor]]:
+                mean = self.exchange.dense(pending, f"{label} (dense)")
+                return lambda: split_like(mean, [deltas[i] for i in members])
 
-            return finish_dense
+            return receive_dense
 
         codec, k, chunk = bucket.codec, bucket.topk, self.chunk
         assert codec is not None and k is not None and bucket.plan is not None
@@ -496,9 +588,7 @@ class SparseLoCo(torch.optim.Optimizer):
         idx = torch.cat([ix.reshape(-1).to(plan.index_dtype) for ix, _ in picks])
         vals = torch.cat([v.reshape(-1) for _, v in picks]).to(codec.encode_dtype)
         wires = codec.to_wire(idx, vals)
-        pendings: list[Pending] = [
-            self.comm.all_gather(w, f"{wire.name} all-gather") for wire, w in zip(codec.wire, wires)
-        ]
+        pendings = self.exchange.gather(codec, wires)
         # what the other ranks will decode from this rank leaves the error buffer
         _, sent = codec.from_wire([w.reshape(1, -1) for w in wires])
         spans = [t.n_tiles * t.k_eff(k) for t in tilings]
@@ -508,20 +598,26 @@ class SparseLoCo(torch.optim.Optimizer):
         ]
         for e, s in zip(errors, self._from_coeffs(sparse, errors, tilings)):
             e.sub_(s)
+        names = [self._name(i) for i in members]
 
-        def finish() -> list[torch.Tensor]:
-            gathered = [self._wait(p) for p in pendings]
-            indices, values = codec.from_wire(gathered)
-            world = indices.shape[0]
-            sums = [torch.zeros_like(c) for c in coeffs]
-            for r in range(world):  # rank order, one add per position per rank: deterministic
-                for s, ix_r, v_r, t in zip(sums, indices[r].split(spans), values[r].split(spans), tilings):
-                    s.scatter_add_(1, ix_r.long().view(t.n_tiles, -1), v_r.float().view(t.n_tiles, -1))
-            for s in sums:
-                s.div_(world)
-            return self._from_coeffs(sums, errors, tilings)
+        def receive() -> Callable[[], list[torch.Tensor]]:
+            indices, values = self.exchange.selection(codec, pendings, label, names)
 
-        return finish
+            def decode() -> list[torch.Tensor]:
+                world = indices.shape[0]
+                sums = [torch.zeros_like(c) for c in coeffs]
+                for r in range(world):  # rank order, one add per position per rank: deterministic
+                    for s, ix_r, v_r, t in zip(
+                        sums, indices[r].split(spans), values[r].split(spans), tilings
+                    ):
+                        s.scatter_add_(1, ix_r.long().view(t.n_tiles, -1), v_r.float().view(t.n_tiles, -1))
+                for s in sums:
+                    s.div_(world)
+                return self._from_coeffs(sums, errors, tilings)
+
+            return decode
+
+        return receive
 
     def _from_coeffs(self, mats: list[torch.Tensor], like: list[torch.Tensor], tilings) -> list[torch.Tensor]:
         """Tile matrices (DCT coefficients when ``dct``) -> tensors shaped like ``like``."""
@@ -549,141 +645,75 @@ class SparseLoCo(torch.optim.Optimizer):
             "bucket_cap_mb": self.bucket_cap_mb,
             "policy": self.policy.describe(),
             "inner": type(self.inner).__name__,
-            "inner_groups": [
-                {k: _plain(v) for k, v in g.items() if k != "params" and _comparable(v)}
-                for g in self.inner.param_groups
-            ],
-            "layout": [(tuple(p.shape), str(p.dtype)) for p in self._model_params],
+            "validate_payload": self.exchange.validate,
         }
 
-    def _raise_mismatch(self) -> None:
-        self.comm.reset_counts()
-        everyone = self.comm.gather_objects(self._settings())
-        ranks = [self.comm.global_rank(r) for r in range(len(everyone))]
-        for key in everyone[0]:
-            values = [s.get(key) for s in everyone]
-            if len({repr(v) for v in values}) > 1:
-                per = ", ".join(f"{v!r} on rank {r}" for r, v in zip(ranks, values))
-                raise ValueError(
-                    f"SparseLoCo: the ranks disagree: setting {key!r} is {per}; nothing changed. Every "
-                    "rank must use the same settings (and step LR schedulers on every rank)"
-                )
-        raise ValueError("SparseLoCo: the ranks' settings fingerprints differ; nothing changed")
+    def _describe(self, globally: bool = False) -> dict[str, Any]:
+        return {
+            "settings": self._settings(),
+            "groups": [
+                {k: _plain(v) for k, v in _hyper(g).items() if _comparable(v)} for g in self.param_groups
+            ],
+            "layout": [
+                [self._name(n), f"{tuple(p.shape)} {p.dtype}"] for n, p in enumerate(self._model_params)
+            ],
+            "derived": {
+                "payload wire sizes": [
+                    [w.numel, str(w.dtype)] for b in self._plan() if b.codec is not None for w in b.codec.wire
+                ]
+            },
+            "counters": {"steps": self._steps, "syncs": self.syncs, "skipped_syncs": self.skipped_syncs},
+        }
+
+    def _fingerprints(self) -> tuple[int, int]:
+        fp = fingerprint(canonical(self._describe()))
+        return fp, fp
 
     def _check_start(self) -> None:
-        """First step: settings and layout crc, and the parameters' values (sums in float64),
-        compared over the ranks before any change: replicas must start identical."""
+        """First step: settings, layout and counters agree, then the parameters' values (sums in
+        float64) are compared before any change: replicas must start identical."""
         params = self._model_params
-        crc = zlib.crc32(repr(self._settings()).encode())
-        device = params[0].device
+        self._agree(None)
         sums = [self._local(p).double().sum() for p in params]  # 0 for empty tensors
-        head = torch.tensor([float(crc)], dtype=torch.float64, device=device)
-        mine = torch.cat([head, torch.stack(sums).to(device)])
-        seen = self.comm.all_gather(mine, "parameter check").wait().cpu()
-        if bool((seen[:, 0] != seen[0, 0]).any()):
-            self._raise_mismatch()
-        differ = (seen[:, 1:] != seen[:1, 1:]).any(dim=0).nonzero().flatten().tolist()
+        seen = self.exchange.wait(
+            self.comm.all_gather(torch.stack(sums).to(params[0].device), "parameter check")
+        ).cpu()
+        differ = (seen != seen[:1]).any(dim=0).nonzero().flatten().tolist()
         if differ:
-            self.comm.reset_counts()
             raise ValueError(
-                f"SparseLoCo: parameter {self._name(differ[0])} differs between the ranks at the first step; "
-                "every rank must start from the same weights (seed the model alike or broadcast rank 0's)"
+                f"SparseLoCo: parameter {self._name(differ[0])} differs between the ranks at the first "
+                "step; every rank must start from the same weights (seed the model alike or broadcast "
+                "rank 0's)"
             )
         self._checked = True
 
     def _name(self, n: int) -> str:
+        if not 0 <= n < len(self._model_params):
+            return "(a GradScaler's report)"
         p = self._model_params[n]
         label = self._names.get(id(p), f"param {n}")
         return f"'{label}' {tuple(p.shape)}"
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, this rank's error buffers, theta_global, outer momentum,
-        masters and counters, with the rank, world size and settings that loading checks."""
-        state = {}
-        for n, p in enumerate(self._model_params):
-            s = {k: v.clone() for k, v in self.state[p].items()}
-            if id(p) in self._masters:
-                s["master"] = self._masters[id(p)].detach().clone()
-            state[n] = s
-        return {
-            "format": _FORMAT,
-            "type": "SparseLoCo",
-            "rank": self.comm.global_rank(self.comm.rank),
-            "world_size": self.comm.world_size,
-            "settings": self._settings(),
-            "inner": self.inner.state_dict(),
-            "state": state,
-            "counters": {
-                "steps": self._steps,
-                "since_sync": self._since_sync,
-                "syncs": self.syncs,
-                "skipped_syncs": self.skipped_syncs,
-                "checked": self._checked,
-                "interval": self.current_interval,
-            },
-            "policy": self._driver.state_dict(),
-            "comm_stats": self.comm_stats.as_dict(),
-        }
+        """torch.optim's layout (so ``torch.distributed.checkpoint`` saves it): per parameter
+        ``theta_global`` and the outer momentum (identical on every rank) and this rank's error
+        buffer, fp32 master and inner optimizer state under keys naming the rank; JSON records of
+        settings, counters, policy and comm stats in ``param_groups[0]``
+        (:mod:`cokit.compress.sparseloco_state`)."""
+        return sparseloco_state.pack(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what this rank saved; everything is checked before anything changes."""
-        if not isinstance(state_dict, dict) or state_dict.get("type") != "SparseLoCo":
-            raise ValueError("SparseLoCo.load_state_dict: this is not a SparseLoCo state_dict")
-        if state_dict.get("format") != _FORMAT:
-            raise ValueError(
-                f"SparseLoCo.load_state_dict: format {state_dict.get('format')!r}, expected {_FORMAT}"
-            )
-        rank, world = self.comm.global_rank(self.comm.rank), self.comm.world_size
-        if state_dict["rank"] != rank or state_dict["world_size"] != world:
-            raise ValueError(
-                f"SparseLoCo.load_state_dict: saved by rank {state_dict['rank']} of {state_dict['world_size']}, "
-                f"loading on rank {rank} of {world}: error buffers are per rank; load each rank's own file"
-            )
-        mine, saved = self._settings(), state_dict["settings"]
-        for key in mine:
-            if key != "inner_groups" and repr(mine[key]) != repr(saved.get(key)):
-                raise ValueError(
-                    f"SparseLoCo.load_state_dict: setting {key!r} was {saved.get(key)!r}, is {mine[key]!r} now"
-                )
-        state = state_dict["state"]
-        if len(state) != len(self._model_params):
-            raise ValueError(
-                f"SparseLoCo.load_state_dict: {len(state)} parameters saved, {len(self._model_params)} here"
-            )
-        for n, p in enumerate(self._model_params):
-            for key, t in state[n].items():
-                if tuple(t.shape) != tuple(p.shape) or not bool(torch.isfinite(t).all()):
-                    raise ValueError(
-                        f"SparseLoCo.load_state_dict: {key} of {self._name(n)} is {tuple(t.shape)} or not finite"
-                    )
-        interval = state_dict["counters"].get("interval", self.sync_every)
-        if not (isinstance(interval, int) and interval >= 1):
-            raise ValueError(
-                f"SparseLoCo.load_state_dict: saved interval {interval!r} is not a positive integer"
-            )
-        if "policy" in state_dict:
-            self._driver.load_state_dict(state_dict["policy"], owner="SparseLoCo")
-        self.inner.load_state_dict(state_dict["inner"])
-        self.param_groups = self.inner.param_groups
-        for n, p in enumerate(self._model_params):
-            entry = {k: v.to(p.device, torch.float32).clone() for k, v in state[n].items()}
-            master = entry.pop("master", None)
-            if master is not None and id(p) in self._masters:
-                self._masters[id(p)].copy_(master)
-            self.state[p] = entry
-        c = state_dict["counters"]
-        self._steps, self._since_sync = int(c["steps"]), int(c["since_sync"])
-        self.syncs, self.skipped_syncs, self._checked = (
-            int(c["syncs"]),
-            int(c["skipped_syncs"]),
-            bool(c["checked"]),
-        )
-        self.current_interval = interval
-        self.comm_stats = CommStats.from_dict(state_dict["comm_stats"])
+        sparseloco_state.load(self, state_dict)
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters (everything but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _to_tiles(x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
@@ -726,33 +756,6 @@ def _tensors(items: list, names: dict[int, str]) -> list[torch.Tensor]:
             )
         out.append(item)
     return out
-
-
-def _check_int(name: str, value: object, low: int, more: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        extra = f" {more}" if more else ""
-        raise ValueError(f"SparseLoCo: {name} must be an integer >= {low}{extra}, got {value!r}")
-
-
-def _check_float(
-    name: str,
-    value: object,
-    low: float,
-    high: float | None,
-    *,
-    strict_low: bool = False,
-    strict_high: bool = False,
-) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
-    if ok:
-        v = float(value)  # type: ignore[arg-type]
-        ok = (v > low if strict_low else v >= low) and (
-            high is None or (v < high if strict_high else v <= high)
-        )
-    if not ok:
-        lo = f"> {low}" if strict_low else f">= {low}"
-        hi = "" if high is None else (f" and < {high}" if strict_high else f" and <= {high}")
-        raise ValueError(f"SparseLoCo: {name} must be a finite number {lo}{hi}, got {value!r}")
 
 
 def _comparable(v: object) -> bool:

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+# The status rows every round opens with (cokit.compress.agreement): ROW_BYTES on agreement
+# groups, ROW_BYTES + the policy measurement on the exchange group.
+from cokit.compress.adaptation import MEASUREMENT_BYTES
+from cokit.compress.agreement import ROW_BYTES
 from cokit.triton_kernels import tiling
+
+STATUS_ROW = ROW_BYTES + MEASUREMENT_BYTES
+AGREEMENT_ROW = ROW_BYTES
 
 SHAPES = [(1,), (7,), (3, 5), (64, 64), (96, 128), (130, 70), (16, 3, 3, 3)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from distributed import run_gloo
-from helpers import byte_counts
+from helpers import AGREEMENT_ROW, STATUS_ROW, byte_counts
 
 from cokit.compress import DeMo
 from cokit.compress.hooks import DCTTopKState
@@ -353,10 +353,10 @@ def test_a_registered_user_codec_trains_on_gloo_with_demo_and_the_ddp_hook():
                 assert torch.equal(a, b)  # ranks agree bit for bit
         for a, b in zip(r[toy][0], r["compact"][0]):
             assert torch.equal(a, b)  # DeMo: the same selection and values as compact fp32
-    # DeMo bytes from first principles: flags + one bucket of P int32 + P fp32 in two all-gathers
+    # DeMo bytes from first principles: the status row + one bucket of P int32 + P fp32 in two all-gathers
     shapes = results[0]["shapes"]
     slots = payload_layout(shapes, 8, 4).payload_numel
-    expected = (world - 1) * len(shapes) + (world - 1) * 8 * slots
+    expected = (world - 1) * STATUS_ROW + (world - 1) * 8 * slots
     stats = results[0][toy][1]
     assert stats["step_sent_bytes"] == stats["step_received_bytes"] == expected
     dense = 2 * (world - 1) * 4 * sum(math.prod(s) for s in shapes) // world
@@ -368,6 +368,7 @@ def test_a_registered_user_codec_trains_on_gloo_with_demo_and_the_ddp_hook():
         allreduce = 2 * (world - 1) * 4 * math.prod(s) // world
         hook_sent += allreduce if (world - 1) * 8 * n >= allreduce else (world - 1) * 8 * n
     hook_sent += 2 * (world - 1) * world * 4 // world  # + the per-rank non-finite flags (one bucket)
+    hook_sent += (world - 1) * AGREEMENT_ROW  # + the iteration's status row
     hook = results[0][toy + " hook"][1]
     assert hook["steps"] == 2 and hook["step_sent_bytes"] == hook_sent
 
@@ -416,6 +417,6 @@ def test_demo_trains_with_the_int2_codec_on_gloo():
     assert codec.nbytes == _expected_nbytes("int2", plan, torch.bfloat16) == results[0]["payload"]
     dense_numel = sum(math.prod(s) for s in dense)
     expected = (
-        (world - 1) * len(shapes) + (world - 1) * codec.nbytes + 2 * (world - 1) * 4 * dense_numel // world
+        (world - 1) * STATUS_ROW + (world - 1) * codec.nbytes + 2 * (world - 1) * 4 * dense_numel // world
     )
     assert results[0]["stats"]["step_sent_bytes"] == expected

@@ -13,6 +13,7 @@ import torch
 
 from tests.fsdp_workers import bad_setups, dcp_run, nonfinite_shard, train_and_reference
 from tests.gloo_cases import Case, run_cases
+from tests.helpers import AGREEMENT_ROW, STATUS_ROW
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -68,9 +69,9 @@ def test_fsdp2_matches_demo_on_the_shards(worlds):
     for out in results:
         assert out["losses"][-1] < out["losses"][0]
         stats = out["stats"]
-        # nothing is exchanged over the mesh but the status agreement: 1 byte per parameter
-        # from the other rank (ring all-gather), every step
-        assert stats["step_intra_sent_bytes"] == 4 == stats["step_sent_bytes"]
+        # nothing is exchanged over the mesh but the status agreement: one row from the other
+        # rank (ring all-gather), every step
+        assert stats["step_intra_sent_bytes"] == AGREEMENT_ROW == stats["step_sent_bytes"]
         assert stats["group_size"] == 1 and stats["intra_group_size"] == 2
 
 
@@ -88,10 +89,9 @@ def test_hsdp_2x2_matches_reference_and_replicas_are_identical(worlds):
         stats = out["stats"]
         assert stats["group_size"] == 2 and stats["intra_group_size"] == 2 and stats["world_size"] == 4
         intra, total = stats["step_intra_sent_bytes"], stats["step_sent_bytes"]
-        assert intra == 4  # shard-group status agreement
-        assert total - intra > 4  # the replicate exchange carries payloads too
-        # plus the first step's layout check: one int64 crc from the other rank
-        assert stats["total_intra_sent_bytes"] == STEPS * intra + 8
+        assert intra == AGREEMENT_ROW  # shard-group status agreement
+        assert total - intra > STATUS_ROW  # the replicate exchange carries payloads too
+        assert stats["total_intra_sent_bytes"] == STEPS * intra  # the rows carry the layout check
 
 
 @pytest.mark.parametrize("mode", ["skip", "error"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_cases import Case, run_cases
+from helpers import AGREEMENT_ROW, STATUS_ROW
 
 from cokit.compress import DeMo
 from cokit.compress.groups import NodeGroups, node_groups
@@ -94,19 +95,19 @@ def test_two_nodes_of_two_match_the_node_mean_reference_and_stay_identical(world
         stats = out["stats"]
         assert stats["group_size"] == 2 and stats["intra_group_size"] == 2 and stats["world_size"] == 4
         # intra-node: the dense average of every gradient (one ring all-reduce per bucket),
-        # the status agreement (1 byte/param) and each owner's broadcast of its bucket's
+        # the status agreement (one row) and each owner's broadcast of its bucket's
         # parameters (every rank counts the bytes it forwards)
-        expected_intra = ring_allreduce_bytes(out["grad_bytes"], 2) + 4 + out["grad_bytes"]
+        expected_intra = ring_allreduce_bytes(out["grad_bytes"], 2) + AGREEMENT_ROW + out["grad_bytes"]
         assert stats["step_intra_sent_bytes"] == expected_intra
     # inter-node: the ranks of a node split the buckets, so together they send what the plain
-    # DeMo over the cross-node group sends, plus one status exchange (4 bytes) each
+    # DeMo over the cross-node group sends, plus one status exchange each
     for node in ((0, 1), (2, 3)):
         inter = [
             results[r]["stats"]["step_sent_bytes"] - results[r]["stats"]["step_intra_sent_bytes"]
             for r in node
         ]
-        assert all(i > 4 for i in inter), inter  # both local ranks own a bucket
-        assert sum(inter) == results[node[0]]["ref_stats"]["step_sent_bytes"] + 4
+        assert all(i > STATUS_ROW for i in inter), inter  # both local ranks own a bucket
+        assert sum(inter) == results[node[0]]["ref_stats"]["step_sent_bytes"] + STATUS_ROW
         # the dense baseline spans the whole world
         assert stats["step_dense_bytes"] == ring_allreduce_bytes(out["grad_bytes"], 4)
 

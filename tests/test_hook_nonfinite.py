@@ -11,7 +11,7 @@ import pytest
 import torch
 from distributed import run_gloo
 from gloo_cases import Case, run_cases
-from helpers import byte_counts
+from helpers import AGREEMENT_ROW, byte_counts
 
 from cokit.compress.hooks import DCTTopKState, dct_topk_hook
 
@@ -177,20 +177,26 @@ def _flag_bytes(rank: int, world: int):
 def test_the_nonfinite_flags_ride_in_the_dense_all_reduce():
     world = 3
     for stats in run_gloo(world, _flag_bytes):
-        # ring all-reduce of (18 gradients + 3 flags) fp32 values; dense baseline: 18 values
-        assert stats["step_sent_bytes"] == 2 * (world - 1) * (18 + world) * 4 // world
+        # the iteration's status row, then a ring all-reduce of (18 gradients + 3 flags) fp32
+        # values; dense baseline: 18 values
+        assert (
+            stats["step_sent_bytes"]
+            == (world - 1) * AGREEMENT_ROW + 2 * (world - 1) * (18 + world) * 4 // world
+        )
         assert stats["step_dense_bytes"] == 2 * (world - 1) * 18 * 4 // world
 
 
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"decay": True}, ValueError, "decay must be a number in"),
+        ({"decay": True}, ValueError, r"decay must be a finite number in \[0.0, 1.0\]"),
         ({"process_group": "x"}, TypeError, "process_group must be None .* ProcessGroup"),
         ({"warmup_steps": True}, ValueError, "warmup_steps must be an integer >= 0"),
         ({"iteration": -1}, ValueError, "iteration must be an integer >= 0"),
-        ({"nonfinite": "ignore"}, ValueError, "nonfinite must be 'error' or 'skip'"),
-        ({"topk": True}, ValueError, "topk must be a positive integer"),
+        ({"nonfinite": "ignore"}, ValueError, "nonfinite must be one of 'error', 'skip'"),
+        ({"topk": True}, ValueError, "topk must be an integer >= 1"),
+        ({"timeout": 0}, ValueError, "timeout must be > 0"),
+        ({"validate_payload": 1}, TypeError, "validate_payload must be True or False"),
     ],
 )
 def test_bad_hook_settings_are_rejected(kwargs, error, match):

@@ -1,14 +1,14 @@
 """DeMo driven by a network policy on real gloo groups: agreed decisions, bit-identical ranks.
 
-The 2-rank scenarios share one spawned world (tests/gloo_cases.py, fixture ``world2``); the
-timed changing-link run goes first in it, as it would alone.
+The 2-rank scenarios share one spawned world (tests/gloo_cases.py, fixture ``world2``). The
+changing-link runs time their steps on an injected clock that the test advances ("compute",
+a slow link), so their decisions do not depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from cokit.compress.checkpoint import records
 from cokit.compress.policy import BandwidthTargetPolicy, Decision, IntervalPolicy, NetworkPolicy, Observation
 from tests.distributed import run_gloo
 from tests.gloo_cases import Case, run_cases
-from tests.helpers import byte_counts
+from tests.helpers import STATUS_ROW, byte_counts
 
 
 class _Fixed(NetworkPolicy):
@@ -53,18 +53,29 @@ def _one_step(model, opt, rank: int, step: int) -> None:
     opt.zero_grad()
 
 
-def _slow_link(comm, delay: list[float]) -> None:
-    """Make every collective of ``comm`` complete ``delay[0]`` seconds late (bytes-independent
-    latency, the same on every rank)."""
-    for name in ("all_gather", "all_reduce_mean"):
+class _Clock:
+    """A fake clock the ranks advance by hand: decisions that follow from it do not depend on
+    how loaded the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _slow_link(comm, delay: list[float], clock: _Clock) -> None:
+    """Make every collective of ``comm`` take ``delay[0]`` seconds of ``clock`` longer
+    (bytes-independent latency, the same on every rank)."""
+    for name in ("all_gather", "_all_reduce"):
         launch = getattr(comm, name)
 
-        def delayed(tensor, what, _launch=launch):
-            pending = _launch(tensor, what)
+        def delayed(*args, _launch=launch, **kwargs):
+            pending = _launch(*args, **kwargs)
             wait = pending.wait
 
             def late_wait():
-                time.sleep(delay[0])
+                clock.now += delay[0]
                 return wait()
 
             pending.wait = late_wait
@@ -76,16 +87,17 @@ def _slow_link(comm, delay: list[float]) -> None:
 def _changing_link(rank: int, world: int):
     os.environ["TRITON_INTERPRET"] = "0"
     model = _model()
+    clock = _Clock()
     policy = BandwidthTargetPolicy(target=0.2, min_topk_scale=0.25, patience=0)
-    opt = DeMo(model.parameters(), lr=1e-3, compression_topk=8, compression_chunk=16, policy=policy)
+    opt = DeMo(
+        model.parameters(), lr=1e-3, compression_topk=8, compression_chunk=16, policy=policy, clock=clock
+    )
     delay = [0.0]
-    _slow_link(opt.comm, delay)
+    _slow_link(opt.comm, delay, clock)
     phases = {}
     for step in range(1, 41):
         delay[0] = 0.25 if 5 <= step <= 14 else 0.0  # a slow stretch, then fast again
-        # "compute": long enough that a fast link's waits (and a loaded machine's scheduling
-        # noise: 3 ranks on 2 cores) stay far under headroom * target of the step
-        time.sleep(0.15)
+        clock.now += 0.15  # "compute"
         _one_step(model, opt, rank, step)
         phases[step] = (opt._driver.decision.describe(), opt.comm_stats.step_sent_bytes)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -133,6 +145,7 @@ def _sparseloco_changing_link(rank: int, world: int):
     max_scale x H, a fast link brings it back; a checkpoint taken wide resumes wide."""
     os.environ["TRITON_INTERPRET"] = "0"
     model = _model()
+    clock = _Clock()
     opt = SparseLoCo(
         model.parameters(),
         lambda ps: torch.optim.SGD(ps, lr=1e-2),
@@ -141,13 +154,14 @@ def _sparseloco_changing_link(rank: int, world: int):
         chunk=16,
         policy=IntervalPolicy(target=0.2, max_scale=4),
         timeout=120,
+        clock=clock,
     )
     delay = [0.0]
-    _slow_link(opt.comm, delay)
+    _slow_link(opt.comm, delay, clock)
     intervals, state = {}, None
     for step in range(1, 41):
         delay[0] = 0.3 if 3 <= step <= 16 else 0.0
-        time.sleep(0.1)  # "compute", far above a fast sync's waits on a loaded machine
+        clock.now += 0.1  # "compute"
         _one_step(model, opt, rank, step)
         intervals[step] = opt.current_interval
         if step == 20:
@@ -228,7 +242,7 @@ def test_each_decision_changes_what_is_sent_and_ranks_stay_identical(world2):
         assert torch.equal(runs[0][0], runs[1][0])
     sent = {name: runs[0][1]["step_sent_bytes"] for name, runs in results.items()}
     n = sum(p.numel() for p in _model().parameters())
-    status = 1 * 4  # 4 parameters, one status byte each, all-gathered (world 2)
+    status = STATUS_ROW  # the fixed-size status row, all-gathered (world 2)
     assert sent["dense"] == n * 4 + status  # fp32 ring all-reduce at world 2 sends the buffer once
     assert sent["k x0.5"] < sent["k x1"] < sent["dense"]
     assert sent["k x1, sign"] < sent["k x1"]
@@ -242,7 +256,7 @@ def test_a_skipped_sync_keeps_the_update_in_the_error_buffers(world2):
         assert all(torch.equal(a, b) for a, b in zip(before, after))  # parameters unchanged
         for old, new, g in zip(deltas, new_deltas, grads):
             torch.testing.assert_close(new, 0.999 * old + 1e-3 * g, rtol=0, atol=1e-7)
-        assert stats["step_sent_bytes"] == 4  # only the status exchange
+        assert stats["step_sent_bytes"] == STATUS_ROW  # only the status exchange
 
 
 def _resume_with_policy(rank: int, world: int):

@@ -238,8 +238,8 @@ def test_an_empty_parameter_sends_nothing_and_changes_nothing(payload, overlap):
         plain, with_empty = runs[False], runs[True]
         assert all(torch.equal(a, b) for a, b in zip(plain[0], with_empty[0]))  # same steps
         assert all(torch.equal(a, b) for a, b in zip(with_empty[0], results[0][True][0]))
-        # its status byte is all it adds (overlap: it is in no bucket, so not even that)
-        assert with_empty[1] - plain[1] == (0 if overlap else (world - 1) * 1)
+        # it adds no byte: the status row has one size whatever the parameters
+        assert with_empty[1] == plain[1]
         assert not with_empty[2] and with_empty[3] == (0, 5)
 
 
@@ -254,10 +254,10 @@ def test_an_empty_parameter_sends_nothing_and_changes_nothing(payload, overlap):
             TypeError,
             "process_group must be None .* or a torch.distributed ProcessGroup",
         ),
-        ({"bucket_cap_mb": True}, ValueError, "bucket_cap_mb must be a positive number"),
+        ({"bucket_cap_mb": True}, ValueError, "bucket_cap_mb must be a finite number > 0"),
         ({"overlap_backward": "yes"}, TypeError, "overlap_backward must be True or False"),
         ({"validate_payload": 1}, TypeError, "validate_payload must be True or False"),
-        ({"dense_fallback": "auto"}, TypeError, "dense_fallback must be True, False or None"),
+        ({"dense_fallback": "auto"}, TypeError, "dense_fallback must be True or False"),
         ({"lr": True}, ValueError, "lr must be a finite number"),
     ],
 )
@@ -271,7 +271,7 @@ def test_a_bad_param_group_is_not_added():
     extra = torch.nn.Parameter(torch.zeros(4))
     for group, match in (
         ({"params": [extra], "lr": -1.0}, "param group 1: lr must be a finite number >= 0.0"),
-        ({"params": [extra], "compression_topk": 0}, "compression_topk must be a positive integer"),
+        ({"params": [extra], "compression_topk": 0}, "compression_topk must be an integer >= 1"),
         ({"params": (p for p in [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])}, "float32"),
     ):
         with pytest.raises((ValueError, TypeError), match=match):

@@ -12,11 +12,12 @@ import warnings
 import pytest
 import torch
 from distributed import run_gloo
-from helpers import SmallNet, regression_data
+from helpers import STATUS_ROW, SmallNet, regression_data
 
 from cokit.compress import SparseLoCo
 from cokit.compress.buckets import sends_dense
 from cokit.compress.payload import get_codec
+from cokit.compress.sparseloco_state import records
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels.dct import dct_decode_reference, dct_encode_reference
 
@@ -106,7 +107,7 @@ def _resume(rank: int, world: int) -> dict:
         "sent": opt.comm_stats.total_sent_bytes,
         "exp_avg": exp_avg,
         "error": opt.state[params[0]]["error"].clone(),
-        "since_sync": {at: s[0]["counters"]["since_sync"] for at, s in saved.items()},
+        "since_sync": {at: records(s[0])["common"]["counters"]["since_sync"] for at, s in saved.items()},
     }
 
 
@@ -132,34 +133,53 @@ def _regression(rank: int, world: int) -> dict:
 def _faults(rank: int, world: int) -> dict:
     out: dict = {}
     bad_rank = world - 1
-    for mode in ("error", "skip"):
-        params = [torch.nn.Parameter(t) for t in _init()]
-        opt = _build(params, sync_every=2, nonfinite=mode)
-        for step in range(2):
-            for i, p in enumerate(params):
-                p.grad = _grad(rank, step, i, p.shape)
-                if rank == bad_rank and step == 1 and i == 1:
-                    p.grad[3] = math.inf
-            before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in enumerate(params)}
-            try:
-                opt.step()
-            except FloatingPointError as exc:
-                out[mode] = str(exc)
-        after = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in enumerate(params)}
-        out[mode + " state same"] = all(
-            before[n].keys() == after[n].keys()
-            and all(torch.equal(before[n][k], after[n][k]) for k in before[n])
-            for n in before
-        )
-        out[mode + " counts"] = (opt.syncs, opt.skipped_syncs)
-        if mode == "skip":
-            out["skip params"] = [p.detach().clone() for p in params]
-            out["skip global"] = [opt.state[p]["global"].clone() for p in params]
-            for step in range(2, 4):  # the next period syncs normally
-                for i, p in enumerate(params):
-                    p.grad = _grad(rank, step, i, p.shape)
-                opt.step()
-            out["skip then sync"] = ([p.detach().clone() for p in params], opt.syncs)
+    # an inf gradient (kind "grad") never reaches the inner AdamW; a local weight and inner
+    # state that went non-finite some other way ("overflow": a bad kernel, an edit) make the
+    # pseudo-gradient non-finite: the sync raises or is skipped on every rank
+    for kind in ("grad", "overflow"):
+        for mode in ("error", "skip"):
+            params = [torch.nn.Parameter(t) for t in _init()]
+            opt = _build(params, sync_every=2, nonfinite=mode)
+            opt.inner = torch.optim.AdamW(params, lr=1e-2)  # a state that a bad step would poison
+            before = None
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(2):
+                    for i, p in enumerate(params):
+                        p.grad = _grad(rank, step, i, p.shape)
+                        if rank == bad_rank and step == 1 and i == 1 and kind == "grad":
+                            p.grad[3] = math.inf
+                    if rank == bad_rank and step == 1 and kind == "overflow":
+                        with torch.no_grad():
+                            params[1][3] = math.inf
+                        opt.inner.state[params[1]]["exp_avg"][3] = math.nan
+                    before = {
+                        n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in enumerate(params)
+                    }
+                    try:
+                        opt.step()
+                    except FloatingPointError as exc:
+                        out[f"{kind} {mode}"] = str(exc)
+            name = f"{kind} {mode} "
+            after = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in enumerate(params)}
+            out[name + "state same"] = all(
+                before[n].keys() == after[n].keys()
+                and all(torch.equal(before[n][k], after[n][k]) for k in before[n])
+                for n in before
+            )
+            out[name + "counts"] = (opt.syncs, opt.skipped_syncs, opt.skipped_steps, opt.inner_resets)
+            out[name + "inner finite"] = all(
+                bool(torch.isfinite(v).all()) for s in opt.inner.state.values() for v in s.values()
+            )
+            out[name + "warnings"] = [str(w.message) for w in caught if "reset the inner" in str(w.message)]
+            if mode == "skip":
+                out[name + "params"] = [p.detach().clone() for p in params]
+                out[name + "global"] = [opt.state[p]["global"].clone() for p in params]
+                for step in range(2, 4):  # the next period syncs normally
+                    for i, p in enumerate(params):
+                        p.grad = _grad(rank, step, i, p.shape)
+                    opt.step()
+                out[name + "then sync"] = ([p.detach().clone() for p in params], opt.syncs)
     # settings that differ: at the first step, and an inner lr changed on one rank later
     params = [torch.nn.Parameter(t) for t in _init()]
     opt = _build(params, outer_lr=0.5 if rank == bad_rank else 1.0)
@@ -298,10 +318,10 @@ def _aligned(n: int) -> int:
 
 
 def _expected_sent(world: int, options: dict) -> list[int]:
-    """Bytes per step from first principles: the first step's parameter check (a float64 crc
-    and one float64 sum per parameter), each sync's status bytes (one per parameter + a 4-byte
-    settings crc) and payloads (ring all-gather of the compressed bucket; ring all-reduce of
-    the fp32 dense pseudo-gradients); nothing on other steps."""
+    """Bytes per step from first principles: the first step's status row and parameter check
+    (one float64 sum per parameter), each sync's status row and payloads (ring all-gather of
+    the compressed bucket; ring all-reduce of the fp32 dense pseudo-gradients); nothing on
+    other steps."""
     topk, payload = options.get("topk", K), options.get("payload", "int2")
     n = len(SHAPES)
     codec = get_codec(payload)
@@ -319,9 +339,11 @@ def _expected_sent(world: int, options: dict) -> list[int]:
         else 0
     )
     dense_numel = sum(math.prod(s) for s, d in zip(SHAPES, dense) if d)
-    sync = (world - 1) * (n + 4) + (world - 1) * payload_bytes + (2 * (world - 1) * 4 * dense_numel) // world
+    sync = (
+        (world - 1) * STATUS_ROW + (world - 1) * payload_bytes + (2 * (world - 1) * 4 * dense_numel) // world
+    )
     sent = [0] * (2 * H)
-    sent[0] += (world - 1) * 8 * (1 + n)
+    sent[0] += (world - 1) * (STATUS_ROW + 8 * n)
     sent[H - 1] += sync
     sent[2 * H - 1] += sync
     return sent
@@ -394,21 +416,31 @@ def test_nonfinite_pseudo_gradients_and_differing_settings_raise_or_skip_on_ever
     bad = world - 1
     for res in results:
         f = res["faults"]
-        assert f"non-finite pseudo-gradient in 'param 1' (64,) on rank {bad}" in f["error"]
-        assert f["error state same"] and f["error counts"] == (0, 0)
-        assert "skip" not in f and f["skip state same"] and f["skip counts"] == (0, 1)
-        for p, g in zip(f["skip params"], f["skip global"]):
+        # an inf gradient: that local step was not taken (the inner state stays finite)
+        assert f"non-finite gradient in 'param 1' (64,) on rank {bad}" in f["grad error"]
+        assert f["grad error state same"] and f["grad error counts"] == (0, 0, 0, 0)
+        assert "grad skip" not in f and f["grad skip counts"] == (1, 0, 1, 0)  # synced, 1 step skipped
+        assert f["grad error inner finite"] and f["grad skip inner finite"]
+        # an overflow inside the inner optimizer: a non-finite pseudo-gradient
+        assert f"non-finite pseudo-gradient in 'param 1' (64,) on rank {bad}" in f["overflow error"]
+        assert f["overflow error state same"] and f["overflow error counts"] == (0, 0, 0, 0)
+        assert "overflow skip" not in f and f["overflow skip state same"]
+        resets = int(res is results[bad])
+        assert f["overflow skip counts"] == (0, 1, 0, resets) and f["overflow skip inner finite"]
+        assert len(f["overflow skip warnings"]) == resets
+        for p, g in zip(f["overflow skip params"], f["overflow skip global"]):
             assert torch.equal(p, g)  # every rank back at theta_global
-        assert f["skip then sync"][1] == 1
+        assert f["overflow skip then sync"][1] == 1 and f["grad skip then sync"][1] == 2
         assert (
-            "setting 'outer_lr' is 1.0 on rank 0" in f["outer_lr"] and f"0.5 on rank {bad}" in f["outer_lr"]
+            "setting 'outer_lr' is 1.0 on rank" in f["outer_lr"] and f"0.5 on rank [{bad}]" in f["outer_lr"]
         )
         step, message, syncs = f["inner lr"]
-        assert step == H - 1 and "setting 'inner_groups'" in message and syncs == 0
+        assert step == H - 1 and "param group 0 setting 'lr' is 0.05 on rank" in message and syncs == 0
         assert "parameter 'param 0' (32, 48) differs between the ranks" in f["weights"]
     for res in results:
-        for a, b in zip(res["faults"]["skip then sync"][0], results[0]["faults"]["skip then sync"][0]):
-            assert torch.equal(a, b)
+        for key in ("grad skip then sync", "overflow skip then sync"):
+            for a, b in zip(res["faults"][key][0], results[0]["faults"][key][0]):
+                assert torch.equal(a, b)  # replicas bit-identical after the skip
 
 
 def _net():
@@ -424,11 +456,11 @@ def _net():
         (dict(chunk=-1), ValueError, "chunk must be an integer"),
         (dict(payload="int3"), ValueError, r"payload must be one of \(.*'int2'"),
         (dict(dct="yes"), TypeError, "dct must be True or False"),
-        (dict(outer="adam"), ValueError, r"outer must be one of \('average', 'nesterov'\)"),
+        (dict(outer="adam"), ValueError, r"outer must be one of 'average', 'nesterov', got 'adam'"),
         (dict(outer_lr=0.0), ValueError, "outer_lr must be a finite number > 0"),
-        (dict(outer_momentum=1.0), ValueError, "outer_momentum must be a finite number >= 0.0 and < 1.0"),
+        (dict(outer_momentum=1.0), ValueError, r"outer_momentum must be a finite number in \[0.0, 1.0\)"),
         (dict(error_decay=1.5), ValueError, "error_decay must be a finite number"),
-        (dict(nonfinite="ignore"), ValueError, r"nonfinite must be one of \('error', 'skip'\)"),
+        (dict(nonfinite="ignore"), ValueError, r"nonfinite must be one of 'error', 'skip'"),
         (dict(precision="half"), ValueError, "nearest"),
         (dict(value_dtype=torch.int8), TypeError, "value_dtype must be"),
         (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb must be"),

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cokit.compress.comm import guard_future, parse_timeout
 from cokit.compress.stats import dense_allreduce_bytes, ring_allreduce_bytes
 from cokit.train import Method, MethodSpec, register_method
 
@@ -63,6 +64,11 @@ class PowerSGDMethod(Method):
         seed = int(opts.pop("seed", 0))
         base = opts.pop("base", "adamw")
         self.world_size = dist.get_world_size(group)
+        owner = f"method {spec.name!r} (powerSGD_hook)"
+        limit = parse_timeout(spec.timeout, owner)
+        if limit is not None:  # a group of its own whose collectives end at the timeout
+            ranks = dist.get_process_group_ranks(group) if group is not None else None
+            group = dist.new_group(ranks, timeout=limit)
         ddp = DDP(model.inner, process_group=group)  # the study's models have no buffers
         self.state = psgd.PowerSGDState(
             process_group=group,
@@ -73,7 +79,12 @@ class PowerSGDMethod(Method):
             warm_start=True,
             random_seed=seed,
         )
-        ddp.register_comm_hook(self.state, psgd.powerSGD_hook)
+
+        def hook(state, bucket):  # unannotated: DDP compares annotations (this module's are strings)
+            fut = psgd.powerSGD_hook(state, bucket)
+            return guard_future(fut, owner, f"all-reduce of DDP bucket {bucket.index()}", limit, group)
+
+        ddp.register_comm_hook(self.state, hook)
         object.__setattr__(model, "engine", ddp)
         params = list(model.parameters())
         if base == "adamw":

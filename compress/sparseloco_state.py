@@ -1,0 +1,225 @@
+"""SparseLoCo's state dict in torch.optim's layout: plain ``torch.save`` files and DCP.
+
+``torch.distributed.checkpoint`` (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``)
+keeps only ``state`` (keyed by parameter) and ``param_groups``, and writes keys that several
+ranks share once. So (format 2):
+
+* ``state[n]`` for the model's parameter ``n``: ``global`` (theta_global) and ``momentum`` (the
+  outer Nesterov momentum), identical on every rank; ``error_rank<R>`` (the error buffer),
+  ``master_rank<R>`` (the fp32 master of a low-precision parameter) and
+  ``inner_rank<R>.<key>`` (the inner optimizer's state), which differ per rank, under keys
+  naming the global rank ``R``;
+* ``param_groups``: the groups' hyper-parameters (shared); group 0 also holds two JSON records,
+  ``sparseloco`` (shared: format, world size, settings, counters, policy) and
+  ``sparseloco_rank<R>`` (this rank's comm stats).
+
+:func:`load` checks everything (format, rank, world size, settings, shapes, finiteness,
+counters, the policy state) before anything changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cokit.compress.stats import CommStats
+
+if TYPE_CHECKING:
+    from cokit.compress.sparseloco import SparseLoCo
+
+__all__ = ["FORMAT", "load", "pack", "records"]
+
+FORMAT = 2
+COMMON_KEY = "sparseloco"
+_RANK_KEY = re.compile(r"^sparseloco_rank(\d+)$")
+_WHERE = "SparseLoCo.load_state_dict"
+_SHARED = ("global", "momentum")
+_COUNTERS = ("steps", "since_sync", "syncs", "skipped_syncs", "skipped_steps", "inner_resets")
+_LOOSE = ("validate_payload",)  # settings that do not change what is computed
+
+
+def pack(opt: SparseLoCo) -> dict[str, Any]:
+    """``opt``'s state in format 2 (module docstring)."""
+    rank = opt.exchange.global_rank()
+    inner = opt.inner.state_dict()
+    state: dict[int, dict[str, Any]] = {}
+    for n, p in enumerate(opt._model_params):
+        s = opt.state.get(p, {})
+        entry: dict[str, Any] = {k: s[k].clone() for k in _SHARED if k in s}
+        if "error" in s:
+            entry[f"error_rank{rank}"] = s["error"].clone()
+        if id(p) in opt._masters:
+            entry[f"master_rank{rank}"] = opt._masters[id(p)].detach().clone()
+        for key, value in inner["state"].get(n, {}).items():
+            entry[f"inner_rank{rank}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
+        state[n] = entry
+    groups, first = [], 0
+    for g in opt.param_groups:
+        groups.append(
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": list(range(first, first + len(g["params"]))),
+            }
+        )
+        first += len(g["params"])
+    common = {
+        "format": FORMAT,
+        "optimizer": "SparseLoCo",
+        "world": opt.comm.world_size,
+        "settings": _settings(opt),
+        "counters": _counters(opt),
+        "interval": opt.current_interval,
+        "policy": opt._driver.state_dict(),
+    }
+    mine = {"format": FORMAT, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
+    groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
+    groups[0][f"sparseloco_rank{rank}"] = json.dumps(mine, sort_keys=True)
+    return {"state": state, "param_groups": groups}
+
+
+def records(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """The records of a format-2 state: ``{"common": {...}, "ranks": {rank: {...}}}``."""
+    g0 = (sd.get("param_groups") or [{}])[0]
+    common = g0.get(COMMON_KEY)
+    ranks = {int(m[1]): json.loads(v) for k, v in g0.items() if (m := _RANK_KEY.match(str(k)))}
+    return {"common": json.loads(common) if isinstance(common, str) else None, "ranks": ranks}
+
+
+def _settings(opt: SparseLoCo) -> dict[str, Any]:
+    return json.loads(json.dumps(opt._settings()))
+
+
+def _counters(opt: SparseLoCo) -> dict[str, Any]:
+    return {
+        "steps": opt._steps,
+        "since_sync": opt._since_sync,
+        "syncs": opt.syncs,
+        "skipped_syncs": opt.skipped_syncs,
+        "skipped_steps": opt.skipped_steps,
+        "inner_resets": opt.inner_resets,
+        "checked": opt._checked,
+    }
+
+
+def load(opt: SparseLoCo, sd: object) -> None:
+    """Check ``sd`` against ``opt``, then load it (see :meth:`SparseLoCo.load_state_dict`)."""
+    if not (
+        isinstance(sd, Mapping)
+        and isinstance(sd.get("state"), Mapping)
+        and isinstance(sd.get("param_groups"), list)
+        and sd["param_groups"]
+        and all(isinstance(g, Mapping) and "params" in g for g in sd["param_groups"])
+    ):
+        if isinstance(sd, Mapping) and sd.get("type") == "SparseLoCo":
+            raise ValueError(
+                f"{_WHERE}: this state has format {sd.get('format')!r} (cokit before SparseLoCo's format "
+                f"{FORMAT}); load it with the cokit version that saved it"
+            )
+        raise ValueError(
+            f"{_WHERE}: this is not a SparseLoCo state_dict ({{'state': ..., 'param_groups': [...]}})"
+        )
+    groups, g0 = sd["param_groups"], sd["param_groups"][0]
+    try:
+        common = json.loads(g0[COMMON_KEY])
+        ranks = {int(m[1]): json.loads(v) for k, v in g0.items() if (m := _RANK_KEY.match(str(k)))}
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f"{_WHERE}: param group 0 has no readable 'sparseloco' record: this is not a SparseLoCo state "
+            "(or something dropped the record, e.g. DCP with flatten_optimizer_state_dict=True)"
+        ) from None
+    if (
+        not isinstance(common, dict)
+        or common.get("format") != FORMAT
+        or common.get("optimizer") != "SparseLoCo"
+    ):
+        raise ValueError(f"{_WHERE}: the record says {common!r}; expected SparseLoCo format {FORMAT}")
+    rank, world = opt.exchange.global_rank(), opt.comm.world_size
+    mine = ranks.get(rank)
+    if common.get("world") != world or not isinstance(mine, dict):
+        raise ValueError(
+            f"{_WHERE}: saved by rank(s) {sorted(ranks)} of a world of {common.get('world')}, loading on rank "
+            f"{rank} of {world}: error buffers and inner state are per rank; load each rank's own state at "
+            "the world size it was saved at (DCP keeps every rank's)"
+        )
+    here, saved = _settings(opt), common.get("settings") or {}
+    for key in here:
+        if key not in _LOOSE and here[key] != saved.get(key):
+            raise ValueError(f"{_WHERE}: setting {key!r} was {saved.get(key)!r}, is {here[key]!r} now")
+    if len(groups) != len(opt.param_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(groups, opt.param_groups)
+    ):
+        raise ValueError(
+            f"{_WHERE}: the saved param groups do not match this optimizer's (build the same model)"
+        )
+    params = opt._model_params
+    inner_state: dict[int, dict[str, Any]] = {}
+    loaded: list[dict[str, torch.Tensor]] = []
+    prefix = f"inner_rank{rank}."
+    keys = {"global", "momentum", f"error_rank{rank}", f"master_rank{rank}"}
+    for n, p in enumerate(params):
+        entry = sd["state"].get(n, {})
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{_WHERE}: the state of {opt._name(n)} is {type(entry).__name__}, not a dict")
+        ours: dict[str, torch.Tensor] = {}
+        for key, value in entry.items():
+            key = str(key)
+            if key.startswith(prefix):
+                inner_state.setdefault(n, {})[key[len(prefix) :]] = value
+            elif key in keys:
+                if not (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(p.shape)):
+                    raise ValueError(
+                        f"{_WHERE}: {key} of {opt._name(n)} is not a tensor of shape {tuple(p.shape)}"
+                    )
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(
+                        f"{_WHERE}: {key} of {opt._name(n)} is not finite: the checkpoint is damaged"
+                    )
+                ours[key.split("_rank")[0]] = value.detach().to(p.device, torch.float32).clone()
+            elif not (key.startswith(("error_rank", "master_rank", "inner_rank"))):
+                raise ValueError(f"{_WHERE}: unknown state {key!r} for {opt._name(n)}")
+        loaded.append(ours)
+    counters = common.get("counters") or {}
+    for name in _COUNTERS:
+        value = counters.get(name, 0)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"{_WHERE}: the saved {name} is {value!r}, not a count; the file is damaged")
+    interval = common.get("interval", opt.sync_every)
+    if not (isinstance(interval, int) and interval >= 1):
+        raise ValueError(f"{_WHERE}: saved interval {interval!r} is not a positive integer")
+    policy = common.get("policy")
+    if policy is not None:
+        copy.deepcopy(opt._driver).load_state_dict(policy, owner="SparseLoCo")  # raises if it does not load
+    try:
+        stats = CommStats.from_dict(ranks[rank].get("comm_stats", {}))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{_WHERE}: the saved comm_stats do not load ({exc}); the file is damaged") from None
+    # everything checked: the inner optimizer first (it validates its own state), then ours
+    hyper = [{k: v for k, v in g.items() if not (k == COMMON_KEY or _RANK_KEY.match(str(k)))} for g in groups]
+    inner_groups = opt.inner.state_dict()["param_groups"]
+    opt.inner.load_state_dict(
+        {
+            "state": inner_state,
+            "param_groups": [{**h, "params": ig["params"]} for h, ig in zip(hyper, inner_groups)],
+        }
+    )
+    for g, h in zip(opt.param_groups, hyper):
+        g.update({k: v for k, v in h.items() if k != "params"})
+    for n, p in enumerate(params):
+        ours = loaded[n]
+        master = ours.pop("master", None)
+        if master is not None and id(p) in opt._masters:
+            opt._masters[id(p)].copy_(master)
+        opt.state[p] = ours
+    opt._steps, opt._since_sync = counters.get("steps", 0), counters.get("since_sync", 0)
+    opt.syncs, opt.skipped_syncs = counters.get("syncs", 0), counters.get("skipped_syncs", 0)
+    opt.skipped_steps, opt.inner_resets = counters.get("skipped_steps", 0), counters.get("inner_resets", 0)
+    opt._checked = bool(counters.get("checked", False))
+    opt.current_interval = interval
+    if policy is not None:
+        opt._driver.load_state_dict(policy, owner="SparseLoCo")
+    opt.comm_stats = stats

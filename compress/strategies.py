@@ -1,0 +1,374 @@
+"""How DeMo exchanges a step: one strategy per training layout, chosen once at construction.
+
+Every strategy runs the same round (docs/design.md §8): the agreement of the exchange core
+(:mod:`cokit.compress.exchange`), then the buckets through the functional step
+(:mod:`cokit.compress.demo_step`). They differ in where the work happens:
+
+- :class:`Flat` (plain data parallel): every rank holds whole tensors and exchanges every
+  bucket over one group;
+- :class:`ShardLocal` (DTensor parameters, FSDP2/HSDP): each rank steps its local shards; the
+  mesh dimensions are agreement groups and the exchange group is the HSDP replicate group, or
+  this rank alone;
+- :class:`Hierarchical` (``hierarchy=NodeGroups``): gradients are averaged inside the node; bucket
+  ``b`` is exchanged across nodes by local rank ``b % L`` alone, which then broadcasts the
+  updated parameters inside the node;
+- :class:`Overlapped` (``overlap_backward=True``): buckets are encoded into copies of their
+  buffers and launched from post-accumulate-grad hooks during backward; ``step()`` agrees on
+  what happened since (edits, non-finite gradients, a GradScaler), then receives and applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cokit.compress.agreement import EDITED, FOUND_INF, SCALED
+from cokit.compress.buckets import Bucket
+from cokit.compress.comm import Communicator
+from cokit.compress.demo_step import (
+    BucketInput,
+    Launched,
+    accumulate,
+    apply,
+    demo_step,
+    launch,
+    receive,
+    split_like,
+)
+from cokit.compress.dtensor import MeshPlan, check_exchange_group, local
+from cokit.compress.exchange import Exchange
+from cokit.compress.groups import NodeGroups
+from cokit.compress.guards import GradMarks, all_finite, edited_message, sync_decay
+from cokit.compress.policy import Decision
+
+if TYPE_CHECKING:
+    from cokit.compress.optimizer import Amp, DeMo
+
+__all__ = ["Flat", "Hierarchical", "Overlapped", "ShardLocal", "Strategy", "make_strategy"]
+
+Timeout = float | datetime.timedelta | None
+
+
+class Strategy:
+    """The base round; on its own, :class:`Flat`'s."""
+
+    name = "flat"
+
+    def __init__(
+        self, opt: DeMo, process_group: Any, timeout: Timeout, agree: tuple = (), local: bool = False
+    ):
+        self.exchange = Exchange(
+            "DeMo.step",
+            process_group,
+            timeout,
+            agree_groups=agree,
+            local=local,
+            validate=opt.validate_payload,
+            clock=opt.clock,
+            on_blocked=opt._driver.blocked,
+        )
+        self.timeout = timeout
+        self.checked = False  # first_round ran
+
+    @property
+    def dense_world(self) -> int:
+        """Ranks a dense all-reduce of the same gradients would span (``step_dense_bytes``)."""
+        return self.exchange.comm.world_size
+
+    def first_round(self) -> None:
+        """Checks that need every rank once, before the first round (node tiling)."""
+
+    def install(self, opt: DeMo, params: list[torch.Tensor]) -> None:
+        """Called for every parameter the optimizer gets (the overlapped strategy hooks them)."""
+
+    def step(self, opt: DeMo, entries: list, amp: Amp) -> list | None:
+        """One round: agree, then exchange every bucket; the active entries, None if skipped."""
+        if not self.checked:
+            self.first_round()
+            self.checked = True
+        with self.exchange.guarded():
+            active = opt._agree(entries, amp)
+            if active is None:
+                return None
+            decision = opt._driver.decision or Decision()
+            buckets = opt._buckets(active, decision)
+            inputs = self.prepare(opt, buckets, active)
+            if decision.skip_sync:
+                accumulate(inputs)
+                opt.skipped_syncs += 1
+                return active
+            demo_step(inputs, self.exchange, precision=opt.precision, generator=opt._generator)
+            self.share(buckets, active)
+        return active
+
+    def prepare(self, opt: DeMo, buckets: list[Bucket], active: list) -> list[BucketInput]:
+        """The buckets this rank encodes, with their gradients."""
+        return [opt._input(b, bucket, active) for b, bucket in enumerate(buckets)]
+
+    def share(self, buckets: list[Bucket], active: list) -> None:
+        """After the update: what other ranks of the node need (hierarchical)."""
+
+
+class Flat(Strategy):
+    """Plain data parallel (module docstring)."""
+
+
+class ShardLocal(Strategy):
+    """DTensor parameters: local shards, mesh dimensions as agreement groups (module docstring)."""
+
+    name = "shard-local"
+
+    def __init__(self, opt: DeMo, mesh: MeshPlan, process_group: Any, timeout: Timeout):
+        check_exchange_group(mesh, process_group)
+        super().__init__(opt, process_group, timeout, agree=mesh.agree, local=process_group is None)
+        # HSDP: the replicate group and the (one) sharded dimension must tile the world
+        self.tiling = None
+        if process_group is not None and len(mesh.agree) == 1:
+            self.tiling = NodeGroups(intra=mesh.agree[0], inter=process_group)
+
+    def first_round(self) -> None:
+        if self.tiling is not None:
+            self.tiling.check_tiling("DeMo", self.timeout)
+
+
+class Hierarchical(Strategy):
+    """Two levels: node averages, owner-encoded buckets, in-node broadcasts (module docstring)."""
+
+    name = "hierarchical"
+
+    def __init__(self, opt: DeMo, hierarchy: NodeGroups, timeout: Timeout):
+        super().__init__(opt, hierarchy.inter, timeout, agree=(hierarchy.intra,))
+        self.hierarchy = hierarchy
+        self.intra: Communicator = self.exchange.agree_comms[0]
+
+    @property
+    def dense_world(self) -> int:
+        return self.exchange.comm.world_size * self.intra.world_size
+
+    def first_round(self) -> None:
+        self.hierarchy.check_tiling("DeMo", self.timeout)
+
+    def _owner(self, b: int) -> int:
+        return b % self.intra.world_size
+
+    def prepare(self, opt: DeMo, buckets: list[Bucket], active: list) -> list[BucketInput]:
+        """Average every bucket's gradients inside the node (all launched before the first wait,
+        so bucket i+1's average runs while bucket i is encoded); keep the buckets this rank owns."""
+        averages = [
+            self.intra.all_reduce_mean(
+                torch.cat([local(active[i][2].grad).reshape(-1) for i in b.members]),
+                "intra-node gradient average",
+            )
+            for b in buckets
+        ]
+        owned = []
+        for b, (bucket, pending) in enumerate(zip(buckets, averages)):
+            mean = self.exchange.dense(pending, f"the node average of bucket {b}")
+            if self._owner(b) == self.intra.rank:
+                params = [local(active[i][2]) for i in bucket.members]
+                owned.append(opt._input(b, bucket, active, grads=split_like(mean, params)))
+        return owned
+
+    def share(self, buckets: list[Bucket], active: list) -> None:
+        """Every bucket's owner broadcasts its updated parameters inside the node."""
+        pending = []
+        for b, bucket in enumerate(buckets):
+            params = [local(active[i][2]) for i in bucket.members]
+            flat = torch.cat([p.reshape(-1) for p in params])
+            owner = self._owner(b)
+            pending.append(
+                (params, self.intra.broadcast(flat, owner, "intra-node parameter broadcast"), owner)
+            )
+        for params, pend, owner in pending:
+            flat = self.exchange.wait(pend)
+            if owner != self.intra.rank:
+                for p, new in zip(params, split_like(flat, params)):
+                    p.copy_(new)
+
+
+@dataclasses.dataclass
+class _Inflight:
+    """A bucket launched during backward: its collectives, buffer copies and gradient marks."""
+
+    launched: Launched
+    members: list[int]  # its parameters' entry numbers
+    work: list[torch.Tensor]  # the copies of the error buffers it encoded into
+    params: list[torch.Tensor]
+    marks: GradMarks  # the gradients at launch (a later change raises at step)
+    finite: torch.Tensor  # per parameter, whether its gradient was finite at launch
+
+
+class Overlapped(Strategy):
+    """Buckets launched from backward's hooks, finished by ``step()`` (module docstring)."""
+
+    name = "overlapped"
+
+    def __init__(self, opt: DeMo, process_group: Any, timeout: Timeout):
+        super().__init__(opt, process_group, timeout)
+        self.opt = opt
+        self.hooks: list = []
+        self.plan: tuple[list, list[Bucket], dict[int, int]] | None = (
+            None  # entries, buckets, bucket of id(p)
+        )
+        self.inflight: dict[int, _Inflight] = {}
+        self.ready: set[int] = set()
+        self.next = 0  # buckets launch in order: this one is next
+        self.opened = False  # this step's opening agreement ran
+
+    def install(self, opt: DeMo, params: list[torch.Tensor]) -> None:
+        self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self.plan = None
+
+    def _open(self, opt: DeMo) -> None:
+        """The step's first collective: agree on settings, layout and counters before any bucket
+        (whose sizes follow from them) is sent."""
+        if self.opened:
+            return
+        if not self.checked:
+            self.first_round()
+            self.checked = True
+        sync_decay(opt.param_groups, opt.defaults["compression_decay"])  # buckets use the decay
+        opt._agree_settings()
+        self.opened = True
+
+    @torch.no_grad()
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: launch the buckets whose gradients are all ready, in order
+        (every rank launches them in the same order)."""
+        opt = self.opt
+        with self.exchange.guarded():
+            self._open(opt)
+            if self.plan is None:
+                entries = opt._entries()
+                buckets = opt._buckets(entries)
+                where = {id(entries[i][2]): b for b, bucket in enumerate(buckets) for i in bucket.members}
+                self.plan = (entries, buckets, where)
+            entries, buckets, bucket_of = self.plan
+            b = bucket_of.get(id(p))
+            if b is None:  # an empty parameter: in no bucket, nothing to send
+                return
+            if b in self.inflight:
+                raise RuntimeError(
+                    "DeMo(overlap_backward=True): a second backward reached a bucket that is already "
+                    "being sent; call step() after every backward (gradient accumulation needs "
+                    "overlap_backward=False)"
+                )
+            self.ready.add(id(p))
+            while self.next < len(buckets) and all(
+                id(entries[i][2]) in self.ready for i in buckets[self.next].members
+            ):
+                self._launch(opt, self.next, buckets[self.next], entries)
+                self.next += 1
+
+    def _launch(self, opt: DeMo, b: int, bucket: Bucket, entries: list) -> None:
+        """Encode into copies of the buffers and send; mark the gradients so that step() can
+        tell whether they changed after the launch."""
+        params = [entries[i][2] for i in bucket.members]
+        marks = GradMarks(params)
+        finite = torch.stack([all_finite(local(p.grad)) for p in params])
+        work = [opt._delta(p).clone() for p in params]
+        item = opt._input(b, bucket, entries, deltas=work)
+        self.inflight[b] = _Inflight(
+            launch(item, self.exchange), list(bucket.members), work, params, marks, finite
+        )
+
+    def step(self, opt: DeMo, entries: list, amp: Amp) -> list | None:
+        with self.exchange.guarded():
+            runs = self._close(opt, entries, amp)
+            if runs is None:
+                return None
+            for run in runs:
+                receive(run.launched, self.exchange)
+            for run in runs:
+                apply(run.launched, precision=opt.precision, generator=opt._generator)
+                for p, delta in zip(run.params, run.work):
+                    opt.state[p]["delta"] = delta
+        return entries
+
+    def _close(self, opt: DeMo, entries: list, amp: Amp) -> list[_Inflight] | None:
+        """Agree on what happened since the buckets were sent (edits, non-finite gradients, a
+        GradScaler); then launch the buckets whose hooks did not fire (gradients set by hand).
+        The buckets to finish, in order; None when the step is skipped on every rank."""
+        self._open(opt)
+        buckets = opt._buckets(entries)
+        inflight, self.inflight, self.ready, self.next, self.opened = self.inflight, {}, set(), 0, False
+        missing = [b for b in range(len(buckets)) if b not in inflight]
+        for b in missing:
+            for i in buckets[b].members:
+                grad = entries[i][2].grad
+                if grad is None or grad.is_sparse:
+                    raise RuntimeError(
+                        "DeMo(overlap_backward=True): every parameter needs a dense gradient each step; "
+                        f"{opt._entry_name(i, entries)} has {'none' if grad is None else 'a sparse one'}"
+                    )
+        edited = [
+            run.members[j]
+            for run in inflight.values()
+            for j in run.marks.changed().cpu().nonzero().flatten().tolist()
+        ]
+        members = [m for run in inflight.values() for m in run.members]
+        finite = [run.finite for run in inflight.values()]
+        for b in missing:
+            members += buckets[b].members
+            finite.append(torch.stack([all_finite(local(entries[i][2].grad)) for i in buckets[b].members]))
+        ok = torch.cat(finite).cpu().tolist() if finite else []
+        bad = sorted(m for m, fine in zip(members, ok) if not fine)
+        events = (EDITED if edited else 0) | (SCALED if amp.scale is not None else 0)
+        rnd = opt._agree_settings(events=events | (FOUND_INF if amp.found_inf else 0), bad=bad)
+        if rnd.any_event(SCALED):
+            raise RuntimeError(
+                "DeMo(overlap_backward=True): the gradients carry a GradScaler's scale. Buckets are "
+                "encoded during backward, before a GradScaler could unscale them; use "
+                "overlap_backward=False with GradScaler (or bf16 autocast, which needs no scaler). "
+                "No parameter and no buffer changed"
+            )
+        if rnd.any_event(EDITED):
+            ranks = [self.exchange.global_rank(r) for r in rnd.any_event(EDITED)]
+            name = opt._entry_name(min(edited), entries) if edited else None
+            raise RuntimeError(edited_message(ranks, self.exchange.global_rank(), name))
+        if opt._skip_or_raise(rnd, entries) is None:
+            return None
+        for b in missing:
+            self._launch(opt, b, buckets[b], entries)
+        runs, self.inflight = {**inflight, **self.inflight}, {}
+        return [runs[b] for b in sorted(runs)]
+
+
+def make_strategy(
+    opt: DeMo, process_group: Any, timeout: Timeout, hierarchy: Any, mesh: MeshPlan | None
+) -> Strategy:
+    """The strategy for DeMo's layout (DTensor parameters, hierarchy=, overlap_backward=)."""
+    if hierarchy is not None:
+        if not isinstance(hierarchy, NodeGroups):
+            raise TypeError(
+                "DeMo: hierarchy must be a cokit.compress.groups.NodeGroups (e.g. node_groups()), "
+                f"got {type(hierarchy).__name__}"
+            )
+        if mesh is not None:
+            raise ValueError(
+                "DeMo: hierarchy= is for plain data parallel; with DTensor (FSDP2) parameters, "
+                "FSDP's mesh is the node level: pass the replicate group as process_group"
+            )
+        if process_group is not None:
+            raise ValueError("DeMo: pass either process_group= or hierarchy=, not both")
+    layered = hierarchy is not None or mesh is not None
+    if layered and opt._driver.policy.observes:
+        raise ValueError(
+            f"DeMo: policy {opt.policy.describe()} measures the exchange group only; with DTensor "
+            "parameters or hierarchy= the ranks of a node could decide differently: use the static policy"
+        )
+    if layered and opt.overlap_backward:
+        raise ValueError(
+            "DeMo: overlap_backward=True works with plain data parallel only (not with DTensor "
+            "parameters or hierarchy=); FSDP overlaps its own reduce-scatter"
+        )
+    if hierarchy is not None:
+        return Hierarchical(opt, hierarchy, timeout)
+    if mesh is not None:
+        return ShardLocal(opt, mesh, process_group, timeout)
+    if opt.overlap_backward:
+        return Overlapped(opt, process_group, timeout)
+    return Flat(opt, process_group, timeout)
