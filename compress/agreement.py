@@ -12,7 +12,7 @@ holds
 - the non-finite report: how many entries are non-finite, the first of them and the global
   rank that saw it;
 - event bits (:data:`FOUND_INF`, :data:`EDITED`, ...);
-- local steps skipped since the last round (SparseLoCo) and the first parameter to blame;
+- local steps skipped since the last round (SparseLoCo's, for a GradScaler's inf);
 
 followed by a fixed number of extra bytes (a network policy's measurement). Rows of agreement
 groups (a mesh's sharded dimensions, a node) are gathered first and combined into the row the
@@ -51,7 +51,7 @@ __all__ = [
     "run_round",
 ]
 
-_ROW = struct.Struct("<qqiiiIii")
+_ROW = struct.Struct("<qqiiiIq")
 ROW_BYTES = _ROW.size  # 40
 FOUND_INF = 1  # a GradScaler found inf/NaN in this rank's gradients
 EDITED = 2  # gradients changed after their bucket was launched (overlap_backward)
@@ -94,7 +94,6 @@ class Report:
     culprit: int = -1  # the global rank that saw it
     events: int = 0
     skipped: int = 0  # local steps skipped since the last round (SparseLoCo's inner steps)
-    skipped_first: int = -1  # the first non-finite entry of those (-1: a GradScaler's skips only)
 
     def pack(self, fp: int) -> bytes:
         return _ROW.pack(
@@ -105,7 +104,6 @@ class Report:
             self.culprit,
             self.events,
             self.skipped,
-            self.skipped_first,
         )
 
     @staticmethod
@@ -122,7 +120,6 @@ class Report:
         events = 0
         for r in reports:
             events |= r.events
-        skipped = [r for r in reports if r.skipped_first >= 0]
         return Report(
             reports[0].grads,
             sum(r.n_bad for r in reports),
@@ -130,7 +127,6 @@ class Report:
             first.culprit,
             events,
             sum(r.skipped for r in reports),
-            skipped[0].skipped_first if skipped else -1,
         )
 
 

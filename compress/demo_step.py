@@ -54,7 +54,8 @@ class BucketInput:
 
     @property
     def label(self) -> str:
-        return f"bucket {self.index} ({'dense' if self.bucket.dense else 'compressed'}, {len(self.params)} tensors)"
+        n = len(self.params)
+        return f"bucket {self.index} ({'dense' if self.bucket.dense else 'compressed'}, {n} tensor{'s' * (n != 1)})"
 
 
 @dataclasses.dataclass

@@ -35,7 +35,7 @@ from cokit.compress.comm import Communicator, Pending
 from cokit.compress.demo_step import BucketInput, split_like
 from cokit.compress.dtensor import local, mesh_plan
 from cokit.compress.groups import check_process_group
-from cokit.compress.guards import StepGuards, all_finite, sync_decay
+from cokit.compress.guards import StepGuards, nonfinite, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.precision import check_precision, rounding_generator, warn_if_unmastered
@@ -469,11 +469,8 @@ class DeMo(torch.optim.Optimizer):
         grads = [local(p.grad) for _, _, p in active]
         if amp.scale is not None and not amp.found_inf and grads:  # GradScaler left them scaled
             torch._foreach_mul_(grads, amp.scale.double().reciprocal().float().to(grads[0].device))
-        bad: list[int] = []
-        if grads:
-            finite = torch.stack([all_finite(g) for g in grads]).cpu().tolist()
-            where = [n for n, has in enumerate(has_grad) if has]
-            bad = [where[j] for j, ok in enumerate(finite) if not ok]
+        where = [n for n, has in enumerate(has_grad) if has]
+        bad = [where[j] for j in nonfinite(grads)]
         rnd = self._agree_settings(events=FOUND_INF if amp.found_inf else 0, bad=bad, has_grad=has_grad)
         if self._skip_or_raise(rnd, entries) is None:
             return None

@@ -200,11 +200,16 @@ class PayloadCodec(abc.ABC):
                     f"{tuple(g.shape)}: the ranks disagree on the bucket layout"
                 )
 
-    def slot_bounds(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per payload slot: the size of its tile (int64) and whether it opens a tile (bool),
-        on ``device`` (made once per device): what the validation of peers' payloads reads."""
-        cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault("_bounds", {})
-        found = cache.get(str(device))
+    def slot_bounds(
+        self, device: torch.device, dtype: torch.dtype = torch.int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per payload slot: the size of its tile (in ``dtype``, the indices' own) and, for every
+        slot but the first, whether it continues a tile (bool), on ``device`` (made once per
+        device and dtype): what the validation of peers' payloads reads."""
+        cache: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault(
+            "_bounds", {}
+        )
+        found = cache.get((str(device), dtype))
         if found is None:
             sizes, starts = [], []
             for t in self.plan.tilings:
@@ -213,7 +218,8 @@ class PayloadCodec(abc.ABC):
                 opens = torch.zeros(t.n_tiles * ke, dtype=torch.bool)
                 opens[::ke] = True
                 starts.append(opens)
-            found = cache[str(device)] = (torch.cat(sizes).to(device), torch.cat(starts).to(device))
+            found = (torch.cat(sizes).to(device, dtype), ~torch.cat(starts)[1:].to(device))
+            cache[(str(device), dtype)] = found
         return found
 
     def __repr__(self) -> str:

@@ -27,7 +27,6 @@ raises leaves no collective behind. The state dict has torch's layout, so
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import time
 import warnings
@@ -46,7 +45,7 @@ from cokit.compress.demo_step import split_like
 from cokit.compress.dtensor import is_dtensor
 from cokit.compress.exchange import Exchange
 from cokit.compress.groups import check_process_group
-from cokit.compress.guards import all_finite
+from cokit.compress.guards import all_finite, nonfinite
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
@@ -59,14 +58,6 @@ __all__ = ["SparseLoCo"]
 
 OUTER = ("average", "nesterov")
 NONFINITE = ("error", "skip")
-
-
-@dataclasses.dataclass
-class _Skipped:
-    """Inner steps this rank skipped since the last sync (non-finite gradients, a GradScaler's inf)."""
-
-    steps: int = 0
-    first_param: int = -1  # the first non-finite parameter not reported by a GradScaler
 
 
 class SparseLoCo(torch.optim.Optimizer):
@@ -94,16 +85,14 @@ class SparseLoCo(torch.optim.Optimizer):
             (DiLoCo: ``m = mu * m + mean; theta -= outer_lr * (mean + mu * m)``).
         outer_lr / outer_momentum: the outer step's lr and Nesterov momentum ``mu``.
         process_group, timeout: the group synced over, and seconds a collective may take.
-        nonfinite: what a non-finite value does. A non-finite *gradient* never reaches the
-            inner optimizer: that local step is skipped on its rank (its state stays clean) and
-            the next sync reports it; ``"error"`` then raises on every rank (naming rank,
-            parameter and step; the sync changed nothing), ``"skip"`` counts it in
-            ``skipped_steps`` and syncs. A non-finite *pseudo-gradient* at a sync (the inner
-            optimizer overflowed) raises on every rank with ``"error"``; with ``"skip"`` every
-            rank skips the sync (``skipped_syncs``), returns to ``theta_global`` and resets the
-            inner optimizer's state of the parameters whose state is no longer finite
-            (``inner_resets`` counts them; a warning names them). A GradScaler's ``found_inf``
-            skips that local step like a non-finite gradient, in either mode.
+        nonfinite: what a non-finite pseudo-gradient at a sync does (a NaN gradient or an
+            overflow reached some rank's inner optimizer): the sync is not applied on any rank,
+            every rank returns to ``theta_global`` and the inner optimizer's state of the
+            parameters whose state is no longer finite is reset (``inner_resets``; the message
+            names them), so training goes on; ``"error"`` then raises on every rank, naming the
+            parameter and rank, ``"skip"`` warns and counts it in ``skipped_syncs``. A
+            GradScaler's ``found_inf`` skips that local step on its rank (``skipped_steps``
+            counts them over every rank), in either mode.
         precision: how fp32 values are written into bf16/fp16 parameters
             (:mod:`cokit.compress.precision`): ``"nearest"``, ``"master"`` (the inner optimizer
             steps fp32 masters; parameters hold their rounding) or ``"stochastic"``
@@ -212,7 +201,7 @@ class SparseLoCo(torch.optim.Optimizer):
         self.syncs = self.skipped_syncs = self.skipped_steps = self.inner_resets = 0
         self._steps = self._since_sync = 0
         self._checked = False
-        self._skipped = _Skipped()
+        self._skipped = 0  # local steps skipped since the last sync (a GradScaler's inf)
         self._buckets: list[Bucket] | None = None
         super().__init__(model_params, {})
         # masters: the inner optimizer steps fp32 copies of low-precision parameters
@@ -364,25 +353,16 @@ class SparseLoCo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ local steps
     def _inner_step(self) -> None:
-        """One step of the inner optimizer, unless this rank's gradients are not finite (or a
-        GradScaler found inf): then the step is skipped here and reported at the next sync."""
-        grads = [p.grad for p in self._model_params]
-        present = [g for g in grads if g is not None]
+        """One step of the inner optimizer, unless a GradScaler found inf on this rank: then
+        that local step is skipped here (and counted at the next sync). GradScaler's scale is
+        taken off the gradients first."""
+        present = [p.grad for p in self._model_params if p.grad is not None]
         scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        found_inf = found is not None and float(found) > 0
-        if scale is not None and present and not found_inf:  # GradScaler left them scaled
-            torch._foreach_mul_(present, scale.double().reciprocal().float().to(present[0].device))
-        bad = -1
-        if present and not found_inf:
-            finite = torch.stack([all_finite(g) for g in present]).cpu().tolist()
-            where = [n for n, g in enumerate(grads) if g is not None]
-            bad = next((where[j] for j, ok in enumerate(finite) if not ok), -1)
-        if found_inf or bad >= 0:
-            s = self._skipped
-            s.steps += 1
-            if s.first_param < 0:
-                s.first_param = bad
+        if found is not None and float(found) > 0:
+            self._skipped += 1
             return
+        if scale is not None and present:  # GradScaler left them scaled
+            torch._foreach_mul_(present, scale.double().reciprocal().float().to(present[0].device))
         if self.param_groups is not self.inner.param_groups:
             for outer, inner in zip(self.param_groups, self.inner.param_groups):
                 inner.update(_hyper(outer))
@@ -404,18 +384,9 @@ class SparseLoCo(torch.optim.Optimizer):
     # ------------------------------------------------------------------ sync
     def _row(self, deltas: list[torch.Tensor] | None) -> Report:
         """This rank's status: non-finite pseudo-gradients (``deltas``) and skipped local steps."""
-        bad: list[int] = []
-        if deltas is not None:
-            finite = torch.stack([all_finite(d) for d in deltas]).cpu().tolist()
-            bad = [n for n, ok in enumerate(finite) if not ok]
-        me = self.exchange.global_rank()
-        return Report(
-            n_bad=len(bad),
-            first_bad=bad[0] if bad else -1,
-            culprit=me if bad else -1,
-            skipped=self._skipped.steps,
-            skipped_first=self._skipped.first_param,
-        )
+        bad = nonfinite(deltas) if deltas is not None else []
+        culprit = self.exchange.global_rank() if bad else -1
+        return Report(n_bad=len(bad), first_bad=bad[0] if bad else -1, culprit=culprit, skipped=self._skipped)
 
     def _agree(self, deltas: list[torch.Tensor] | None) -> Any:
         return self.exchange.agree(
@@ -430,33 +401,33 @@ class SparseLoCo(torch.optim.Optimizer):
         params = self._model_params
         deltas = [(self.state[p]["global"] - self._local(p)).contiguous() for p in params]
         rnd = self._agree(deltas)
-        self._skipped = _Skipped()  # reported now, on every rank
-        blamed = [(r, rep) for r, rep in enumerate(rnd.reports) if rep.skipped_first >= 0]
-        if blamed and self.nonfinite == "error":
-            r, rep = blamed[0]
-            raise FloatingPointError(
-                f"SparseLoCo: non-finite gradient in {self._name(rep.skipped_first)} on rank "
-                f"{self.exchange.global_rank(r)} ({rep.skipped} local step(s) since the last sync skipped "
-                "there); those steps were not taken, so the inner optimizer's state stayed finite, and "
-                "the sync changed nothing. Fix the data / loss scale, or pass nonfinite='skip' to skip "
-                "such local steps and sync on"
-            )
         self.skipped_steps += sum(rep.skipped for rep in rnd.reports)
+        self._skipped = 0  # reported now, on every rank
         bad = rnd.bad
         if not bad or self.nonfinite == "skip":
             self._follow_policy(rnd.extras if self.policy.observes else None)
-        if bad:
-            if self.nonfinite == "skip":
-                self._skip_sync(params)
-                return
+        if bad:  # a NaN gradient or an overflow reached some rank's inner optimizer
+            reset = self._recover(params)
             _, first = bad[0]
             total = sum(rep.n_bad for _, rep in bad)
             more = f" (and {total - 1} more)" if total > 1 else ""
+            what = (
+                f"non-finite pseudo-gradient in {self._name(first.first_bad)} on rank {first.culprit}{more} "
+                "(a non-finite gradient or an overflow reached its inner optimizer)"
+            )
+            recovered = (
+                "the sync was not applied (theta_global, error buffers and outer momentum as they were); "
+                "every rank's weights are back at the last sync's"
+                + (f", and this rank reset the inner optimizer's state of {_listing(reset)}" if reset else "")
+            )
+            if self.nonfinite == "skip":
+                self.skipped_syncs += 1
+                self._driver.step_done(0, 0, synced=False)
+                warnings.warn(f"SparseLoCo: skipped a sync: {what}; {recovered}", stacklevel=3)
+                return
             raise FloatingPointError(
-                f"SparseLoCo: non-finite pseudo-gradient in {self._name(first.first_bad)} on rank "
-                f"{first.culprit}{more}; the sync changed nothing (theta_global, error buffers and outer "
-                "momentum as they were; the parameters hold this rank's local values). Lower the inner "
-                "lr / fix the data, or pass nonfinite='skip' to skip such syncs on every rank"
+                f"SparseLoCo: {what}; {recovered}, so training can go on. Lower the inner lr / fix the "
+                "data, or pass nonfinite='skip' to skip such syncs on every rank"
             )
         means = self._exchange(deltas)
         self.syncs += 1
@@ -475,12 +446,10 @@ class SparseLoCo(torch.optim.Optimizer):
         self._since_sync = 0
         self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
 
-    def _skip_sync(self, params: list[torch.Tensor]) -> None:
-        """Every rank skips this sync: back to theta_global, with the inner optimizer's state of
-        any parameter whose state is no longer finite reset (say which)."""
+    def _recover(self, params: list[torch.Tensor]) -> list[str]:
+        """After a sync that could not be applied: every rank back at theta_global, and the
+        inner optimizer's state reset where it is not finite (the names of those parameters)."""
         self._since_sync = 0
-        self.skipped_syncs += 1
-        self._driver.step_done(0, 0, synced=False)
         generator = self._generator(params[0].device)
         for p in params:
             self._write(p, self.state[p]["global"], generator)
@@ -491,15 +460,8 @@ class SparseLoCo(torch.optim.Optimizer):
             if any(isinstance(v, torch.Tensor) and not bool(all_finite(v)) for v in state.values()):
                 del self.inner.state[held]
                 reset.append(self._name(n))
-        if reset:
-            self.inner_resets += len(reset)
-            warnings.warn(
-                f"SparseLoCo: skipped a sync with a non-finite pseudo-gradient and reset the inner "
-                f"optimizer's state of {len(reset)} parameter(s) whose state was not finite "
-                f"({', '.join(reset[:4])}{', ...' if len(reset) > 4 else ''}): they restart from a fresh "
-                "state at theta_global",
-                stacklevel=3,
-            )
+        self.inner_resets += len(reset)
+        return reset
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self.precision != "stochastic":
@@ -709,6 +671,11 @@ class SparseLoCo(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _listing(names: list[str], shown: int = 4) -> str:
+    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

@@ -6,9 +6,10 @@ ranks share once. So (format 2):
 
 * ``state[n]`` for the model's parameter ``n``: ``global`` (theta_global) and ``momentum`` (the
   outer Nesterov momentum), identical on every rank; ``error_rank<R>`` (the error buffer),
-  ``master_rank<R>`` (the fp32 master of a low-precision parameter) and
-  ``inner_rank<R>.<key>`` (the inner optimizer's state), which differ per rank, under keys
-  naming the global rank ``R``;
+  ``master_rank<R>`` (the fp32 master of a low-precision parameter), ``local_rank<R>`` (the
+  parameter itself: between syncs every rank's weights differ, and DCP keeps only one copy of
+  the model's) and ``inner_rank<R>.<key>`` (the inner optimizer's state), which differ per
+  rank, under keys naming the global rank ``R``;
 * ``param_groups``: the groups' hyper-parameters (shared); group 0 also holds two JSON records,
   ``sparseloco`` (shared: format, world size, settings, counters, policy) and
   ``sparseloco_rank<R>`` (this rank's comm stats).
@@ -47,14 +48,22 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
     """``opt``'s state in format 2 (module docstring)."""
     rank = opt.exchange.global_rank()
     inner = opt.inner.state_dict()
+    # every buffer the optimizer will hold is present (zeros until first used), so that a load
+    # through DCP, which fills only the keys the loading optimizer's state has, brings them all
+    compressed = {i for b in opt._plan() if not b.dense for i in b.members}
     state: dict[int, dict[str, Any]] = {}
     for n, p in enumerate(opt._model_params):
         s = opt.state.get(p, {})
+        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         entry: dict[str, Any] = {k: s[k].clone() for k in _SHARED if k in s}
-        if "error" in s:
-            entry[f"error_rank{rank}"] = s["error"].clone()
-        if id(p) in opt._masters:
+        if opt.outer == "nesterov" and "momentum" not in entry and "global" in entry:
+            entry["momentum"] = zeros
+        if "error" in s or n in compressed:
+            entry[f"error_rank{rank}"] = s["error"].clone() if "error" in s else zeros.clone()
+        if id(p) in opt._masters:  # the local weights: the master, or the parameter itself
             entry[f"master_rank{rank}"] = opt._masters[id(p)].detach().clone()
+        else:
+            entry[f"local_rank{rank}"] = p.detach().clone()
         for key, value in inner["state"].get(n, {}).items():
             entry[f"inner_rank{rank}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
         state[n] = entry
@@ -160,9 +169,11 @@ def load(opt: SparseLoCo, sd: object) -> None:
     inner_state: dict[int, dict[str, Any]] = {}
     loaded: list[dict[str, torch.Tensor]] = []
     prefix = f"inner_rank{rank}."
-    keys = {"global", "momentum", f"error_rank{rank}", f"master_rank{rank}"}
-    for n, p in enumerate(params):
-        entry = sd["state"].get(n, {})
+    keys = {"global", "momentum", f"error_rank{rank}", f"master_rank{rank}", f"local_rank{rank}"}
+    # the saved groups list each parameter's key in order (indices, or names after DCP)
+    keys_in_order = [k for g in groups for k in g["params"]]
+    for n, (p, key_n) in enumerate(zip(params, keys_in_order)):
+        entry = sd["state"].get(key_n, {})
         if not isinstance(entry, Mapping):
             raise ValueError(f"{_WHERE}: the state of {opt._name(n)} is {type(entry).__name__}, not a dict")
         ours: dict[str, torch.Tensor] = {}
@@ -179,8 +190,9 @@ def load(opt: SparseLoCo, sd: object) -> None:
                     raise ValueError(
                         f"{_WHERE}: {key} of {opt._name(n)} is not finite: the checkpoint is damaged"
                     )
-                ours[key.split("_rank")[0]] = value.detach().to(p.device, torch.float32).clone()
-            elif not (key.startswith(("error_rank", "master_rank", "inner_rank"))):
+                dtype = p.dtype if key.startswith("local") else torch.float32
+                ours[key.split("_rank")[0]] = value.detach().to(p.device, dtype).clone()
+            elif not (key.startswith(("error_rank", "master_rank", "local_rank", "inner_rank"))):
                 raise ValueError(f"{_WHERE}: unknown state {key!r} for {opt._name(n)}")
         loaded.append(ours)
     counters = common.get("counters") or {}
@@ -211,9 +223,13 @@ def load(opt: SparseLoCo, sd: object) -> None:
         g.update({k: v for k, v in h.items() if k != "params"})
     for n, p in enumerate(params):
         ours = loaded[n]
-        master = ours.pop("master", None)
-        if master is not None and id(p) in opt._masters:
-            opt._masters[id(p)].copy_(master)
+        master, local = ours.pop("master", None), ours.pop("local", None)
+        with torch.no_grad():
+            if master is not None and id(p) in opt._masters:
+                opt._masters[id(p)].copy_(master)
+                p.copy_(master)
+            elif local is not None:
+                p.copy_(local)
         opt.state[p] = ours
     opt._steps, opt._since_sync = counters.get("steps", 0), counters.get("since_sync", 0)
     opt.syncs, opt.skipped_syncs = counters.get("syncs", 0), counters.get("skipped_syncs", 0)

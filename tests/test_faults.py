@@ -306,3 +306,40 @@ def test_demo_rejects_a_bad_timeout_before_starting(value, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "--timeout must be a number of seconds > 0 (inf for no limit)" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- every collective has the timeout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "front, fault, says",
+    [
+        (
+            "powersgd",
+            "stop",
+            "method 'powersgd' (powersgd_hook): the all-reduce of ddp bucket 0 did not complete",
+        ),
+        (
+            "demo-bucketed",
+            "stop-in-report",
+            "demo.step: the settings report length did not complete within 3 s",
+        ),
+        ("hook", "stop-in-report", "dct_topk_hook: the settings report length did not complete within 3 s"),
+    ],
+)
+def test_the_study_powersgd_and_the_mismatch_report_time_out_too(tmp_path, front, fault, says):
+    """torch's PowerSGD hook (the study's method) and the report a settings mismatch gathers
+    carry the timeout too: a peer frozen there gives an error naming the owner within the
+    timeout, and the process exits by itself (rank 1 freezes: SIGSTOP)."""
+    from tests.test_reliability_matrix import SLACK, TIMEOUT, _run_cell
+
+    cell = _run_cell(tmp_path, front, fault, 2, None)
+    rank = cell["ranks"][0]
+    record = rank["record"]
+    assert rank["returncode"] == 0 and record is not None, rank["log"]
+    assert record["outcome"] == "raised" and says in record["message"].lower(), record
+    assert record["unchanged"], record
+    assert rank["exited"] - record["fault_started"] < TIMEOUT + SLACK, record
+    assert "terminate called" not in rank["log"], rank["log"]

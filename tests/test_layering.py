@@ -195,3 +195,36 @@ def test_compress_and_overlap_do_not_import_the_app(folder):
 def test_compress_does_not_import_overlap():
     """overlap uses compress's byte and time accounting; never the other way round."""
     assert _violations("compress", ("cokit.overlap",)) == []
+
+
+# the object collectives of torch.distributed unpickle what peers send
+_UNPICKLING = {
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "recv_object_list",
+    "send_object_list",
+    "loads",
+    "load",
+}
+
+
+def test_the_exchange_never_unpickles_peer_data():
+    """Nothing under compress/ (the exchange and its front ends) calls an object collective or
+    pickle: peers' reports travel as tensors or JSON bytes (docs/design.md, threat model)."""
+    found = []
+    for path in sorted((ROOT / "compress").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + (
+                    [node.module] if isinstance(node, ast.ImportFrom) else []
+                )
+                if any(n and n.split(".")[0] in ("pickle", "cPickle", "dill") for n in names):
+                    found.append(f"{path.name}:{node.lineno} imports pickle")
+            if isinstance(node, ast.Attribute) and node.attr in _UNPICKLING:
+                owner = ast.unparse(node.value)
+                if owner in ("dist", "torch.distributed", "pickle", "torch") or node.attr.endswith("_object"):
+                    found.append(f"{path.name}:{node.lineno} {owner}.{node.attr}")
+    assert not found, found

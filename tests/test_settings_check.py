@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import zlib
 
 import pytest
 import torch
@@ -279,3 +281,57 @@ def test_a_bad_param_group_is_not_added():
         assert len(opt.param_groups) == 1
     opt.add_param_group({"params": (p for p in [extra]), "lr": 0.5})  # a generator is read once
     assert opt.param_groups[1]["params"] == [extra] and opt.param_groups[1]["lr"] == 0.5
+
+
+# ----------------------------------------------------------------------------- a 64-bit fingerprint
+
+
+def _old_six_bits(lr: float) -> int:
+    """The fingerprint one parameter carried before: 6 bits of a crc32 of the settings."""
+    opt = DeMo([torch.nn.Parameter(torch.zeros(32, 48))], lr=lr, compression_topk=4, compression_chunk=16)
+    return zlib.crc32(repr(opt._settings()).encode()) & 63
+
+
+def _colliding_lr() -> float:
+    """An lr near 0.01 that the old 6-bit fingerprint could not tell from 0.01."""
+    base = _old_six_bits(0.01)
+    return next(x for i in range(1, 10000) if _old_six_bits(x := round(0.01 * (1 + i * 1e-4), 8)) == base)
+
+
+def _slightly_other_lr(rank: int, world: int, lr: float):
+    os.environ["TRITON_INTERPRET"] = "0"
+    params = [torch.nn.Parameter(torch.randn(32, 48, generator=torch.Generator().manual_seed(0)))]
+    opt = DeMo(params, lr=0.01 if rank == 0 else lr, compression_topk=4, compression_chunk=16)
+    _set_grads(params, rank, 0)
+    before = [p.detach().clone() for p in params]
+    real_loads = pickle.loads
+
+    def refuse(*args, **kwargs):  # the mismatch report must not unpickle what a peer sent
+        raise AssertionError("the exchange unpickled peer data")
+
+    pickle.loads = refuse
+    try:
+        opt.step()
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    finally:
+        pickle.loads = real_loads
+    return message, all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+@pytest.mark.distributed
+def test_a_slightly_different_lr_on_one_parameter_is_caught_without_unpickling():
+    """One parameter carried 6 bits of the settings crc: 1 lr in 64 trained on with diverging
+    replicas. The 64-bit fingerprint catches it, and the report travels as JSON."""
+    lr = _colliding_lr()
+    for message, unchanged in run_gloo(2, _slightly_other_lr, lr):
+        assert f"param group 0 setting 'lr' is 0.01 on rank [0], {lr} on rank [1]" in message, message
+        assert unchanged
+
+
+def test_fingerprints_of_near_settings_never_collide():
+    from cokit.compress.agreement import canonical, fingerprint
+
+    seen = {fingerprint(canonical({"lr": 0.01 * (1 + i * 1e-9), "k": i % 7})) for i in range(50_000)}
+    assert len(seen) == 50_000
