@@ -37,7 +37,7 @@ from cokit.compress.peer_check import check_dense, check_selection
 from cokit.compress.stats import CommStats
 from cokit.compress.timing import StepTimer
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "ExchangeOwner"]
 
 
 class Exchange:
@@ -206,3 +206,18 @@ class Exchange:
             intra_group_size=math.prod(c.world_size for c in self.agree_comms),
         )
         return sent
+
+
+class ExchangeOwner:
+    """A front end that holds its :class:`Exchange` in ``self.exchange``."""
+
+    exchange: Exchange
+
+    @property
+    def comm(self) -> Communicator:
+        """The exchange group's communicator (settable: ``simulate_latency`` wraps it)."""
+        return self.exchange.comm
+
+    @comm.setter
+    def comm(self, value: Communicator) -> None:
+        self.exchange.comm = value

@@ -31,9 +31,10 @@ from cokit.compress import checkpoint, rules
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.agreement import FOUND_INF, Report, Round, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
-from cokit.compress.comm import Communicator, Pending
+from cokit.compress.comm import Pending
 from cokit.compress.demo_step import BucketInput, split_like
 from cokit.compress.dtensor import local, mesh_plan
+from cokit.compress.exchange import ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import StepGuards, nonfinite, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec
@@ -76,7 +77,7 @@ class Amp:
         return Amp(getattr(opt, "grad_scale", None), bool(found is not None and float(found) > 0))
 
 
-class DeMo(torch.optim.Optimizer):
+class DeMo(ExchangeOwner, torch.optim.Optimizer):
     """Decoupled-momentum optimizer that sends only a top-k DCT selection per tile.
 
     Args:
@@ -290,15 +291,6 @@ class DeMo(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             self._check_plain_parallel(group, gi)
         self.strategy.install(self, [p for g in self.param_groups for p in g["params"]])
-
-    @property
-    def comm(self) -> Communicator:
-        """The exchange group's communicator (settable: ``simulate_latency`` wraps it)."""
-        return self.exchange.comm
-
-    @comm.setter
-    def comm(self, value: Communicator) -> None:
-        self.exchange.comm = value
 
     def _check_plain_parallel(self, group: dict[str, Any], index: int) -> None:
         """The update rules and precision modes keep state that must be identical on every

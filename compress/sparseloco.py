@@ -40,10 +40,9 @@ from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.agreement import Report, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
-from cokit.compress.comm import Communicator
 from cokit.compress.demo_step import split_like
 from cokit.compress.dtensor import is_dtensor
-from cokit.compress.exchange import Exchange
+from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import all_finite, nonfinite
 from cokit.compress.payload import VALUE_DTYPES, get_codec
@@ -60,7 +59,7 @@ OUTER = ("average", "nesterov")
 NONFINITE = ("error", "skip")
 
 
-class SparseLoCo(torch.optim.Optimizer):
+class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
     """H local steps of an inner optimizer, then a compressed pseudo-gradient sync.
 
     Args:
@@ -271,15 +270,6 @@ class SparseLoCo(torch.optim.Optimizer):
         return opt
 
     # ------------------------------------------------------------------ public
-    @property
-    def comm(self) -> Communicator:
-        """The exchange group's communicator (settable: ``simulate_latency`` wraps it)."""
-        return self.exchange.comm
-
-    @comm.setter
-    def comm(self, value: Communicator) -> None:
-        self.exchange.comm = value
-
     @property
     def bytes_per_step(self) -> float:
         """Bytes this rank sent per step, amortized over every step so far."""
