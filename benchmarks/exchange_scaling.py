@@ -9,8 +9,8 @@ model's parameter shapes into buckets at each world size (bucketing and the dens
 included), each compressed bucket's codec (``cokit.compress.payload``, over
 ``payload_layout``) gives its bytes per rank, and ring volumes give the rest: an all-gather
 of ``p`` bytes per rank moves ``(W-1) p``, an all-reduce of ``n`` bytes ``2 (W-1)/W n``, sent
-and the same again received. DeMo's per-step gradient-status all-gather (one byte per
-tensor) is included.
+and the same again received. DeMo's per-step status all-gather (the exchange core's fixed-size
+row, ``STATUS_ROW`` bytes per rank; ``AGREEMENT_ROW`` inside a node) is included.
 
 Two layouts, each against a dense all-reduce of the gradients in fp32 and in bf16 (the
 fallback compares against, and sends its dense tensors in, the same element size):
@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from cokit.compress.adaptation import MEASUREMENT_BYTES
+from cokit.compress.agreement import ROW_BYTES
 from cokit.compress.buckets import compressed_nbytes, make_buckets
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec
 from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
@@ -206,8 +208,12 @@ def exchange_traffic(
         else:
             assert b.codec is not None
             compressed += ring_allgather_bytes(b.codec.nbytes, world)
-    status = ring_allgather_bytes(len(shapes), world if status_world is None else status_world)
+    status = ring_allgather_bytes(STATUS_ROW, world if status_world is None else status_world)
     return Traffic(compressed, dense, status, n_dense)
+
+
+STATUS_ROW = ROW_BYTES + MEASUREMENT_BYTES  # a rank's status row on the exchange group
+AGREEMENT_ROW = ROW_BYTES  # and on an agreement group (a node)
 
 
 def dense_allreduce(n_elements: int, itemsize: int, world: int) -> int:
@@ -326,7 +332,7 @@ def hierarchical_rows(model: Model, setup: Setup, worlds: Sequence[int], local: 
             flat_dense = dense_allreduce(n, b, w)
             two_level_inter = dense_allreduce(-(-n // local), b, nodes)
             # the gradient average, the parameters' broadcast, the status agreement
-            intra = dense_allreduce(n, b, local) + n * b + ring_allgather_bytes(len(model.shapes), local)
+            intra = dense_allreduce(n, b, local) + n * b + ring_allgather_bytes(AGREEMENT_ROW, local)
             row[dtype] = {
                 "intra_sent": intra,
                 "inter": inter.as_dict(),

@@ -125,7 +125,7 @@ def test_traffic_matches_a_first_principles_count(codec, bucket):
         payload = alone if one_d_dense else bucket  # (64, 128) alone, or both in one bucket
         assert t.compressed == (w - 1) * payload
         assert t.dense == ring_allreduce(dense_elems * itemsize, w)
-        assert t.status == (w - 1) * len(SMALL)  # one status byte per tensor
+        assert t.status == (w - 1) * es.STATUS_ROW  # the fixed-size status row
         assert t.dense_tensors == 1 + one_d_dense
         assert t.sent == t.received == t.compressed + t.dense + t.status
 
@@ -136,17 +136,22 @@ def test_flat_and_hierarchical_rows_first_principles():
     (row,) = es.flat_rows(model, _setup(), [4])
     assert row["fp32"]["dense_sent"] == ring_allreduce(SMALL_N * 4, 4) == 49926
     assert row["bf16"]["dense_sent"] == ring_allreduce(SMALL_N * 2, 4)
-    assert row["fp32"]["cokit"]["sent"] == 3 * 128 + ring_allreduce(4, 4) + 3 * 3 == 399
-    assert row["fp32"]["ratio"] == pytest.approx(49926 / 399)
+    assert row["fp32"]["cokit"]["sent"] == 3 * 128 + ring_allreduce(4, 4) + 3 * es.STATUS_ROW == 558
+    assert row["fp32"]["ratio"] == pytest.approx(49926 / 558)
 
     (h,) = es.hierarchical_rows(model, _setup(), [8], local=2)  # 4 nodes of 2
     assert (h["nodes"], h["local"]) == (4, 2)
     f = h["fp32"]
-    # intra: gradient average, parameter broadcast, status agreement (1 byte per tensor)
-    assert f["intra_sent"] == ring_allreduce(SMALL_N * 4, 2) + SMALL_N * 4 + 3 == 33284 + SMALL_N * 4 + 3
+    # intra: gradient average, parameter broadcast, status agreement (one row)
+    row_intra = es.AGREEMENT_ROW
+    assert (
+        f["intra_sent"]
+        == ring_allreduce(SMALL_N * 4, 2) + SMALL_N * 4 + row_intra
+        == 33284 + SMALL_N * 4 + 40
+    )
     # inter: the dense bucket (0) is local rank 0's, the compressed one (1) local rank 1's, the
     # busier; plus the status exchange over the 4 nodes
-    assert f["inter"]["sent"] == 3 * 128 + 3 * 3
+    assert f["inter"]["sent"] == 3 * 128 + 3 * es.STATUS_ROW
     assert f["flat_dense_sent"] == ring_allreduce(SMALL_N * 4, 8)
     assert f["two_level_dense_inter_sent"] == ring_allreduce(math.ceil(SMALL_N / 2) * 4, 4) == 24966
     assert es.hierarchical_rows(model, _setup(), [2, 4, 6, 10], local=4) == []  # < 2 nodes or not a multiple
@@ -225,7 +230,7 @@ def test_main_writes_json_and_markdown(tmp_path, capsys):
         ("sign", 4),
         ("sign", 16),
     ]
-    assert report["flat"][0]["fp32"]["cokit"]["sent"] == 399
+    assert report["flat"][0]["fp32"]["cokit"]["sent"] == 558
     assert [(r["payload"], r["world"], r["nodes"]) for r in report["hierarchical"]] == [
         ("compact", 4, 2),
         ("compact", 16, 8),
@@ -233,7 +238,7 @@ def test_main_writes_json_and_markdown(tmp_path, capsys):
         ("sign", 16, 8),
     ]
     assert report["model"]["params"] == SMALL_N and report["model"]["shapes"] == [[64, 128], [128], []]
-    assert "| compact | 8 | 4 | 0.0999 | 0.000798 | 125x | 1/3 |" in md  # MB sent + received
+    assert "| compact | 8 | 4 | 0.0999 | 0.00112 | 89.5x | 1/3 |" in md  # MB sent + received
     assert md.count("\n| sign | 8 | fp32 |") == 1
     # a second run refuses to replace the first one's results
     assert es.main(argv) == 2
