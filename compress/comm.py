@@ -30,6 +30,7 @@ import datetime
 import math
 import numbers
 import threading
+import time
 import weakref
 from typing import Any, NoReturn
 
@@ -53,8 +54,10 @@ RESTART_HINT = (
     "(each rank's model and optimizer state_dict()), e.g. under torchrun --max-restarts"
 )
 
-# Process groups aborted after a failed collective -> the error that aborted them.
+# Process groups aborted after a failed collective -> the error that aborted them, and when
+# (time.monotonic()) the collectives still running on them have ended (``_settles``).
 _ABORTED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_SETTLES_AT: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 # The work of failed collectives, held until exit so that its last reference (and its
 # tensors') is dropped by a Python thread: dropped by gloo's worker thread while the
 # interpreter finalizes, it takes the GIL and std::terminate()s the process (SIGABRT).
@@ -133,17 +136,37 @@ def _keep(entry: tuple) -> None:
     _RECENT.append(entry)
 
 
-def _keep_until_exit() -> None:
-    """At exit, before the interpreter finalizes: the collectives still held (the most recent
-    ones, the failed ones) are never freed, so no gloo thread can be the one that frees them
-    while the interpreter finalizes (module docstring)."""
+def _settle_before_exit(limit_s: float = 60.0) -> None:
+    """At exit, before the interpreter finalizes (module docstring). A gloo thread that ends a
+    collective while the interpreter finalizes runs its completion callbacks and frees them
+    without the GIL there is to take (std::terminate), so: let the collectives still running
+    on a failed group end by their own timeouts, and the thread that failed one finish its
+    callbacks (those of other libraries too, e.g. torch's PowerSGD hook), at most ``limit_s``;
+    then keep the collectives still held (the most recent ones, the failed ones) from ever
+    being freed."""
+    wait_s = min(max(_SETTLES_AT.values(), default=0.0) - time.monotonic(), limit_s)
+    if wait_s > 0:
+        time.sleep(wait_s)
     kept = [*_RECENT, *_FAILED_WORK]
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # a reference that is never dropped
     _RECENT.clear()
     _FAILED_WORK.clear()
 
 
-atexit.register(_keep_until_exit)
+atexit.register(_settle_before_exit)
+
+
+def _settles(group: Any) -> float:
+    """When every collective still running on ``group`` will have ended by its own timeout
+    (those that carry one), or now; plus a moment for the ending thread's clean-up."""
+    with _INFLIGHT_LOCK:
+        running = list(_INFLIGHT.get(group, {}).values())
+    ends = [
+        p._launched_at + p._timeout.total_seconds()
+        for p in running
+        if p._work is not None and p._op_timeout and p._timeout is not None
+    ]
+    return max([time.monotonic(), *ends]) + 0.5
 
 
 def _retire(group: Any) -> None:
@@ -181,6 +204,7 @@ class Pending:
         self._op_timeout = op_timeout  # the collective itself ends at `timeout`
         self._source = source  # the input tensor, when it is not the result
         self._abandoned = False  # its group was aborted while it was in flight
+        self._launched_at = time.monotonic()
         if work is not None and group is not None:
             with _INFLIGHT_LOCK:
                 _INFLIGHT.setdefault(group, {})[id(self)] = self
@@ -249,6 +273,7 @@ class Pending:
         first = f"{self._owner}: the {self._what} {happened}"
         if self._group is not None and self._group not in _ABORTED:
             _ABORTED[self._group] = first
+            _SETTLES_AT[self._group] = _settles(self._group)
             _retire(self._group)
             fate = _abort(self._group) if abort else "it is marked unusable"
         else:
@@ -273,7 +298,7 @@ def guard_future(
         try:
             return done.value()
         except RuntimeError as exc:
-            failed = Pending(None, torch.empty(0), owner, what, limit, group)
+            failed = Pending(None, torch.empty(0), owner, what, limit, group, op_timeout=limit is not None)
             failed._fail(exc, timed_out="timed out" in str(exc).lower(), abort=False)
 
     return fut.then(check)

@@ -19,8 +19,10 @@ Every strategy runs the same round (docs/design.md §8): the agreement of the ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -239,7 +241,7 @@ class Overlapped(Strategy):
         """Post-accumulate-grad hook: launch the buckets whose gradients are all ready, in order
         (every rank launches them in the same order)."""
         opt = self.opt
-        with self.exchange.guarded():
+        with self.exchange.guarded(), self._resets_on_error():
             self._open(opt)
             if self.plan is None:
                 entries = opt._entries()
@@ -275,8 +277,18 @@ class Overlapped(Strategy):
             launch(item, self.exchange), list(bucket.members), work, params, marks, finite
         )
 
+    @contextlib.contextmanager
+    def _resets_on_error(self) -> Iterator[None]:
+        """A hook or step that raised leaves no bucket in flight for the next step to trip on
+        (the exchange core drained what was launched)."""
+        try:
+            yield
+        except BaseException:
+            self.inflight, self.ready, self.next, self.opened = {}, set(), 0, False
+            raise
+
     def step(self, opt: DeMo, entries: list, amp: Amp) -> list | None:
-        with self.exchange.guarded():
+        with self.exchange.guarded(), self._resets_on_error():
             runs = self._close(opt, entries, amp)
             if runs is None:
                 return None

@@ -122,7 +122,12 @@ def _scheduler_on_one_rank(rank: int, world: int, overlap: bool):
         message = "no error"
     except ValueError as exc:
         message = str(exc)
-    return message, _same(before, _snapshot(params, opt)), opt.comm_stats.steps
+    unchanged = _same(before, _snapshot(params, opt))
+    opt.param_groups[0]["lr"] = 0.01  # the scheduler fixed: the next step goes through
+    opt.zero_grad()
+    _backward(model, rank, 2)
+    opt.step()
+    return message, unchanged, opt.comm_stats.steps
 
 
 @pytest.mark.distributed
@@ -131,7 +136,7 @@ def _scheduler_on_one_rank(rank: int, world: int, overlap: bool):
 def test_a_learning_rate_that_diverges_at_a_later_step_fails_on_every_rank(overlap):
     for message, unchanged, steps in run_gloo(2, _scheduler_on_one_rank, overlap):
         assert "param group 0 setting 'lr' is 0.01 on rank [0], 0.005 on rank [1]" in message, message
-        assert unchanged and steps == 1
+        assert unchanged and steps == 2  # and after the error, the optimizer steps again
 
 
 def _overlap_on_one_rank(rank: int, world: int):
