@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress import DeMo
+from cokit.compress.comm import Communicator
 from cokit.compress.groups import node_groups
 
 
@@ -100,8 +101,15 @@ def main(argv: list[str] | None = None) -> None:
             )
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     crc = zlib.crc32(b"".join(t.detach().cpu().float().numpy().tobytes() for t in local))
-    crcs: list = [None] * world
-    dist.all_gather_object(crcs, crc)
+    # through cokit's Communicator (a timeout, nothing pickled, the collective held until exit)
+    mine_crc = torch.tensor([crc], dtype=torch.int64, device=device)
+    crcs = (
+        Communicator(owner="two_level example")
+        .all_gather(mine_crc, "weights checksum")
+        .wait()
+        .flatten()
+        .tolist()
+    )
     if rank == 0:
         mine = {crcs[r] for r in same_shard}
         print(
