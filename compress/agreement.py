@@ -174,7 +174,7 @@ def gather_json(
     out = []
     for r, n in enumerate(sizes):
         try:
-            out.append(json.loads(bytes(gathered[r, :n].tolist()).decode()))
+            out.append(json.loads(gathered[r, :n].contiguous().numpy().tobytes().decode()))
         except (UnicodeDecodeError, ValueError):
             raise PeerDataError(
                 f"{comm.owner}: rank {comm.global_rank(r)} sent a {what} that is not JSON: its "
@@ -224,7 +224,8 @@ def run_round(
             row = torch.cat([row, extra.cpu()])
         what = "status exchange" if i == last else "status agreement"
         gathered = wait(comm.all_gather(row.to(device or torch.device("cpu")), what)).cpu()
-        parsed = [Report.unpack(bytes(gathered[r, :ROW_BYTES].tolist())) for r in range(gathered.shape[0])]
+        raw = gathered[:, :ROW_BYTES].contiguous().numpy().tobytes()
+        parsed = [Report.unpack(raw[r * ROW_BYTES : (r + 1) * ROW_BYTES]) for r in range(gathered.shape[0])]
         fps = [fp_ for fp_, _ in parsed]
         reports = [rep for _, rep in parsed]
         if len(set(fps)) > 1:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from cokit.triton_kernels._checks import check_choice, check_int, check_number
+
 __all__ = [
     "FALLBACKS",
     "NS_COEFFICIENTS",
@@ -63,31 +65,18 @@ _TINY = 1e-30  # below this a norm counts as zero: the update is zero, never a d
 
 def check_rule_settings(where: str, group: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the allowed values unless ``group``'s rule settings are valid."""
-    rule, fallback = group["update_rule"], group["rule_fallback"]
-    if not isinstance(rule, str) or rule not in UPDATE_RULES:
-        raise ValueError(f"{where}: update_rule must be one of {', '.join(UPDATE_RULES)}; got {rule!r}")
-    if not isinstance(fallback, str) or fallback not in FALLBACKS:
-        raise ValueError(
-            f"{where}: rule_fallback (the rule of <2-D parameters under newton_schulz) must be one of "
-            f"{', '.join(FALLBACKS)}; got {fallback!r}"
-        )
-    beta2 = _number(group["rule_beta2"])
-    if not (0.0 <= beta2 < 1.0):
-        raise ValueError(
-            f"{where}: rule_beta2 must be a finite number in [0, 1), got {group['rule_beta2']!r}"
-        )
-    eps = _number(group["rule_eps"])
-    if not (math.isfinite(eps) and eps > 0.0):
-        raise ValueError(f"{where}: rule_eps must be a finite number > 0, got {group['rule_eps']!r}")
-    steps = group["ns_steps"]
-    if not (isinstance(steps, int) and not isinstance(steps, bool) and 1 <= steps <= 100):
+    check_choice("update_rule", group["update_rule"], UPDATE_RULES, where=where)
+    check_choice(
+        "rule_fallback (the rule of <2-D parameters under newton_schulz)",
+        group["rule_fallback"],
+        FALLBACKS,
+        where=where,
+    )
+    check_number("rule_beta2", group["rule_beta2"], 0, 1, high_open=True, where=where)
+    check_number("rule_eps", group["rule_eps"], 0, low_open=True, where=where)
+    steps = check_int("ns_steps", group["ns_steps"], 1, where=where)
+    if steps > 100:
         raise ValueError(f"{where}: ns_steps must be an integer in [1, 100], got {steps!r}")
-
-
-def _number(value: object) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 def effective_rule(rule: str, fallback: str, shape: tuple[int, ...] | torch.Size) -> str:
