@@ -521,8 +521,10 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     def _fingerprints(self) -> tuple[int, int]:
         """(exchange group, agreement groups) fingerprints of settings, layout and counters."""
         settings, counters = canonical(self._settings()), canonical(self._counters())
-        local_fp, global_fp = (fingerprint(settings, self._layout(g)[1], counters) for g in (False, True))
-        return local_fp, global_fp
+        local_fp = fingerprint(settings, self._layout(False)[1], counters)
+        if not self.exchange.agree_comms:  # no agreement group: no global layout to compare
+            return local_fp, local_fp
+        return local_fp, fingerprint(settings, self._layout(True)[1], counters)
 
     def _describe(self, globally: bool) -> dict[str, Any]:
         """What the fingerprint covers, as JSON (the mismatch report)."""
