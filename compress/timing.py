@@ -157,6 +157,7 @@ class StepTimer:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self._lock = threading.Lock()
+        self._inside = threading.local()  # the span kinds open on each thread
         self._open()
 
     def _open(self) -> None:
@@ -174,11 +175,18 @@ class StepTimer:
 
     @contextlib.contextmanager
     def span(self, kind: str, device: torch.device | None = None) -> Iterator[None]:
-        """Time the body as ``kind`` (``"encode"`` or ``"decode"``)."""
+        """Time the body as ``kind`` (``"encode"`` or ``"decode"``); inside a span of the same
+        kind on the same thread it is already counted (the hook's decode holds validation's)."""
+        open_kinds: set[str] = self._inside.__dict__.setdefault("kinds", set())
+        if kind in open_kinds:
+            yield
+            return
+        open_kinds.add(kind)
         start = self.mark(device)
         try:
             yield
         finally:
+            open_kinds.discard(kind)
             end = self.mark(device)
             with self._lock:
                 self._spans.setdefault(kind, []).append((start, end))

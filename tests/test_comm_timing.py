@@ -99,6 +99,24 @@ def test_a_blocked_window_does_not_count_codec_work_inside_it():
     assert got["decode_s"] == 0.75 and got["exposed_s"] == 1.75
 
 
+def test_a_span_inside_a_span_of_the_same_kind_counts_once():
+    """The hook's decode span holds the exchange core's validation span: decode time once."""
+    clock = _Clock()
+    timer = StepTimer(clock)
+    with timer.span("decode"):
+        clock.now = 1.0
+        with timer.span("decode"):
+            clock.now = 1.5
+        with timer.span("encode"):  # another kind counts on its own
+            clock.now = 1.75
+        clock.now = 2.0
+    assert timer.take().resolve()["decode_s"] == 2.0
+    with timer.span("decode"):  # the outer span closed: the next one counts again
+        clock.now = 2.5
+    got = timer.take().resolve()
+    assert got["decode_s"] == 0.5
+
+
 def test_comm_stats_records_timing_and_loads_old_checkpoints():
     clock = _Clock()
     timer = StepTimer(clock)
