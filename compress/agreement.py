@@ -142,6 +142,14 @@ class Round:
         """``(group rank, report)`` of every rank with a non-finite entry."""
         return [(r, rep) for r, rep in enumerate(self.reports) if rep.n_bad > 0]
 
+    def where_bad(self, name: Callable[[int], str]) -> str:
+        """Where the first non-finite entry is: ``<name> on rank R (and N more)``."""
+        bad = self.bad
+        first = bad[0][1]
+        total = sum(rep.n_bad for _, rep in bad)
+        more = f" (and {total - 1} more)" if total > 1 else ""
+        return f"{name(first.first_bad)} on rank {first.culprit}{more}"
+
     def any_event(self, event: int) -> list[int]:
         """Group ranks whose report carries ``event``."""
         return [r for r, rep in enumerate(self.reports) if rep.events & event]

@@ -110,6 +110,13 @@ class Exchange:
             comm.take_counts()
 
     # ------------------------------------------------------------------ agreement
+    def report(self, bad: Sequence[int] = (), **fields: int) -> Report:
+        """This rank's status: the non-finite entries ``bad`` (ascending) it found, under its
+        global rank, and the other :class:`Report` fields (``grads``, ``events``, ``skipped``)."""
+        if not bad:
+            return Report(**fields)
+        return Report(n_bad=len(bad), first_bad=bad[0], culprit=self.global_rank(), **fields)
+
     def agree(
         self,
         fingerprints: tuple[int, int],

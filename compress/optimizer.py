@@ -18,7 +18,6 @@ order, so parameters stay bit-identical across ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 import warnings
@@ -29,14 +28,14 @@ import torch
 
 from cokit.compress import checkpoint, rules
 from cokit.compress.adaptation import PolicyDriver, make_policy
-from cokit.compress.agreement import FOUND_INF, Report, Round, canonical, fingerprint
+from cokit.compress.agreement import FOUND_INF, Round, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Pending
 from cokit.compress.demo_step import BucketInput, split_like
 from cokit.compress.dtensor import local, mesh_plan
 from cokit.compress.exchange import ExchangeOwner
 from cokit.compress.groups import check_process_group
-from cokit.compress.guards import StepGuards, nonfinite, sync_decay
+from cokit.compress.guards import Amp, StepGuards, nonfinite, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.precision import check_precision, rounding_generator, warn_if_unmastered
@@ -44,7 +43,7 @@ from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.compress.strategies import make_strategy
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
-__all__ = ["Amp", "DeMo"]
+__all__ = ["DeMo"]
 
 NONFINITE = ("error", "skip")
 # Per-group settings that change what is sent or how the update is computed (checked across ranks).
@@ -61,20 +60,6 @@ _GROUP_SETTINGS = {
     "ns_steps": int,
     "rule_fallback": str,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Amp:
-    """What a ``torch.amp.GradScaler`` handed this step (``optimizer.grad_scale`` and
-    ``optimizer.found_inf``, set because DeMo declares ``_step_supports_amp_scaling``)."""
-
-    scale: torch.Tensor | None = None  # the gradients still carry this scale
-    found_inf: bool = False
-
-    @staticmethod
-    def of(opt: torch.optim.Optimizer) -> Amp:
-        found = getattr(opt, "found_inf", None)
-        return Amp(getattr(opt, "grad_scale", None), bool(found is not None and float(found) > 0))
 
 
 class DeMo(ExchangeOwner, torch.optim.Optimizer):
@@ -195,7 +180,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     be synchronized twice.
     """
 
-    _step_supports_amp_scaling = True  # GradScaler calls step() on every rank (module Amp)
+    _step_supports_amp_scaling = True  # GradScaler calls step() on every rank (guards.Amp)
 
     def __init__(
         self,
@@ -459,8 +444,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
             has_grad.append(p.grad is not None)
         active = [e for e, has in zip(entries, has_grad) if has]
         grads = [local(p.grad) for _, _, p in active]
-        if amp.scale is not None and not amp.found_inf and grads:  # GradScaler left them scaled
-            torch._foreach_mul_(grads, amp.scale.double().reciprocal().float().to(grads[0].device))
+        amp.unscale_(grads)
         where = [n for n, has in enumerate(has_grad) if has]
         bad = [where[j] for j in nonfinite(grads)]
         rnd = self._agree_settings(events=FOUND_INF if amp.found_inf else 0, bad=bad, has_grad=has_grad)
@@ -474,21 +458,15 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     ) -> Round:
         """The round's status rows: fingerprints, gradient set, non-finite report, events and
         the policy's measurement (raises on every rank when anything disagrees)."""
-        bad = bad or []
-        device = self._device()
-        report = Report(
-            grads=fingerprint(bytes(has_grad)) if has_grad is not None else 0,
-            n_bad=len(bad),
-            first_bad=bad[0] if bad else -1,
-            culprit=self.exchange.global_rank() if bad else -1,
-            events=events,
+        report = self.exchange.report(
+            bad or [], grads=fingerprint(bytes(has_grad)) if has_grad is not None else 0, events=events
         )
         return self.exchange.agree(
             self._fingerprints(),
             report,
             self._describe,
             extra=self._driver.measurement(torch.device("cpu")),
-            device=device,
+            device=self._device(),
             has_grad=(lambda: has_grad) if has_grad is not None else None,
             names=lambda n: self._entry_name(n),
         )
@@ -499,19 +477,15 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
         if rnd.any_event(FOUND_INF):
             self.skipped_steps += 1
             return None
-        bad = rnd.bad
-        if not bad:
+        if not rnd.bad:
             return True
         if self.nonfinite == "skip":
             self.skipped_steps += 1
             return None
-        _, first = bad[0]
-        total = sum(rep.n_bad for _, rep in bad)
-        more = f" (and {total - 1} more)" if total > 1 else ""
+        where = rnd.where_bad(lambda n: self._entry_name(n, entries))
         raise FloatingPointError(
-            f"DeMo: non-finite gradient in {self._entry_name(first.first_bad, entries)} on rank "
-            f"{first.culprit}{more}; no parameter and no buffer changed. Fix the loss scale / data, "
-            "or pass nonfinite='skip' to skip such steps on every rank"
+            f"DeMo: non-finite gradient in {where}; no parameter and no buffer changed. Fix the loss "
+            "scale / data, or pass nonfinite='skip' to skip such steps on every rank"
         )
 
     def _device(self) -> torch.device:

@@ -38,13 +38,13 @@ import torch
 from cokit.compress import precision as lowp
 from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
-from cokit.compress.agreement import Report, canonical, fingerprint
+from cokit.compress.agreement import canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
 from cokit.compress.dtensor import is_dtensor
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
-from cokit.compress.guards import all_finite, nonfinite
+from cokit.compress.guards import Amp, all_finite, nonfinite
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
@@ -346,13 +346,11 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         """One step of the inner optimizer, unless a GradScaler found inf on this rank: then
         that local step is skipped here (and counted at the next sync). GradScaler's scale is
         taken off the gradients first."""
-        present = [p.grad for p in self._model_params if p.grad is not None]
-        scale, found = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if found is not None and float(found) > 0:
+        amp = Amp.of(self)
+        if amp.found_inf:
             self._skipped += 1
             return
-        if scale is not None and present:  # GradScaler left them scaled
-            torch._foreach_mul_(present, scale.double().reciprocal().float().to(present[0].device))
+        amp.unscale_([p.grad for p in self._model_params if p.grad is not None])
         if self.param_groups is not self.inner.param_groups:
             for outer, inner in zip(self.param_groups, self.inner.param_groups):
                 inner.update(_hyper(outer))
@@ -372,16 +370,12 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         return m if m is not None else p.float()
 
     # ------------------------------------------------------------------ sync
-    def _row(self, deltas: list[torch.Tensor] | None) -> Report:
-        """This rank's status: non-finite pseudo-gradients (``deltas``) and skipped local steps."""
-        bad = nonfinite(deltas) if deltas is not None else []
-        culprit = self.exchange.global_rank() if bad else -1
-        return Report(n_bad=len(bad), first_bad=bad[0] if bad else -1, culprit=culprit, skipped=self._skipped)
-
     def _agree(self, deltas: list[torch.Tensor] | None) -> Any:
+        """The sync's status round: non-finite pseudo-gradients (``deltas``) and skipped local steps."""
+        bad = nonfinite(deltas) if deltas is not None else []
         return self.exchange.agree(
             self._fingerprints(),
-            self._row(deltas),
+            self.exchange.report(bad, skipped=self._skipped),
             self._describe,
             extra=self._driver.measurement(torch.device("cpu")),
             device=self._model_params[0].device,
@@ -398,11 +392,8 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             self._follow_policy(rnd.extras if self.policy.observes else None)
         if bad:  # a NaN gradient or an overflow reached some rank's inner optimizer
             reset = self._recover(params)
-            _, first = bad[0]
-            total = sum(rep.n_bad for _, rep in bad)
-            more = f" (and {total - 1} more)" if total > 1 else ""
             what = (
-                f"non-finite pseudo-gradient in {self._name(first.first_bad)} on rank {first.culprit}{more} "
+                f"non-finite pseudo-gradient in {rnd.where_bad(self._name)} "
                 "(a non-finite gradient or an overflow reached its inner optimizer)"
             )
             recovered = (

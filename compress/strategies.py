@@ -43,11 +43,11 @@ from cokit.compress.demo_step import (
 from cokit.compress.dtensor import MeshPlan, check_exchange_group, local
 from cokit.compress.exchange import Exchange
 from cokit.compress.groups import NodeGroups
-from cokit.compress.guards import GradMarks, all_finite, edited_message, sync_decay
+from cokit.compress.guards import Amp, GradMarks, all_finite, edited_message, sync_decay
 from cokit.compress.policy import Decision
 
 if TYPE_CHECKING:
-    from cokit.compress.optimizer import Amp, DeMo
+    from cokit.compress.optimizer import DeMo
 
 __all__ = ["Flat", "Hierarchical", "Overlapped", "ShardLocal", "Strategy", "make_strategy"]
 
