@@ -188,10 +188,14 @@ class Exchange:
     def dense(self, pending: Pending, bucket: str) -> torch.Tensor:
         """Wait for a dense all-reduce; its result, checked finite unless ``validate`` is off."""
         mean = self.wait(pending)
+        self.check_dense(mean, bucket)
+        return mean
+
+    def check_dense(self, mean: torch.Tensor, bucket: str) -> None:
+        """Check a dense result from peers finite, unless ``validate`` is off."""
         if self.validate:
             with self.timer.span("decode", mean.device):
                 check_dense(mean, owner=self.owner, bucket=bucket)
-        return mean
 
     # ------------------------------------------------------------------ accounting
     def record(self, stats: CommStats, dense_bytes: int) -> int:

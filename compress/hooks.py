@@ -68,8 +68,7 @@ from cokit.compress.comm import Pending, parse_timeout
 from cokit.compress.exchange import Exchange
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import all_finite
-from cokit.compress.payload import PayloadCodec, codec_names, get_codec
-from cokit.compress.peer_check import check_dense
+from cokit.compress.payload import PayloadCodec, codec_names, get_codec, wire_sizes
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 from cokit.triton_kernels.dct import dct_decode_multi
@@ -227,7 +226,7 @@ class DCTTopKState:
         probe = codec(payload_layout(_PROBE, self.chunk, self.topk), self.value_dtype)
         return {
             "settings": {k: v for k, v in settings.items() if k not in ("timeout",)},
-            "derived": {"payload wire sizes": [[w.numel, str(w.dtype)] for w in probe.wire]},
+            "derived": {"payload wire sizes": wire_sizes([probe])},
             "counters": {"iteration": self.iteration},
         }
 
@@ -436,8 +435,8 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
             reduced = results.pop(0)
             mean, summed_flags = reduced[:-world].div_(world), reduced[-world:]
             flagged = bool(summed_flags.ne(0).any())
-            if not flagged and ex.validate:
-                check_dense(mean, owner=ex.owner, bucket=f"{label} (dense part)")
+            if not flagged:
+                ex.check_dense(mean, f"{label} (dense part)")
             decoded = []
             if codec is not None and layout is not None:
                 indices, values = (

@@ -36,7 +36,7 @@ from cokit.compress.dtensor import local, mesh_plan
 from cokit.compress.exchange import ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, StepGuards, nonfinite, sync_decay
-from cokit.compress.payload import VALUE_DTYPES, get_codec
+from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.precision import check_precision, rounding_generator, warn_if_unmastered
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
@@ -310,8 +310,8 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     def _changed_layout(self) -> None:
         self._bucket_cache.clear()
         self._layouts.clear()
-        if self.strategy is not None and hasattr(self.strategy, "plan"):
-            self.strategy.plan = None
+        if self.strategy is not None:
+            self.strategy.forget_layout()
 
     @staticmethod
     def _check_group(group: dict[str, Any], index: int) -> None:
@@ -535,13 +535,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
                 ]
                 for gi, i, p in entries
             ]
-            wire = [
-                [w.numel, str(w.dtype)]
-                for b in self._buckets(entries)
-                if b.codec is not None
-                for w in b.codec.wire
-            ]
-            layout = {"params": params, "wire": wire}
+            layout = {"params": params, "wire": wire_sizes(b.codec for b in self._buckets(entries))}
             cached = self._layouts[globally] = (layout, canonical(layout))
         return cached
 

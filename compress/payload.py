@@ -70,8 +70,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
-from typing import ClassVar, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -91,6 +91,7 @@ __all__ = [
     "get_codec",
     "register_codec",
     "unregister_codec",
+    "wire_sizes",
 ]
 
 VALUE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -261,6 +262,12 @@ def unregister_codec(name: str) -> None:
     """Remove a registered codec (built-ins included); unknown names are an error."""
     get_codec(name)
     del _CODECS[name]
+
+
+def wire_sizes(codecs: Iterable[PayloadCodec | None]) -> list[list[Any]]:
+    """``[numel, dtype]`` of every wire tensor of ``codecs`` (None: a dense bucket), in order:
+    what the ranks' payload collectives will pair (compared by the agreement round)."""
+    return [[w.numel, str(w.dtype)] for c in codecs if c is not None for w in c.wire]
 
 
 def codec_names() -> tuple[str, ...]:

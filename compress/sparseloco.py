@@ -45,7 +45,7 @@ from cokit.compress.dtensor import is_dtensor
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, all_finite, nonfinite
-from cokit.compress.payload import VALUE_DTYPES, get_codec
+from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels import tiling
@@ -600,11 +600,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             "layout": [
                 [self._name(n), f"{tuple(p.shape)} {p.dtype}"] for n, p in enumerate(self._model_params)
             ],
-            "derived": {
-                "payload wire sizes": [
-                    [w.numel, str(w.dtype)] for b in self._plan() if b.codec is not None for w in b.codec.wire
-                ]
-            },
+            "derived": {"payload wire sizes": wire_sizes(b.codec for b in self._plan())},
             "counters": {"steps": self._steps, "syncs": self.syncs, "skipped_syncs": self.skipped_syncs},
         }
 

@@ -83,14 +83,20 @@ class Strategy:
     def first_round(self) -> None:
         """Checks that need every rank once, before the first round (node tiling)."""
 
+    def _first_round_once(self) -> None:
+        if not self.checked:
+            self.first_round()
+            self.checked = True
+
+    def forget_layout(self) -> None:
+        """The param groups changed (added, loaded): drop what was planned from them."""
+
     def install(self, opt: DeMo, params: list[torch.Tensor]) -> None:
         """Called for every parameter the optimizer gets (the overlapped strategy hooks them)."""
 
     def step(self, opt: DeMo, entries: list, amp: Amp) -> list | None:
         """One round: agree, then exchange every bucket; the active entries, None if skipped."""
-        if not self.checked:
-            self.first_round()
-            self.checked = True
+        self._first_round_once()
         with self.exchange.guarded():
             active = opt._agree(entries, amp)
             if active is None:
@@ -212,16 +218,24 @@ class Overlapped(Strategy):
         super().__init__(opt, process_group, timeout)
         self.opt = opt
         self.hooks: list = []
-        self.plan: tuple[list, list[Bucket], dict[int, int]] | None = (
-            None  # entries, buckets, bucket of id(p)
-        )
-        self.inflight: dict[int, _Inflight] = {}
+        # entries, buckets and the bucket of each id(p), planned at the first hook of a layout
+        self.plan: tuple[list, list[Bucket], dict[int, int]] | None = None
+        self.inflight: dict[int, _Inflight] = {}  # by bucket
+        self._reset()
+
+    def _reset(self) -> dict[int, _Inflight]:
+        """Start a new step: nothing launched, no gradient ready; returns what was in flight."""
+        inflight, self.inflight = self.inflight, {}
         self.ready: set[int] = set()
         self.next = 0  # buckets launch in order: this one is next
         self.opened = False  # this step's opening agreement ran
+        return inflight
 
     def install(self, opt: DeMo, params: list[torch.Tensor]) -> None:
         self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self.forget_layout()
+
+    def forget_layout(self) -> None:
         self.plan = None
 
     def _open(self, opt: DeMo) -> None:
@@ -229,9 +243,7 @@ class Overlapped(Strategy):
         (whose sizes follow from them) is sent."""
         if self.opened:
             return
-        if not self.checked:
-            self.first_round()
-            self.checked = True
+        self._first_round_once()
         sync_decay(opt.param_groups, opt.defaults["compression_decay"])  # buckets use the decay
         opt._agree_settings()
         self.opened = True
@@ -284,7 +296,7 @@ class Overlapped(Strategy):
         try:
             yield
         except BaseException:
-            self.inflight, self.ready, self.next, self.opened = {}, set(), 0, False
+            self._reset()
             raise
 
     def step(self, opt: DeMo, entries: list, amp: Amp) -> list | None:
@@ -306,7 +318,7 @@ class Overlapped(Strategy):
         The buckets to finish, in order; None when the step is skipped on every rank."""
         self._open(opt)
         buckets = opt._buckets(entries)
-        inflight, self.inflight, self.ready, self.next, self.opened = self.inflight, {}, set(), 0, False
+        inflight = self._reset()
         missing = [b for b in range(len(buckets)) if b not in inflight]
         for b in missing:
             for i in buckets[b].members:
