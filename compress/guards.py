@@ -60,11 +60,19 @@ class Amp:
         found = getattr(opt, "found_inf", None)
         return Amp(getattr(opt, "grad_scale", None), bool(found is not None and float(found) > 0))
 
+    @property
+    def inv_scale(self) -> torch.Tensor | None:
+        """What takes the scale off the gradients (fp32, as GradScaler computes it); None when
+        there is none to take off, or this rank found inf (that step is skipped)."""
+        if self.scale is None or self.found_inf:
+            return None
+        return self.scale.double().reciprocal().float()
+
     def unscale_(self, grads: list[torch.Tensor]) -> None:
-        """Take the scale off ``grads`` in place (nothing to do without a scale, or when this
-        rank found inf: that step is skipped)."""
-        if self.scale is not None and not self.found_inf and grads:
-            torch._foreach_mul_(grads, self.scale.double().reciprocal().float().to(grads[0].device))
+        """Take the scale off ``grads`` in place (:attr:`inv_scale`)."""
+        inv = self.inv_scale
+        if inv is not None and grads:
+            torch._foreach_mul_(grads, inv.to(grads[0].device))
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:
@@ -79,13 +87,16 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
-def nonfinite(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Indices of the tensors that hold a NaN or an infinity (``[]``: all finite).
+def nonfinite(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None = None) -> list[int]:
+    """Indices of the tensors that hold a NaN or an infinity (``[]``: all finite); with
+    ``inv_scale`` (:attr:`Amp.inv_scale`) the tensors are also multiplied by it in place, in
+    the same pass (a GradScaler's unscale).
 
-    One fused pass over all of them (the kernel GradScaler checks with, multiplying by exactly
-    1: values and bits stay as they are; 3x faster than a loop of :func:`all_finite` on the
-    CPU machine, 10M fp32 elements in 126 tensors), and only when something was found one
-    read pass per tensor to say which; one host synchronization per device.
+    One fused pass over all of them (the kernel GradScaler checks with; without ``inv_scale``
+    it multiplies by exactly 1: values and bits stay as they are; 3x faster than a loop of
+    :func:`all_finite` on the CPU machine, 10M fp32 elements in 126 tensors), and only when
+    something was found one read pass per tensor to say which; one host synchronization per
+    device.
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
@@ -94,7 +105,8 @@ def nonfinite(tensors: Sequence[torch.Tensor]) -> list[int]:
     found = False
     for device, group in by_device.items():
         flag = torch.zeros(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.ones(1, device=device))
+        inv = torch.ones(1, device=device) if inv_scale is None else inv_scale.to(device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
         found = found or bool(flag.item())
     if not found:
         return []

@@ -444,9 +444,8 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
             has_grad.append(p.grad is not None)
         active = [e for e, has in zip(entries, has_grad) if has]
         grads = [local(p.grad) for _, _, p in active]
-        amp.unscale_(grads)
         where = [n for n, has in enumerate(has_grad) if has]
-        bad = [where[j] for j in nonfinite(grads)]
+        bad = [where[j] for j in nonfinite(grads, amp.inv_scale)]  # and unscaled, in one pass
         rnd = self._agree_settings(events=FOUND_INF if amp.found_inf else 0, bad=bad, has_grad=has_grad)
         if self._skip_or_raise(rnd, entries) is None:
             return None
