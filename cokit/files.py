@@ -21,7 +21,7 @@ import fnmatch
 import io
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +110,24 @@ def storage_error(exc: BaseException, path: str | os.PathLike) -> WriteError | N
     return WriteError(code, getattr(exc, "strerror", None) or os.strerror(code), os.fspath(path))
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically and durably (:func:`atomic_open`); returns the
-    path. A full, read-only or failing filesystem raises one :class:`WriteError`."""
+@contextlib.contextmanager
+def storage_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Raise a storage failure in the block as one :class:`WriteError` about ``path`` (not the
+    writer's chain of flush and close failures); any other error as it is."""
     try:
-        return _atomic_file.atomic_write_bytes(path, data)
+        yield
     except OSError as exc:
         error = storage_error(exc, path)
         if error is None:
             raise
-        raise error from None  # one error: not the writer's chain of flush and close failures
+        raise error from None
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and durably (:func:`atomic_open`); returns the
+    path. A full, read-only or failing filesystem raises one :class:`WriteError`."""
+    with storage_errors(path):
+        return _atomic_file.atomic_write_bytes(path, data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -128,10 +128,7 @@ def _nanreduce(fn: Any, matrix: np.ndarray) -> np.ndarray:
 def _num(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return math.nan
-    try:
-        f = float(v)
-    except OverflowError:  # an int beyond float64 (the reader skips such records)
-        return math.nan
+    f = float(v)  # an int beyond float64 never gets here: the reader skips its record
     return f if math.isfinite(f) else math.nan  # 1e999 parses as inf
 
 

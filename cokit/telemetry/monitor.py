@@ -199,7 +199,7 @@ class Monitor:
         if self.rank == 0:
             self._remove_stale_rank_files()
         self.sinks: list[Sink] = []
-        self._failed_sinks: list[Sink] = []  # raised on a write: not written again
+        self._failed_sinks: set[int] = set()  # id() of sinks that raised on a write: not written again
         try:
             for s in specs:
                 self.sinks.append(make_sink(s, self.folder, self.rank) if isinstance(s, str) else s)
@@ -447,12 +447,12 @@ class Monitor:
             }
         )
         for sink in self.sinks:
-            if any(sink is s for s in self._failed_sinks):
+            if id(sink) in self._failed_sinks:
                 continue
             try:
                 sink.write(record)
             except BaseException:
-                self._failed_sinks.append(sink)
+                self._failed_sinks.add(id(sink))
                 raise
         return record
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cokit.files import atomic_write_bytes, atomic_write_text, storage_error
+from cokit.files import atomic_write_bytes, atomic_write_text, storage_errors
 from cokit.telemetry.schema import COMMON_FIELDS, KIND_FIELDS, flatten
 
 __all__ = ["SINK_NAMES", "CsvSink", "JsonlSink", "ParquetSink", "Sink", "TensorBoardSink", "make_sink"]
@@ -62,31 +62,24 @@ class JsonlSink(Sink):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-        try:
+        with storage_errors(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd: int | None = os.open(self.path, flags, 0o666)
-        except OSError as exc:
-            error = storage_error(exc, self.path)
-            if error is None:
-                raise
-            raise error from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fd is None:
             raise ValueError(f"JsonlSink({self.path}) is closed")
         line = (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
         fd = self._fd
-        before = os.fstat(fd).st_size
-        try:
-            view = memoryview(line)
-            while view:  # a regular file writes short only when full: the next write says why
-                view = view[os.write(fd, view) :]
-        except BaseException as exc:  # also an interrupt between two parts of the line
-            self._cut(fd, before)
-            error = storage_error(exc, self.path)
-            if error is None:
+        with storage_errors(self.path):
+            before = os.fstat(fd).st_size
+            try:
+                view = memoryview(line)
+                while view:  # a regular file writes short only when full: the next write says why
+                    view = view[os.write(fd, view) :]
+            except BaseException:  # also an interrupt between two parts of the line
+                self._cut(fd, before)
                 raise
-            raise error from None
 
     @staticmethod
     def _cut(fd: int, length: int) -> None:
@@ -99,13 +92,8 @@ class JsonlSink(Sink):
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            try:
+            with storage_errors(self.path):
                 os.close(fd)
-            except OSError as exc:
-                error = storage_error(exc, self.path)
-                if error is None:
-                    raise
-                raise error from None
 
     def __del__(self) -> None:  # a sink dropped without close() does not leak its descriptor
         fd, self._fd = getattr(self, "_fd", None), None
