@@ -23,10 +23,8 @@ from typing import Any
 
 import torch
 
-from cokit.bench.optimizer_bench import layer_shapes
+from cokit.bench.demo_baseline import SIZES, make_params
 from cokit.files import OutputError, atomic_write_text, prepare_out_file
-
-SIZES = {"1M": (256, 1), "10M": (512, 3), "50M": (1024, 4)}
 
 
 def _cpu(fn) -> float:
@@ -42,10 +40,7 @@ def run(sizes: list[str], ranks: list[int], rounds: int) -> list[dict[str, Any]]
 
     rows = []
     for size in sizes:
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in layer_shapes(*SIZES[size])]
-        for p in params:
-            p.grad = torch.randn_like(p)
+        params = make_params(*SIZES[size])
         opts = {v: DeMo(params, lr=1e-4, compression_topk=32, validate_payload=v) for v in (True, False)}
         for opt in opts.values():
             opt.step()  # first-step work is not timed
@@ -64,10 +59,7 @@ def run(sizes: list[str], ranks: list[int], rounds: int) -> list[dict[str, Any]]
             members.append([entries[i][2].detach().clone() for i in b.members])
             n = b.codec.plan.payload_numel
             idx = torch.cat(
-                [
-                    torch.arange(min(b.codec.plan.k, t.tile_numel)).repeat(t.n_tiles)
-                    for t in b.codec.plan.tilings
-                ]
+                [torch.arange(t.k_eff(b.codec.plan.k)).repeat(t.n_tiles) for t in b.codec.plan.tilings]
             )
             payloads.append((b.codec, idx.to(b.codec.plan.index_dtype), torch.randn(n).to(torch.bfloat16)))
         check, decode = {}, {}

@@ -16,6 +16,7 @@ worker, and this tree's median over the baseline's. Prints the table and writes 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -27,10 +28,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cokit.bench.demo_baseline import SIZES
 from cokit.files import OutputError, atomic_write_text, prepare_out_file
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {"1M": (256, 1), "10M": (512, 3), "50M": (1024, 4)}  # (d_model, blocks), as demo_baseline
 CASES = ("AdamW", "DeMo compact", "DeMo sign", "SparseLoCo")
 
 # The worker runs in a plain python with cokit importable from one tree; it reads one JSON
@@ -110,7 +111,7 @@ def export(ref: str, into: Path) -> Path:
         raise SystemExit(f"step_regression: cannot export {ref!r}: {archive.stderr.decode().strip()}")
     tree = into / "baseline"
     tree.mkdir()
-    with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(tree, filter="data")
     return tree
 
