@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from cokit.compress.adaptation import MEASUREMENT_BYTES
+from cokit.compress.adaptation import STATUS_ROW_BYTES
 from cokit.compress.agreement import ROW_BYTES
 from cokit.compress.buckets import compressed_nbytes, make_buckets
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec
@@ -212,7 +212,7 @@ def exchange_traffic(
     return Traffic(compressed, dense, status, n_dense)
 
 
-STATUS_ROW = ROW_BYTES + MEASUREMENT_BYTES  # a rank's status row on the exchange group
+STATUS_ROW = STATUS_ROW_BYTES  # a rank's status row on the exchange group
 AGREEMENT_ROW = ROW_BYTES  # and on an agreement group (a node)
 
 

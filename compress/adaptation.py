@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cokit.compress.agreement import ROW_BYTES
 from cokit.compress.policy import (
     BandwidthTargetPolicy,
     Decision,
@@ -29,7 +30,14 @@ from cokit.compress.policy import (
     StaticPolicy,
 )
 
-__all__ = ["MEASUREMENT_BYTES", "POLICIES", "POLICIES_FOR", "PolicyDriver", "make_policy"]
+__all__ = [
+    "MEASUREMENT_BYTES",
+    "POLICIES",
+    "POLICIES_FOR",
+    "STATUS_ROW_BYTES",
+    "PolicyDriver",
+    "make_policy",
+]
 
 logger = logging.getLogger("cokit.compress.policy")
 
@@ -44,6 +52,8 @@ POLICIES_FOR: dict[str, tuple[str, ...]] = {
     "SparseLoCo": ("static", "interval"),
 }
 MEASUREMENT_BYTES = 16  # two float64: step_s, exposed_s (in every status row: rows have one size)
+#: a rank's status row on DeMo's and SparseLoCo's exchange group (an agreement group's: ROW_BYTES)
+STATUS_ROW_BYTES = ROW_BYTES + MEASUREMENT_BYTES
 
 
 def make_policy(spec: NetworkPolicy | str | dict[str, Any] | None, owner: str = "DeMo") -> NetworkPolicy:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress.optimizer import DeMo
+from tests.helpers import dcp_load, dcp_save
 
 IN, HIDDEN, OUT, BATCH = 12, 7, 5, 6
 SETTINGS: dict[str, Any] = dict(
@@ -180,9 +181,6 @@ def dcp_run(rank: int, world: int, replicas: int, folder: str, save_at: int, ste
     """Train FSDP2/HSDP DeMo for ``steps`` steps, saving a DCP checkpoint after ``save_at``;
     with ``resume``, start instead from that checkpoint in fresh processes. Returns the local
     shards at the end and the optimizer's counters."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     os.environ["TRITON_INTERPRET"] = "0"
     shards = world // replicas
     mesh = make_mesh(replicas, shards)
@@ -192,10 +190,7 @@ def dcp_run(rank: int, world: int, replicas: int, folder: str, save_at: int, ste
     opt = DeMo(model.named_parameters(), process_group=replicate, **SETTINGS)
     first = 0
     if resume:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=folder)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        dcp_load(model, opt, folder)
         first = save_at
     for step in range(first, steps):
         x, y = batch(rank, step)
@@ -203,8 +198,7 @@ def dcp_run(rank: int, world: int, replicas: int, folder: str, save_at: int, ste
         opt.step()
         opt.zero_grad()
         if not resume and step + 1 == save_at:
-            model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+            dcp_save(model, opt, folder)
     return {
         "local": [p.to_local().detach().clone() for p in model.parameters()],
         "deltas": [opt.state[p]["delta"].clone() for p in model.parameters()],

@@ -13,11 +13,11 @@ import torch
 
 # The status rows every round opens with (cokit.compress.agreement): ROW_BYTES on agreement
 # groups, ROW_BYTES + the policy measurement on the exchange group.
-from cokit.compress.adaptation import MEASUREMENT_BYTES
+from cokit.compress.adaptation import STATUS_ROW_BYTES
 from cokit.compress.agreement import ROW_BYTES
 from cokit.triton_kernels import tiling
 
-STATUS_ROW = ROW_BYTES + MEASUREMENT_BYTES
+STATUS_ROW = STATUS_ROW_BYTES
 AGREEMENT_ROW = ROW_BYTES
 
 SHAPES = [(1,), (7,), (3, 5), (64, 64), (96, 128), (130, 70), (16, 3, 3, 3)]
@@ -95,12 +95,19 @@ def regression_data(rank: int, n: int = 256) -> tuple[torch.Tensor, torch.Tensor
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a test script run as a process of its own: without
+    ``TRITON_INTERPRET`` (it decides, e.g. the torch path), this tree importable, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return {**env, **extra}
+
+
 def worker_report(script: str, *args: str, mark: str, timeout: float, **env_defaults: str) -> dict:
     """Run the test file ``script`` as a script without ``TRITON_INTERPRET`` and return the JSON
     it prints after ``mark``: GPU-path code (compile-only builds, traced graphs) needs a process
     where ``@triton.jit`` gives real ``JITFunction``s."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = script_env()
     for key, value in env_defaults.items():
         env.setdefault(key, value)
     proc = subprocess.run(
@@ -116,3 +123,24 @@ def worker_report(script: str, *args: str, mark: str, timeout: float, **env_defa
         f"{Path(script).name} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
     return json.loads(lines[-1][len(mark) :])
+
+
+def dcp_save(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: str) -> None:
+    """Save ``model`` and ``opt`` with torch.distributed.checkpoint (every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+
+
+def dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, folder: str) -> None:
+    """Load what :func:`dcp_save` wrote into ``model`` and ``opt`` (DCP steps a fresh optimizer
+    with lr 0 first, to make its state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -20,11 +20,14 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+
+from cokit.files import atomic_write_text
 
 FRONTS = ("demo-reference", "demo-bucketed", "demo-overlap", "sparseloco", "hook")
 OTHERS = ("powersgd",)  # the study's PowerSGD method (DDP + torch's powerSGD_hook): faults only
@@ -72,15 +75,9 @@ def _digest(params: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def _patched(cls: type, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    """Replace ``cls.name`` by ``make(original)`` inside the block."""
-    original = getattr(cls, name)
-    setattr(cls, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(cls, name, original)
+def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Any:
+    """A context that replaces ``owner.name`` by ``make(original)`` inside it."""
+    return mock.patch.object(owner, name, make(getattr(owner, name)))
 
 
 def _corrupt(what: str) -> Callable[[Any], Any]:
@@ -121,7 +118,7 @@ class Cell:
         from cokit.compress import DeMo, SparseLoCo
         from cokit.compress.hooks import DCTTopKState, dct_topk_hook
 
-        self.front, self.fault, self.rank, self.world = front, fault, rank, world
+        self.front, self.fault, self.rank = front, fault, rank
         self.bad = rank == world - 1
         odd = fault in ("mismatch-start", "stop-in-report") and self.bad
         nonfinite = (
@@ -297,10 +294,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world)
     out = run_cell(args.rank, args.world, args.front, args.fault, args.timeout, args.started)
-    tmp = f"{args.out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f)
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps(out))
     # no destroy_process_group(): the interpreter must be able to exit with the group as it is
 
 

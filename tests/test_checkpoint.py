@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from cokit.compress import DeMo
 from cokit.compress.checkpoint import records, relaxed_loading
 from tests.gloo_cases import Case, run_cases
+from tests.helpers import dcp_load, dcp_save
 
 KW = dict(lr=3e-3, compression_topk=4, compression_chunk=8)
 
@@ -332,8 +333,7 @@ def _dcp_save(rank: int, world: int, folder: str):
     """Train TOTAL steps, saving with DCP after SAVE_AT; return what the resume must match."""
     os.environ["TRITON_INTERPRET"] = "0"  # a spawned rank: the torch path, like _dcp_resume
     model, opt = _trained(SAVE_AT, rank)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    dcp_save(model, opt, folder)
     saved = {
         "records": records(opt.state_dict()),
         "deltas": [opt.state[p]["delta"].clone() for p in model.parameters()],
@@ -349,10 +349,7 @@ def _dcp_resume(rank: int, world: int, folder: str):
     os.environ["TRITON_INTERPRET"] = "0"
     model = _model(seed=1)  # other initial values: the load must bring the saved ones
     opt = DeMo(model.named_parameters(), **KW)
-    msd, osd = get_state_dict(model, opt)  # DCP steps a fresh optimizer with lr 0 here
-    state: dict[str, Any] = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp_load(model, opt, folder)
     loaded = {
         "records": records(opt.state_dict()),
         "deltas": [opt.state[p]["delta"].clone() for p in model.parameters()],

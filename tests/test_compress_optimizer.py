@@ -10,11 +10,9 @@ import demo_simulation as sim
 import pytest
 import torch
 from distributed import run_gloo
-from helpers import SmallNet, byte_counts, regression_data
+from helpers import STATUS_ROW, SmallNet, byte_counts, regression_data
 
 from cokit.compress import DeMo
-from cokit.compress.adaptation import MEASUREMENT_BYTES
-from cokit.compress.agreement import ROW_BYTES
 from cokit.compress.comm import CollectiveTimeout
 
 SHAPES = [(96, 128), (130, 70), (16, 3, 3, 3), (7,), (67,), ()]
@@ -167,7 +165,7 @@ def _expected_step_bytes(shapes, world: int, payload: str, k: int = 8, chunk: in
         payload_bytes = 2 * _aligned(2 * slots)
     else:
         payload_bytes = _aligned(2 * slots) + _aligned(-(-slots // 8)) + _aligned(2 * tiles)
-    status = (world - 1) * (ROW_BYTES + MEASUREMENT_BYTES)  # the fixed-size status row
+    status = (world - 1) * STATUS_ROW  # the fixed-size status row
     return status + (world - 1) * payload_bytes + 2 * (world - 1) * 4 * dense_numel // world
 
 

@@ -91,10 +91,11 @@ def test_listening_sockets_reads_a_socket_of_this_process():
 
 
 @pytest.mark.distributed
-def test_one_host_spawn_listens_on_loopback_only(monkeypatch):
+def test_one_host_spawn_listens_on_loopback_only(monkeypatch, tmp_path):
     """`cokit demo`, the study and the tests' run_gloo start their ranks this way."""
-    private = tempfile.mkdtemp(prefix="cokit-test-launch-")
-    monkeypatch.setattr(tempfile, "tempdir", private)  # where spawn's rendezvous folder goes
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))  # where spawn's rendezvous folder goes
     monkeypatch.setenv("MASTER_PORT", "1")  # inherited, but no TCP store uses it
     results = launch.run(2, _listening)
     assert results is not None
@@ -106,7 +107,6 @@ def test_one_host_spawn_listens_on_loopback_only(monkeypatch):
         assert r["gloo_ifname"] == launch.loopback_interface()
         assert r["master"] == ("127.0.0.1", None)
     assert os.listdir(private) == [], "the rendezvous folder was left behind"
-    os.rmdir(private)
 
 
 @pytest.mark.distributed

@@ -223,6 +223,10 @@ def test_the_exchange_never_unpickles_peer_data():
                 )
                 if any(n and n.split(".")[0] in ("pickle", "cPickle", "dill") for n in names):
                     found.append(f"{path.name}:{node.lineno} imports pickle")
+                if isinstance(node, ast.ImportFrom) and any(
+                    a.name.endswith("_object") or a.name.endswith("_object_list") for a in node.names
+                ):
+                    found.append(f"{path.name}:{node.lineno} imports an object collective")
             if isinstance(node, ast.Attribute) and node.attr in _UNPICKLING:
                 owner = ast.unparse(node.value)
                 if owner in ("dist", "torch.distributed", "pickle", "torch") or node.attr.endswith("_object"):

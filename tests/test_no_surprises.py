@@ -10,11 +10,9 @@ import warnings
 import pytest
 import torch
 from distributed import run_gloo
-from helpers import SmallNet, regression_data
+from helpers import STATUS_ROW, SmallNet, regression_data
 
 from cokit.compress import DeMo
-from cokit.compress.adaptation import MEASUREMENT_BYTES
-from cokit.compress.agreement import ROW_BYTES
 from cokit.compress.guards import SYNCED_KEY, DoubleSyncWarning, GradMarks, find_ddp_wrappers
 from cokit.compress.stats import ring_allgather_bytes
 
@@ -114,7 +112,7 @@ def test_gradient_edits_after_an_overlapped_launch_raise_on_every_rank_and_chang
             assert unchanged, f"rank {rank}: {kind}: a parameter or buffer changed before the error"
             assert moved, f"rank {rank}: {kind}: the step after the error did not update"
             # the step opens (first hook) and closes (step) with one status row each, counted
-            assert edit_bytes == [ring_allgather_bytes(ROW_BYTES + MEASUREMENT_BYTES, 2)] * 2
+            assert edit_bytes == [ring_allgather_bytes(STATUS_ROW, 2)] * 2
 
 
 def test_grad_marks_catch_each_kind_of_change_and_nothing_else():

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from distributed import run_gloo
-from helpers import STATUS_ROW, SmallNet, regression_data
+from helpers import STATUS_ROW, SmallNet, dcp_load, dcp_save, regression_data
 
 from cokit.compress import SparseLoCo
 from cokit.compress.buckets import sends_dense
@@ -598,22 +598,15 @@ def test_the_triton_kernels_give_the_sync_of_the_torch_references(dct, monkeypat
 # ----------------------------------------------------------------------------- DCP
 
 
-def _dcp_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return SmallNet()
-
-
 def _dcp_run(rank: int, world: int, folder: str, precision: str):
     """Train 9 steps (H=3), saving with DCP after step 4 (mid-period); resume a fresh model and
     optimizer (other initial weights) from it in the same processes; both must end alike."""
-    from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     os.environ["TRITON_INTERPRET"] = "0"
     x, y = regression_data(rank)
 
     def build(seed: int):
-        model = _dcp_model(seed).to(torch.bfloat16 if precision == "master" else torch.float32)
+        torch.manual_seed(seed)
+        model = SmallNet().to(torch.bfloat16 if precision == "master" else torch.float32)
         inner = lambda ps: torch.optim.AdamW(ps, lr=3e-3)  # noqa: E731
         return model, SparseLoCo(
             model.named_parameters(), inner, sync_every=3, precision=precision, timeout=120
@@ -628,16 +621,12 @@ def _dcp_run(rank: int, world: int, folder: str, precision: str):
 
     model, opt = build(0)
     train(model, opt, range(4))
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    dcp_save(model, opt, folder)
     train(model, opt, range(4, 9))
     straight = [p.detach().clone() for p in model.parameters()]
 
     model2, opt2 = build(1)
-    msd, osd = get_state_dict(model2, opt2)  # DCP steps a fresh optimizer with lr 0 here
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp_load(model2, opt2, folder)
     counters = (opt2._steps, opt2._since_sync, opt2.syncs)
     train(model2, opt2, range(4, 9))
     resumed = [p.detach().clone() for p in model2.parameters()]
