@@ -5,15 +5,18 @@ payloads travel over and the *agreement* groups whose ranks only agree (a DTenso
 dimensions, the ranks of a node). It owns
 
 - **agreement** (:meth:`Exchange.agree`): each round opens with one fixed-size status row per
-  rank (:mod:`cokit.compress.agreement`): a 64-bit fingerprint of the settings, layout and
-  counters, which gradients exist, which are non-finite and where, and event bits (a
-  GradScaler's ``found_inf``); a mismatch raises the same error on every rank, naming it;
+  rank (:mod:`cokit.compress.agreement`): a 64-bit fingerprint of the settings (the exchange's
+  own ``comm_priority`` included), layout and counters, which gradients exist, which are
+  non-finite and where, and event bits (a GradScaler's ``found_inf``); a mismatch raises the
+  same error on every rank, naming it;
 - **timeouts** on every collective it issues, reports included (:mod:`cokit.compress.comm`);
 - **work lifetimes** (:meth:`Exchange.guarded`): a round that raises waits for the collectives
   it launched (its peers launched them too) or, if its group failed, keeps them referenced until
   exit, so no error path ends in SIGABRT;
 - **validation of peer bytes** (:meth:`Exchange.selection`, :meth:`Exchange.dense`), on by
   default (:mod:`cokit.compress.peer_check`);
+- **priority** (``priority=``, :mod:`cokit.compress.priority`): the exchange collectives run on
+  the group made for the front end's ``comm_priority`` (NCCL: high-priority streams);
 - **accounting**: bytes and timing per round (:meth:`Exchange.record`), and the time blocked in
   waits on an injected clock (what a network policy measures; tests pass a fake clock).
 """
@@ -30,10 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cokit.compress.agreement import Report, Round, run_round
+from cokit.compress.agreement import Report, Round, canonical, fingerprint, run_round
 from cokit.compress.comm import Communicator, Pending
 from cokit.compress.payload import PayloadCodec
 from cokit.compress.peer_check import check_dense, check_selection
+from cokit.compress.priority import PriorityGroup
 from cokit.compress.stats import CommStats
 from cokit.compress.timing import StepTimer
 
@@ -53,6 +57,9 @@ class Exchange:
         validate: check every payload and dense result from peers before using it.
         clock: seconds, for the time blocked in waits (``time.perf_counter``; tests inject one).
         on_blocked: called with the seconds of each wait (a network policy's exposed time).
+        priority: what :func:`cokit.compress.priority.priority_group` made of ``process_group``:
+            its group carries the exchange collectives (agreement groups keep theirs) and its
+            requested priority is agreed every round (``comm_priority``).
     """
 
     def __init__(
@@ -66,9 +73,14 @@ class Exchange:
         validate: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         on_blocked: Callable[[float], None] | None = None,
+        priority: PriorityGroup | None = None,
     ):
+        if priority is not None and priority.source is not process_group:
+            raise ValueError(f"{owner}: priority= was made for another process group")
         self.owner = owner
-        self.comm = Communicator(process_group, owner, timeout, local=local, timer=StepTimer(clock))
+        self.priority = priority
+        group = priority.group if priority is not None else process_group
+        self.comm = Communicator(group, owner, timeout, local=local, timer=StepTimer(clock))
         self.agree_comms = [Communicator(g, owner, timeout, timer=self.comm.timer) for g in agree_groups]
         self.validate = validate
         self.clock = clock
@@ -132,14 +144,24 @@ class Exchange:
 
         ``fingerprints = (exchange, agreement)``: the exchange group compares local layouts,
         agreement groups (whose ranks hold different shards) global ones; ``describe(globally)``
-        is the matching JSON description for a mismatch report.
+        is the matching JSON description for a mismatch report. The exchange's own settings
+        (``comm_priority``) are added to both.
         """
+        own = {"comm_priority": self.priority.requested} if self.priority is not None else {}
+        if own:
+            text = canonical(own)
+            fingerprints = (fingerprint(str(fingerprints[0]), text), fingerprint(str(fingerprints[1]), text))
+
+        def described(comm: Communicator) -> dict[str, Any]:
+            out = describe(comm is not self.comm)
+            return {**out, "settings": {**(out.get("settings") or {}), **own}} if own else out
+
         exchange_fp, agree_fp = fingerprints
         stages = [(c, agree_fp) for c in self.agree_comms] + [(self.comm, exchange_fp)]
         return run_round(
             stages,
             report,
-            lambda comm: describe(comm is not self.comm),
+            described,
             self.wait,
             extra=extra,
             device=device,
@@ -232,3 +254,9 @@ class ExchangeOwner:
     @comm.setter
     def comm(self, value: Communicator) -> None:
         self.exchange.comm = value
+
+    @property
+    def comm_priority_info(self) -> PriorityGroup | None:
+        """What ``comm_priority`` achieved: the group used, ``requested``, ``high_priority``
+        (effective) and a ``note`` saying why (:func:`cokit.compress.priority.priority_group`)."""
+        return self.exchange.priority

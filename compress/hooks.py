@@ -69,6 +69,7 @@ from cokit.compress.exchange import Exchange
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import all_finite
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec, wire_sizes
+from cokit.compress.priority import PriorityGroup, check_comm_priority, priority_group
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 from cokit.triton_kernels.dct import dct_decode_multi
@@ -98,6 +99,17 @@ class DCTTopKState:
     GradScaler skips the step; in both no error buffer changes. ``skipped_steps`` counts the
     iterations skipped so.
 
+    ``comm_priority``: priority of the hook's collectives, ``"normal"`` (default), ``"high"`` or
+    an integer stream priority (negative = high; :mod:`cokit.compress.priority`). On NCCL/RCCL a
+    high priority makes one new process group over ``process_group``'s ranks, with
+    high-priority streams, when the state is built (collective over the default group: every
+    rank must build it with the same value); on gloo it has no effect.
+    ``comm_priority_info`` says what it achieved. It is agreed every iteration, and is a
+    runtime setting: not in :meth:`state_dict`, and an unpickled state has the normal one.
+    ``comm_guard``: None, or a guard with ``violations(config=None, *, priority=...)`` (e.g.
+    :class:`cokit.overlap.guard.StarvationGuard`): a ``comm_priority`` it refuses raises
+    ``GuardViolation`` (a ``ValueError``) naming the limit, before the state is built.
+
     Checkpoints (module docstring): :meth:`attach` names the error buffers after the model's
     parameters; then :meth:`state_dict` / :meth:`load_state_dict` and pickling keep settings,
     ``iteration``, ``skipped_steps``, ``comm_stats`` and the buffers of this rank.
@@ -116,6 +128,12 @@ class DCTTopKState:
     comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
     timeout: "float | None" = None
     validate_payload: bool = True
+    comm_priority: "str | int" = "normal"
+    comm_guard: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # what comm_priority achieved (the group the exchange uses), made in __post_init__
+    comm_priority_info: "PriorityGroup | None" = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
     # bucket index -> _BucketLayout; id(parameter) -> its fp32 error buffer, and the parameter
     _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     _errors: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -130,6 +148,7 @@ class DCTTopKState:
 
     def __post_init__(self):
         where = "DCTTopKState"
+        check_comm_priority(where, self.comm_priority, self.comm_guard)
         check_process_group(where, self.process_group)
         check_int("topk", self.topk, 1, where=where)
         check_int("chunk", self.chunk, 1, where=where)
@@ -151,14 +170,25 @@ class DCTTopKState:
         limit = parse_timeout(self.timeout, where)
         self.timeout = None if limit is None else limit.total_seconds()
         check_flag("validate_payload", self.validate_payload, where=where)
+        self.comm_priority_info = priority_group(self.process_group, self.comm_priority, where=where)
 
     @property
     def exchange(self) -> Exchange:
-        """The exchange core on this state's group (made at first use: the group may be set late)."""
+        """The exchange core on this state's group (made at first use: the group may be set late,
+        when only a normal or no-op priority can follow it)."""
         ex = self._exchange
-        if ex is None or ex.comm.group is not self.process_group:
+        if ex is None or ex.priority is None or ex.priority.source is not self.process_group:
+            prio = self.comm_priority_info
+            if prio is None or prio.source is not self.process_group:
+                prio = self.comm_priority_info = priority_group(
+                    self.process_group, self.comm_priority, create=False, where="DCTTopKState"
+                )
             ex = self._exchange = Exchange(
-                "dct_topk_hook", self.process_group, self.timeout, validate=self.validate_payload
+                "dct_topk_hook",
+                self.process_group,
+                self.timeout,
+                validate=self.validate_payload,
+                priority=prio,
             )
         return ex
 
@@ -200,8 +230,10 @@ class DCTTopKState:
         return hook_checkpoint.getstate(self)
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
-        """Unpickle onto the default process group (set ``state.process_group = g`` for another);
-        call :meth:`attach` with the new DDP model before training."""
+        """Unpickle onto the default process group (set ``state.process_group = g`` for another)
+        at normal ``comm_priority`` (a runtime setting, like the group); call :meth:`attach`
+        with the new DDP model before training."""
+        self.comm_priority, self.comm_guard, self.comm_priority_info = "normal", None, None
         hook_checkpoint.setstate(self, saved)
 
     def _check_restored(self) -> None:

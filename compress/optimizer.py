@@ -39,6 +39,7 @@ from cokit.compress.guards import Amp, StepGuards, nonfinite, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.precision import check_precision, rounding_generator, warn_if_unmastered
+from cokit.compress.priority import check_comm_priority
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.compress.strategies import make_strategy
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
@@ -145,6 +146,18 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
             ``comm_stats`` counts the two levels
             (``step_intra_*`` fields). Needs ``process_group=None`` and
             ``overlap_backward=False``.
+        comm_priority: priority of the exchange collectives: ``"normal"`` (default),
+            ``"high"`` or an integer stream priority (negative = high;
+            :mod:`cokit.compress.priority`). On NCCL/RCCL a high priority makes one new
+            process group over the exchange group's ranks, with high-priority streams, at
+            construction (collective over the default group: every rank must construct DeMo
+            with the same value); on gloo it has no effect. ``comm_priority_info`` says what it
+            achieved (``requested``, ``high_priority``, ``note``). It is agreed every step
+            like the settings below, and is not part of ``state_dict()``.
+        comm_guard: None, or a guard with ``violations(config=None, *, priority=...)`` (e.g.
+            :class:`cokit.overlap.guard.StarvationGuard`): a ``comm_priority`` it refuses
+            raises ``GuardViolation`` (a ``ValueError``) naming the limit, before anything is
+            built.
 
     **DTensor parameters** (FSDP2 ``fully_shard``, :mod:`cokit.compress.dtensor`): each rank
     steps its local shards, with tiles over each local shard. Over the mesh nothing is
@@ -163,7 +176,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     with a fixed-size status all-gather carrying a 64-bit fingerprint of every setting that
     changes what is sent or how the update is computed (the per-group ones above; payload,
     value_dtype, dense_fallback, bucket_cap_mb, full_sync_every, overlap_backward, nonfinite,
-    validate_payload, policy, precision, seed), of the parameters' shapes and dtypes, of the
+    validate_payload, policy, precision, seed, comm_priority), of the parameters' shapes and dtypes, of the
     payload sizes and of the step counters, so that e.g. an LR scheduler stepped on one rank
     only is caught at the next step. A difference raises ``ValueError`` on every rank, naming
     the setting, the group and each rank's value, before anything changed. Parameters with no
@@ -212,8 +225,11 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
         precision: str = "nearest",
         seed: int = 0,
         clock: Callable[[], float] = time.perf_counter,
+        comm_priority: str | int = "normal",
+        comm_guard: Any = None,
     ):
         where = "DeMo"
+        self.comm_priority = check_comm_priority(where, comm_priority, comm_guard)
         self.codec = get_codec(payload, owner=where)
         self.precision = check_precision(where, precision)
         check_int("seed", seed, 0, where=where)

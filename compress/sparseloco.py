@@ -47,6 +47,7 @@ from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, all_finite, nonfinite
 from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import NetworkPolicy
+from cokit.compress.priority import check_comm_priority, priority_group
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
@@ -106,6 +107,17 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             ``policy_log`` lists the changes and ``current_interval`` the interval in force.
         validate_payload: check what every peer sent before it is used (default True).
         clock: seconds for the policy's times (``time.perf_counter``; tests inject a fake clock).
+        comm_priority: priority of the sync's collectives: ``"normal"`` (default), ``"high"``
+            or an integer stream priority (negative = high; :mod:`cokit.compress.priority`). On
+            NCCL/RCCL a high priority makes one new process group over ``process_group``'s
+            ranks, with high-priority streams, at construction (collective over the default
+            group: every rank must pass the same value); on gloo it has no effect.
+            ``comm_priority_info`` says what it achieved. Agreed at every sync, not part of
+            ``state_dict()``.
+        comm_guard: None, or a guard with ``violations(config=None, *, priority=...)`` (e.g.
+            :class:`cokit.overlap.guard.StarvationGuard`): a ``comm_priority`` it refuses
+            raises ``GuardViolation`` (a ``ValueError``) naming the limit, before anything is
+            built.
 
     Every rank must use the same settings, inner hyper-parameters and starting parameters: each
     sync opens with a 64-bit fingerprint of them (the exchange core's status row) and the first
@@ -140,8 +152,11 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         policy: NetworkPolicy | str | dict[str, Any] | None = None,
         validate_payload: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        comm_priority: str | int = "normal",
+        comm_guard: Any = None,
     ):
         where = "SparseLoCo"
+        self.comm_priority = check_comm_priority(where, comm_priority, comm_guard)
         self.sync_every = check_int("sync_every", sync_every, 1, where=where)
         if topk is not None:
             check_int("topk", topk, 1, where=where, more="or None for a dense pseudo-gradient (DiLoCo)")
@@ -194,6 +209,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             validate=validate_payload,
             clock=clock,
             on_blocked=self._driver.blocked,
+            priority=priority_group(process_group, self.comm_priority, where=where),
         )
         self.comm_stats = CommStats()
         self.current_interval = sync_every

@@ -1,5 +1,8 @@
 """How DeMo exchanges a step: one strategy per training layout, chosen once at construction.
 
+The exchange group (``process_group``, or a hierarchy's inter-node group) is used through the
+group made for ``comm_priority`` (:func:`cokit.compress.priority.priority_group`, once, here).
+
 Every strategy runs the same round (docs/design.md §8): the agreement of the exchange core
 (:mod:`cokit.compress.exchange`), then the buckets through the functional step
 (:mod:`cokit.compress.demo_step`). They differ in where the work happens:
@@ -45,6 +48,7 @@ from cokit.compress.exchange import Exchange
 from cokit.compress.groups import NodeGroups
 from cokit.compress.guards import Amp, GradMarks, all_finite, edited_message, sync_decay
 from cokit.compress.policy import Decision
+from cokit.compress.priority import priority_group
 
 if TYPE_CHECKING:
     from cokit.compress.optimizer import DeMo
@@ -71,6 +75,7 @@ class Strategy:
             validate=opt.validate_payload,
             clock=opt.clock,
             on_blocked=opt._driver.blocked,
+            priority=priority_group(process_group, opt.comm_priority, local=local, where="DeMo"),
         )
         self.timeout = timeout
         self.checked = False  # first_round ran

@@ -5,7 +5,8 @@ the compute kernel; a high-priority stream lets communication preempt it. Pushed
 communication starves compute (and whatever else shares the GPU). A
 :class:`StarvationGuard` states the limits; :meth:`StarvationGuard.violations` lists what a
 setting breaks (the tuner skips such settings and logs why), :meth:`StarvationGuard.check`
-raises :class:`GuardViolation`.
+raises :class:`GuardViolation` (the class of :mod:`cokit.compress.priority`, which checks a
+compression front end's ``comm_guard`` against its ``comm_priority``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ from typing import Any
 
 import torch
 
+from cokit.compress.priority import GuardViolation, is_high
 from cokit.triton_kernels.backend import ArchLimits
 from cokit.triton_kernels.gemm_config import GemmConfig, estimate_shared_bytes
 
 __all__ = ["GuardViolation", "StarvationGuard", "reserved_sms"]
-
-
-class GuardViolation(ValueError):
-    """A setting breaks the starvation guard; the message lists every broken bound."""
 
 
 def reserved_sms(config: GemmConfig, limits: ArchLimits) -> int:
@@ -32,14 +30,6 @@ def reserved_sms(config: GemmConfig, limits: ArchLimits) -> int:
     if not config.persistent or config.num_sms is None:
         return 0
     return max(limits.num_sms - config.num_sms, 0)
-
-
-def _is_high(priority: Any) -> bool:
-    if priority is None or priority == "normal":
-        return False
-    if priority == "high":
-        return True
-    return isinstance(priority, int) and not isinstance(priority, bool) and priority < 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +83,11 @@ class StarvationGuard:
         kernel) or, given ``dtype``, the shared-memory estimate of ``config``.
         """
         out: list[str] = []
-        if _is_high(priority) and not self.allow_high_priority:
-            out.append(f"priority {priority!r} is high but the guard allows no high-priority communication")
+        if is_high(priority) and not self.allow_high_priority:
+            out.append(
+                f"priority {priority!r} is high but the guard allows no high-priority communication "
+                "(allow_high_priority=False)"
+            )
         if limits is not None:
             taken = (reserved_sms(config, limits) if config is not None else 0) + (comm_sms or 0)
             cap = math.floor(self.max_reserved_fraction * limits.num_sms)

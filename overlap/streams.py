@@ -6,7 +6,9 @@
   work runs synchronously, and asynchronous collectives come from gloo's work threads.
 * :func:`high_priority_group` -- a process group whose NCCL/RCCL kernels run on
   high-priority streams (``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` passed as
-  ``pg_options`` to ``dist.new_group``); for gloo, an ordinary group (no streams).
+  ``pg_options`` to ``dist.new_group``); for gloo, an ordinary group (no streams). It, the
+  priority rules and :class:`CommGroup` live in :mod:`cokit.compress.priority`, which the
+  compression front ends' ``comm_priority=`` uses too; they are re-exported here.
 * :func:`wait_handle` -- waits on what a communication call returned (a ``Work``, a list of
   them, or None for stream-ordered work).
 
@@ -15,15 +17,20 @@ The starvation guard lives in :mod:`cokit.overlap.guard` and is re-exported here
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .guard import _is_high
+from cokit.compress import priority as _priority
+from cokit.compress.priority import (
+    CPU_PRIORITY_RANGE,
+    CommGroup,
+    group_is_high_priority,
+    high_priority_group,
+    is_high,
+)
 
 __all__ = [
     "CPU_PRIORITY_RANGE",
@@ -35,11 +42,6 @@ __all__ = [
     "resolve_priority",
     "wait_handle",
 ]
-
-#: (lowest, highest) stream priority accepted on CPU, where priorities are recorded but have
-#: no effect. It mirrors what torch exposes on CUDA (0 = default, lower = higher priority,
-#: at most 4 levels); on a GPU the live range from the driver is used instead.
-CPU_PRIORITY_RANGE = (0, -3)
 
 
 def _device(device: torch.device | str | int | None) -> torch.device:
@@ -64,28 +66,14 @@ def _device(device: torch.device | str | int | None) -> torch.device:
 
 def priority_range(device: torch.device | str | int | None = None) -> tuple[int, int]:
     """``(lowest, highest)`` stream priority on ``device`` (lower number = higher priority)."""
-    dev = _device(device)
-    if dev.type == "cuda":
-        # a staticmethod (torch's stub types it as an instance method)
-        least, greatest = cast(Any, torch.cuda.Stream).priority_range()
-        return int(least), int(greatest)
-    return CPU_PRIORITY_RANGE
+    return _priority.priority_range(_device(device))
 
 
 def resolve_priority(priority: str | int, device: torch.device | str | int | None = None) -> int:
     """The integer stream priority for ``'high'`` (the device's highest), ``'normal'`` (0,
-    the default stream's) or an integer inside :func:`priority_range`."""
-    least, greatest = priority_range(device)
-    if priority == "high":
-        return greatest
-    if priority == "normal":
-        return least
-    if isinstance(priority, bool) or not isinstance(priority, int) or not greatest <= priority <= least:
-        raise ValueError(
-            f"priority={priority!r} is invalid; allowed: 'high', 'normal' or an integer from "
-            f"{greatest} (highest) to {least} (lowest) on {_device(device)}"
-        )
-    return priority
+    the default stream's) or an integer inside :func:`priority_range`
+    (:func:`cokit.compress.priority.resolve_priority`)."""
+    return _priority.resolve_priority(priority, _device(device))
 
 
 class CommStream:
@@ -175,66 +163,10 @@ def wait_handle(handle: Any) -> None:
     )
 
 
-@dataclasses.dataclass
-class CommGroup:
-    """A process group and whether its collectives run on high-priority streams."""
-
-    group: Any
-    backend: str
-    high_priority: bool
-    note: str
-
-
-def high_priority_group(ranks: Iterable[int] | None = None, *, backend: str | None = None) -> CommGroup:
-    """A new process group whose NCCL/RCCL work runs on high-priority streams.
-
-    Collective: every rank of the default group must call it, with the same ``ranks``.
-    ``backend`` defaults to the default group's. For ``nccl`` (RCCL on ROCm keeps that name)
-    the group is created with ``ProcessGroupNCCL.Options(is_high_priority_stream=True)``;
-    other backends (gloo) have no streams, so the group is ordinary and says so.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "high_priority_group needs torch.distributed initialized (dist.init_process_group)"
-        )
-    backend = str(backend or dist.get_backend()).lower()
-    ranks = sorted(ranks) if ranks is not None else None
-    if backend == "nccl":
-        try:
-            from torch.distributed import ProcessGroupNCCL
-        except ImportError:
-            raise RuntimeError("backend 'nccl' requested but this torch build has no NCCL/RCCL") from None
-        options = ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        group = dist.new_group(ranks, backend="nccl", pg_options=options)
-        return CommGroup(group, "nccl", True, "NCCL/RCCL collectives run on high-priority streams")
-    group = dist.new_group(ranks, backend=backend)
-    return CommGroup(group, backend, False, f"{backend} has no GPU streams: stream priority does not apply")
-
-
-def group_is_high_priority(group: Any = None) -> bool | None:
-    """Whether ``group``'s (default: the default group's) NCCL work runs on high-priority
-    streams; False for backends without streams; None when it cannot be told."""
-    if isinstance(group, CommGroup):
-        return group.high_priority
-    if not dist.is_initialized():
-        return None
-    try:
-        backend = dist.get_backend(group)
-    except Exception:  # not a group of this process
-        return None
-    if backend != "nccl":
-        return False
-    pg: Any = group if group is not None else dist.group.WORLD  # private API below: untyped
-    try:
-        return bool(pg._get_backend(torch.device("cuda")).options.is_high_priority_stream)
-    except Exception:  # private API moved: unknown
-        return None
-
-
 def warn_if_priority_ignored(group: Any, priority: str | int) -> None:
     """Warn when a high priority is asked for collectives of a normal-priority NCCL group."""
     if (
-        _is_high(priority)
+        is_high(priority)
         and group_is_high_priority(group) is False
         and dist.is_initialized()
         and dist.get_backend(group.group if isinstance(group, CommGroup) else group) == "nccl"
