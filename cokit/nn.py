@@ -8,10 +8,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from cokit.overlap.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from cokit.triton_kernels.gemm_config import GemmConfig
 from cokit.triton_kernels.linear import linear
 
-__all__ = ["Linear"]
+__all__ = ["ColumnParallelLinear", "Linear", "RowParallelLinear"]
 
 
 class Linear(nn.Module):

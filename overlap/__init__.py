@@ -9,6 +9,7 @@ streams, so that collectives hide behind compute on NVIDIA and AMD alike.
 * :mod:`cokit.overlap.metrics`   -- the metric formulas
 * :mod:`cokit.overlap.measure`   -- alone / sequential / overlapped timing with repeats
 * :mod:`cokit.overlap.schedules` -- GEMM + all-reduce/reduce-scatter, all-gather + GEMM, generic Overlap
+* :mod:`cokit.overlap.tensor_parallel` -- Megatron-style column/row-parallel Linear layers on these schedules
 * :mod:`cokit.overlap.emulate`   -- one-GPU emulated communication (labelled as such)
 * :mod:`cokit.overlap.sweep`     -- sweep grids and their measurement (records and plots: :mod:`cokit.sweeps`)
 * :mod:`cokit.overlap.tuner`     -- online tuner for training loops
@@ -28,10 +29,12 @@ from .schedules import (
     gemm_reduce_scatter,
 )
 from .streams import CommStream, high_priority_group
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .tuner import OnlineTuner
 
 __all__ = [
     "AllGatherGemm",
+    "ColumnParallelLinear",
     "CommStream",
     "EmulatedComm",
     "GemmCollective",
@@ -40,6 +43,7 @@ __all__ = [
     "Overlap",
     "OverlapMetrics",
     "OverlapResult",
+    "RowParallelLinear",
     "Scheduled",
     "StarvationGuard",
     "all_gather_gemm",

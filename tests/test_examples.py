@@ -1,4 +1,5 @@
-"""The README's torchrun examples run and end with bit-identical replicas."""
+"""The README's torchrun examples run and end with bit-identical replicas (two_level.py), or
+with a tensor-parallel block that matches the dense one (tp_block.py)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def test_two_level_example_under_torchrun(nproc, args):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "bit-identical weights" in proc.stdout, proc.stdout
     assert "step   5  loss" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [[], ["--sequence-parallel"]], ids=["tp", "sequence-parallel"])
+def test_tp_block_example_under_torchrun(args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "examples" / "tp_block.py"), "--steps", "4", *args]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "max |tp - dense| = " in proc.stdout and "matches the dense block" in proc.stdout, proc.stdout
+    assert "step   3  loss tp" in proc.stdout
