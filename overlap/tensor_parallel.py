@@ -338,6 +338,7 @@ class _ParallelLinear(nn.Module):
         self,
         in_features: int,
         out_features: int,
+        bias: bool,
         process_group: Any,
         sequence_parallel: bool,
         chunks: int,
@@ -346,7 +347,9 @@ class _ParallelLinear(nn.Module):
         priority: str | int | None,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
-    ) -> dict[str, Any]:
+    ) -> None:
+        """Check the sizes, set up the communication, and make this rank's parameters (weight
+        sharded on :attr:`partition_dim`) with ``nn.Linear``'s initialization."""
         name = type(self).__name__
         check_int("in_features", in_features, where=name)
         check_int("out_features", out_features, where=name)
@@ -361,7 +364,17 @@ class _ParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = bool(sequence_parallel)
         self.world_size, self.rank = W, self.comm.rank
-        return {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        if self.partition_dim == 0:  # this rank's output features, and their bias
+            shape, bias_size = (out_features // W, in_features), out_features // W
+        else:  # this rank's input features; the bias is replicated
+            shape, bias_size = (out_features, in_features // W), out_features
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_size, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialization of the FULL weight and bias (weight kaiming-uniform
@@ -501,9 +514,10 @@ class ColumnParallelLinear(_ParallelLinear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        factory = self._init_common(
+        self._init_common(
             in_features,
             out_features,
+            bias,
             process_group,
             sequence_parallel,
             chunks,
@@ -514,13 +528,6 @@ class ColumnParallelLinear(_ParallelLinear):
             dtype,
         )
         self.gather_output = bool(gather_output)
-        n = out_features // self.world_size
-        self.weight = nn.Parameter(torch.empty((n, in_features), **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(n, **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input @ weight.T + bias`` on this rank's output features (see the class)."""
@@ -585,9 +592,10 @@ class RowParallelLinear(_ParallelLinear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        factory = self._init_common(
+        self._init_common(
             in_features,
             out_features,
+            bias,
             process_group,
             sequence_parallel,
             chunks,
@@ -598,13 +606,6 @@ class RowParallelLinear(_ParallelLinear):
             dtype,
         )
         self.input_is_parallel = bool(input_is_parallel)
-        k = in_features // self.world_size
-        self.weight = nn.Parameter(torch.empty((out_features, k), **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``sum over ranks of input_shard @ weight.T``, then ``+ bias`` (see the class)."""
