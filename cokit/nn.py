@@ -1,4 +1,6 @@
-"""Modules on cokit's Triton kernels: :class:`Linear`, a drop-in for ``torch.nn.Linear``."""
+"""Modules on cokit's Triton kernels: :class:`Linear`, a drop-in for ``torch.nn.Linear``, and
+:func:`apply_overlap`, which puts a model's linear layers on it with an online tuner
+(:mod:`cokit.overlap_training`)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import torch
 from torch import nn
 
 from cokit.overlap.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from cokit.overlap_training import OverlapTuning, apply_overlap
 from cokit.triton_kernels.gemm_config import GemmConfig
 from cokit.triton_kernels.linear import linear
 
-__all__ = ["ColumnParallelLinear", "Linear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "Linear", "OverlapTuning", "RowParallelLinear", "apply_overlap"]
 
 
 class Linear(nn.Module):

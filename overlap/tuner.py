@@ -139,7 +139,8 @@ class OnlineTuner:
         self._queue = [i for _ in range(self.trials) for i in range(len(self.candidates))]
         self._recent.clear()
         self.explorations += 1
-        self._emit("explore", None, reason, candidates=[_describe(c) for c in self.candidates])
+        self._described = [_describe(c) for c in self.candidates]  # the candidates change only here
+        self._emit("explore", None, reason, candidates=self._described)
 
     def _emit(self, event: str, candidate: Any, reason: str, **extra: Any) -> None:
         entry = {
@@ -215,6 +216,31 @@ class OnlineTuner:
                     recent_ms=list(self._recent),
                 )
                 self._start_exploration("re-exploring after drift")
+
+    def plan(self) -> list[Any]:
+        """The candidates the coming calls will use, in order, while exploring (empty when
+        locked): the exploration's order does not depend on the times, only its end does."""
+        return [self.candidates[i] for i in self._queue] if self.locked is None else []
+
+    def reexplore(self, reason: str) -> None:
+        """Start a new exploration of every candidate now (e.g. when a controller that tunes
+        several tuners one at a time saw the step time drift)."""
+        self._start_exploration(reason)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The decision state as JSON-ready data: equal snapshots and equal recorded times give
+        equal decisions (what ranks compare before applying one)."""
+        return {
+            "candidates": self._described,
+            "trials": self.trials,
+            "calls": self.calls,
+            "explorations": self.explorations,
+            "queue": list(self._queue),
+            "times": {str(i): ts for i, ts in self._times.items()},
+            "locked": None if self.locked is None else self.candidates.index(self.locked),
+            "recent": list(self._recent),
+            "locked_calls": self._locked_calls,
+        }
 
     def step(self, fn: Callable[[Any], Any]) -> Any:
         """Choose, run ``fn(candidate)`` timed by ``clock``, record; return ``fn``'s result."""

@@ -36,6 +36,7 @@ APP = (
     "cokit.dashboard",
     "cokit.telemetry",
     "cokit.nn",
+    "cokit.overlap_training",
     "cokit.ops",
 )
 #: the folders' bare names: importing them bare bypasses the one import root, ``cokit``
