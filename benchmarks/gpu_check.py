@@ -19,6 +19,9 @@ budget is spent stops adding work and is marked BUDGET):
   linear.compile   cokit.nn.Linear in torch.compile(fullgraph=True): its GEMM kernel inside
                    Inductor's code, vs eager and vs compiled nn.Linear, dynamic shapes
   overlap          one-GPU study: GEMM next to an EMULATED communication kernel
+  train_step_overlap  a small transformer's training step with cokit.nn.Linear next to an
+                   EMULATED communication kernel: sequential, overlapped, shaped + high
+                   priority, and the configs cokit.nn.apply_overlap's tuner locked
   tp_layers        Column/RowParallelLinear MLP at world 1, collectives EMULATED, vs F.linear
 
 Needs a visible GPU and TRITON_INTERPRET unset (else exits 2 with one line); ``--allow-cpu``
@@ -51,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from cokit.bench.gpu_tp_phase import phase_tp_layers
+from cokit.bench.gpu_train_step_phase import phase_train_step_overlap
 
 DEFAULT_OUT = os.path.join("benchmarks", "out", "gpu_check")
 JSON_NAME, LOG_NAME = "gpu_check.json", "gpu_check.log"
@@ -763,6 +767,13 @@ def default_phases() -> list[Phase]:
         Phase("linear", phase_linear, 20, 45, what="cokit.nn.Linear vs F.linear (bf16)"),
         Phase("linear.compile", phase_linear_compile, 40, 70, what="Linear in torch.compile (Inductor)"),
         Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
+        Phase(
+            "train_step_overlap",
+            phase_train_step_overlap,
+            35,
+            80,
+            what="training step + EMULATED comm: sequential, overlapped, shaped+high, tuner",
+        ),
         Phase("tp_layers", phase_tp_layers, 20, 40, what="TP MLP fwd+bwd vs F.linear, EMULATED comm"),
     ]
 

@@ -426,6 +426,7 @@ def run_method(
     on_end: Callable[[nn.Module], None] | None = None,
     telemetry_dir: str | os.PathLike | None = None,
     telemetry_run: str | None = None,
+    overlap: bool = False,
 ) -> RunResult:
     """Train a fresh model (init from ``seed``) for ``steps`` steps with ``spec`` on every rank.
 
@@ -440,7 +441,9 @@ def run_method(
     (:meth:`Method.evaluation`: for SparseLoCo/DiLoCo the last sync's).
     ``telemetry_dir``: each rank writes a :class:`cokit.telemetry.Monitor` stream there (run
     ``telemetry_run``, default the method's display name; evaluations are left out of its
-    step times). The result is complete on every rank.
+    step times). ``overlap``: the model's linear layers run on cokit's GEMM with the
+    configs an online tuner picks while training (:func:`cokit.nn.apply_overlap`; its configs
+    and decisions go to the telemetry). The result is complete on every rank.
     """
     if steps < 1 or eval_every < 1:
         raise ValueError("steps and eval_every must be >= 1")
@@ -499,6 +502,11 @@ def run_method(
     monitor = None
     if telemetry_dir is not None:
         monitor = _monitor(telemetry_dir, telemetry_run or spec.display, spec, method, result, group)
+    tuning = None
+    if overlap:
+        from cokit.nn import apply_overlap
+
+        tuning = apply_overlap(model, process_group=group, monitor=monitor, timeout=spec.timeout)
     try:
         start = time.perf_counter()
         with _paused(monitor):
@@ -531,12 +539,19 @@ def run_method(
             if monitor is not None:
                 lr = method.optimizer.param_groups[0]["lr"]
                 monitor.step(step, loss=local_loss, lr=lr, held_out_loss=heldout_loss, opt_s=t2 - t1)
+            if tuning is not None:  # after the monitor: the configs it applies are the next step's
+                if heldout_loss is not None:
+                    tuning.restart_clock()  # this step's time includes an evaluation: not measured
+                tuning.step()
             if spent:
                 break
     except BaseException as exc:
         if monitor is not None:
             monitor.close(exc)
         raise
+    finally:
+        if tuning is not None:
+            tuning.undo()
     if monitor is not None:
         monitor.close()
     with method.evaluation():
@@ -585,9 +600,11 @@ def run_methods(
     log: bool = True,
     telemetry_dir: str | None = None,
     telemetry_runs: Sequence[str] | None = None,
+    overlap: bool = False,
 ) -> list[RunResult]:
     """Worker body: build the workload on this rank's device and run each spec in turn
-    (with telemetry in ``telemetry_dir``, runs named ``telemetry_runs``, one per spec)."""
+    (with telemetry in ``telemetry_dir``, runs named ``telemetry_runs``, one per spec; with
+    ``overlap``, on tuned cokit.nn.Linear layers)."""
     if telemetry_runs is not None and len(telemetry_runs) != len(specs):
         raise ValueError(f"telemetry_runs names {len(telemetry_runs)} runs for {len(specs)} specs")
     workload = factory.build(local_device(device))
@@ -602,6 +619,7 @@ def run_methods(
             log=printer,
             telemetry_dir=telemetry_dir,
             telemetry_run=telemetry_runs[i] if telemetry_runs is not None else None,
+            overlap=overlap,
         )
         for i, s in enumerate(specs)
     ]

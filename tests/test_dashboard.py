@@ -487,6 +487,15 @@ def _errors(events: list[dict]) -> list[dict]:
     ]
 
 
+def _session(browser: DevTools) -> str:
+    """A blank tab with the Runtime, Log and Page events on; its session id."""
+    target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    for domain in ("Runtime", "Log", "Page"):
+        browser.send(f"{domain}.enable", session=session)
+    return session
+
+
 def _open(browser: DevTools, session: str, page: Path, width: int = 1400) -> tuple[list[dict], int]:
     """Load ``page``, wait until plotly drew every panel, size the viewport to the whole page;
     returns the panels' probe and the index of the page's first event."""
@@ -533,10 +542,7 @@ def test_page_renders_in_headless_chromium(tmp_path):
     page_plain = cokit.dashboard.build_dashboard([plain], tmp_path / "b.html", log=None)
     browser = DevTools(binary, tmp_path / "profile")
     try:
-        target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for domain in ("Runtime", "Log", "Page"):
-            browser.send(f"{domain}.enable", session=session)
+        session = _session(browser)
         panels, since = _open(browser, session, page)
         shot = browser.send(
             "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session
@@ -580,3 +586,46 @@ def test_page_renders_in_headless_chromium(tmp_path):
         for rgb in want:
             close = (np.abs(region - np.asarray(rgb)).max(axis=2) < 30).sum()
             assert close > 100, f"{p['id']}: only {close} pixels in {rgb}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_overlap_demo_fills_the_kernel_and_tuner_panels(tmp_path, monkeypatch):
+    """``cokit demo --overlap`` records the configs in use on every step and the tuner's decisions
+    on every rank; its dashboard, in headless Chromium, shows them (no "nothing recorded" note)
+    and says that on CPU the configs change no timing."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "demo"
+    argv = ["demo", "--overlap", "--methods", "demo", "--model", "toy", "--steps", "16", "--eval-every", "8"]
+    argv += ["--batch-size", "4", "--max-chars", "200000", "--out", str(out), "--quiet"]
+    assert main(argv) == 0
+    assert json.loads((out / "demo.json").read_text())["config"]["overlap"] is True
+    for rank in (0, 1):
+        lines = (out / "telemetry" / "demo-DeMo" / f"rank{rank}.jsonl").read_text().splitlines()
+        steps = [r for r in map(json.loads, lines) if r["kind"] == "step"]
+        assert len(steps) == 16 and all(len(r["kernels"]) >= 4 for r in steps)
+        assert any(d["event"] == "lock" for r in steps for d in r["tuner"])
+    binary = _chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
+    page = cokit.dashboard.build_dashboard([out], tmp_path / "overlap.html", log=None)
+    browser = DevTools(binary, tmp_path / "profile")
+    try:
+        session = _session(browser)
+        panels, since = _open(browser, session, page)
+        errors = _errors(browser.events[since:])
+        section = browser.send(
+            "Runtime.evaluate",
+            {"expression": "document.querySelector('#panel-occupancy').textContent", "returnByValue": True},
+            session,
+        )["result"]["value"]
+    finally:
+        browser.close()
+    assert errors == [], errors
+    text = {p["id"]: p["text"] for p in panels}
+    for key in ("panel-occupancy", "panel-tuner"):
+        assert (
+            "no kernel configs recorded" not in text[key] and "no tuner decisions recorded" not in text[key]
+        )
+    assert "linear K32xN" in text["panel-occupancy"] and "lock" in text["panel-occupancy"]
+    assert "ran on CPU" in section and "change no timing" in section

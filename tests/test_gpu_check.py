@@ -67,7 +67,7 @@ def test_allow_cpu_quick_runs_every_phase(tmp_path):
     status = {p["name"]: p["status"] for p in report["phases"]}
     assert all(s in ("OK", "SKIPPED") for s in status.values()), status
     assert status["gemm.perf"] == "SKIPPED" and status["kernels.dct"] == "OK" and status["overlap"] == "OK"
-    assert status["tp_layers"] == "OK"
+    assert status["tp_layers"] == "OK" and status["train_step_overlap"] == "OK"
     assert report["complete"] is True and report["mode"].startswith("cpu")
     env = next(p for p in report["phases"] if p["name"] == "env")["result"]
     assert env["torch"] == torch.__version__ and "triton" in env

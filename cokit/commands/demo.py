@@ -16,6 +16,9 @@ telemetry stream of every rank and method in ``--out``/telemetry/ (``cokit dashb
 draws it; ``--no-telemetry`` turns it off). ``--out`` is
 created and checked for writing before training starts; a folder holding an earlier run's
 results is refused unless ``--overwrite`` is given (a second run never replaces them silently).
+``--overlap`` trains every method on ``cokit.nn.Linear`` layers whose GEMM configs an online
+tuner picks while training (``cokit.nn.apply_overlap``): the telemetry records the configs in
+use and the tuner's decisions, agreed by every rank (on CPU the configs change no timing).
 """
 
 from __future__ import annotations
@@ -215,6 +218,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="do not write the per-step telemetry stream (default: --out/telemetry/demo-DeMo/ and "
         "demo-AdamW/, one JSONL file per rank, for `cokit dashboard`)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="train on cokit.nn.Linear layers whose GEMM configs an online tuner picks while training "
+        "(cokit.nn.apply_overlap; configs and decisions go to the telemetry; on CPU they change no timing)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
@@ -426,6 +435,12 @@ def _run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         print("methods: " + "; ".join(_describe(s) for s in specs), flush=True)
+        if args.overlap:
+            print(
+                "overlap: nn.Linear -> cokit.nn.Linear, GEMM configs tuned online per shape class"
+                + (" (on CPU the configs change no timing; the records are real)" if device == "cpu" else ""),
+                flush=True,
+            )
 
     telemetry = None if args.no_telemetry else args.out
     runs = [TELEMETRY_RUNS[m] for m in methods]
@@ -441,6 +456,7 @@ def _run(args: argparse.Namespace) -> int:
         not args.quiet,
         telemetry,
         runs,
+        args.overlap,
         world_size=world,
         device=device,
         interpret=args.triton_interpret,
@@ -462,6 +478,7 @@ def _run(args: argparse.Namespace) -> int:
         "model_preset": args.model,
         "num_params": n_params,
         "triton_interpret": args.triton_interpret,
+        "overlap": args.overlap,
         "elapsed_s": elapsed,
         "workload": workload.info(),
     }

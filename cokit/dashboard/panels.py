@@ -279,17 +279,24 @@ def bytes_panel(runs: list[RunSeries], max_points: int) -> Panel:
 
 
 def occupancy_panel(runs: list[RunSeries], max_points: int) -> Panel:
-    """The kernel configs in use and their blocks per SM over the steps, above the share of
-    each step spent blocked on communication."""
+    """On one step axis: the kernel configs in use and their blocks per SM, the tuner's
+    decisions, the share of each step spent blocked on communication, and the train loss."""
     fig = make_subplots(
-        rows=3,
+        rows=5,
         cols=1,
         shared_xaxes=True,
-        row_heights=[0.34, 0.33, 0.33],
-        subplot_titles=("kernel config in use", "blocks per SM", "exposed communication / step time"),
-        vertical_spacing=0.07,
+        row_heights=[0.26, 0.18, 0.14, 0.21, 0.21],
+        subplot_titles=(
+            "kernel config in use",
+            "blocks per SM",
+            "tuner decisions",
+            "exposed communication / step time",
+            "train loss",
+        ),
+        vertical_spacing=0.05,
     )
-    any_kernel = False
+    any_kernel = any_decision = False
+    on_cpu: list[str] = []
     dashes = ("solid", "dash", "dot", "dashdot", "longdash")
     for i, r in enumerate(runs):
         color = run_color(i)
@@ -334,30 +341,71 @@ def occupancy_panel(runs: list[RunSeries], max_points: int) -> Panel:
                 row=2,
                 col=1,
             )
-        x, (frac,), _ = downsample(r.steps, [r.exposed_fraction()], max_points)
-        _add_line(
-            fig,
-            x,
-            frac,
-            f"{r.label} exposed fraction",
-            color,
-            width=1.4,
-            row=3,
-            col=1,
-            legendgroup=r.label,
-            showlegend=not r.kernels,
-            hovertemplate="exposed %{y:.1%}<extra>" + r.label + "</extra>",
-        )
-    note = ""
+        if r.decisions:
+            any_decision = True
+            fig.add_trace(
+                go.Scatter(
+                    x=[d.step for d in r.decisions],
+                    y=[d.event for d in r.decisions],
+                    name=f"{r.label} tuner",
+                    legendgroup=r.label,
+                    showlegend=False,
+                    mode="markers",
+                    marker={
+                        "color": color,
+                        "size": 7,
+                        "symbol": [TUNER_SYMBOLS.get(d.event, "square") for d in r.decisions],
+                    },
+                    hovertext=[f"{d.event} at step {d.step}<br>{d.reason}" for d in r.decisions],
+                    hoverinfo="text",
+                ),
+                row=3,
+                col=1,
+            )
+        x, (frac, loss), _ = downsample(r.steps, [r.exposed_fraction(), r.mean("loss")], max_points)
+        for row, y, name, template in (
+            (4, frac, "exposed fraction", "exposed %{y:.1%}"),
+            (5, loss, "train loss", "loss %{y:.4g}"),
+        ):
+            _add_line(
+                fig,
+                x,
+                y,
+                f"{r.label} {name}",
+                color,
+                width=1.4,
+                row=row,
+                col=1,
+                legendgroup=r.label,
+                showlegend=not r.kernels and row == 4,
+                hovertemplate=template + "<extra>" + r.label + "</extra>",
+            )
+        if r.kernels and str(r.run.meta.get("device", "")).startswith("cpu"):
+            on_cpu.append(r.label)
+    notes = []
     if not any_kernel:
-        note = "no kernel configs recorded"
+        notes.append("no kernel configs recorded")
         _empty_note(fig, "no kernel configs recorded", 1, 1)
         _empty_note(fig, "no kernel configs recorded", 2, 1)
+    if not any_decision:
+        _empty_note(fig, "no tuner decisions recorded", 3, 1)
+    if on_cpu:
+        notes.append(
+            f"{', '.join(on_cpu)} ran on CPU: there the GEMM configs change no timing (the torch path "
+            "runs them); the configs and decisions are the real records, the step times are not theirs"
+        )
     fig.update_yaxes(title_text="blocks/SM", rangemode="tozero", row=2, col=1)
-    fig.update_yaxes(title_text="fraction", range=[0, 1], tickformat=".0%", row=3, col=1)
+    fig.update_yaxes(type="category", row=3, col=1)
+    fig.update_yaxes(title_text="fraction", range=[0, 1], tickformat=".0%", row=4, col=1)
+    fig.update_yaxes(title_text="loss", row=5, col=1)
     fig.update_yaxes(type="category", row=1, col=1)
-    fig.update_xaxes(title_text="step", row=3, col=1)
-    return Panel("occupancy", "Occupancy and exposed communication", _layout(fig, 640), note)
+    fig.update_xaxes(title_text="step", row=5, col=1)
+    return Panel(
+        "occupancy",
+        "Overlap: kernel configs, occupancy, tuner, exposed communication",
+        _layout(fig, 900),
+        "; ".join(notes),
+    )
 
 
 def ranks_panel(runs: list[RunSeries], max_points: int) -> Panel:
