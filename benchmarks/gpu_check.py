@@ -737,8 +737,12 @@ def phase_overlap(ctx: Context) -> dict:
     summary = report.get("overlap", {})
     best = summary.get("best") or {}
     key = f"{summary.get('points', 0)} points"
+    if summary.get("noise_points"):
+        key += f" ({summary['noise_points']} beyond the physical bounds: noise, never best)"
     if best:
         key += f", best speedup {_fmt(best.get('speedup'))} ({_fmt(best.get('pct_of_ideal'))}% of ideal)"
+    elif summary.get("points"):
+        key += ", none within the physical bounds"
     problems = [str(r.get("error")) for r in rows if r.get("error")][:20]
     return {"rows": rows, "summary": summary, "problems": problems, "key": key}
 

@@ -185,3 +185,23 @@ def test_budget_counts_cut_work():
     b = Budget(0.0)
     assert b.spent() and b.stop(3) and b.cut == 3
     assert not Budget(None).stop()
+
+
+def test_overlap_summary_never_headlines_a_point_beyond_the_physical_bounds(monkeypatch, capsys):
+    """A speedup above (T_comp + T_comm) / max(T_comp, T_comm) is noise: flagged, never best."""
+    from cokit.bench import overlap_bench
+    from cokit.bench.timing import Budget
+
+    impossible = {"T_comp": 10.0, "T_comm": 10.0, "T_ovl": 1.5, "speedup": 20 / 1.5, "pct_of_ideal": 3912.0}
+    physical = {"T_comp": 10.0, "T_comm": 8.0, "T_ovl": 12.0, "speedup": 1.5, "pct_of_ideal": 75.0}
+    monkeypatch.setattr(
+        overlap_bench, "_cpu", lambda rows, quick, tiny=False: rows.extend([impossible, physical])
+    )
+    ctx = gpu_check.Context(device="cpu", on_gpu=False, quick=True, budget=Budget(30))
+    result = gpu_check.phase_overlap(ctx)
+    assert "above the ideal bound" in impossible["noise"] and physical["noise"] == ""
+    assert result["summary"]["best"]["speedup"] == 1.5 and result["summary"]["noise_points"] == 1
+    assert "1 beyond the physical bounds" in result["key"] and "best speedup 1.5" in result["key"]
+    monkeypatch.setattr(overlap_bench, "_cpu", lambda rows, quick, tiny=False: rows.append(dict(impossible)))
+    result = gpu_check.phase_overlap(ctx)
+    assert "best" not in result["summary"] and "none within the physical bounds" in result["key"]
