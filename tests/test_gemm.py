@@ -8,6 +8,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -265,6 +266,41 @@ def test_vendor_space_validates_against_its_chip(vendor, target):
             need = estimate_shared_bytes(cfg, dtype, limits)
             cfg.replace(smem_bytes=need).validate(vendor.BACKEND, limits, dtype=dtype)
     assert default_config(vendor.BACKEND) == space[0]
+
+
+@pytest.mark.parametrize("vendor,target", VENDORS, ids=[t for _, t in VENDORS])
+def test_configs_over_the_chip_are_refused_before_compile_and_defaults_fit(vendor, target):
+    """For every dtype: a config whose shared memory (the estimate) exceeds the chip's per-block
+    limit is refused by validation, naming the limit and the chip; every config pruning keeps
+    passes; the dtype's default config is the first that fits (the space's first does not in
+    fp32 on sm_80 and gfx942: 192 KiB of 163 KiB, 128 KiB of 64 KiB)."""
+    limits = arch_limits(target)
+    space = config_space(vendor.BACKEND)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        kept = prune_configs(space, dtype, limits)
+        for cfg in space:
+            need = estimate_shared_bytes(cfg, dtype, limits)
+            if cfg in kept:
+                cfg.validate(vendor.BACKEND, limits, dtype=dtype)
+            else:
+                assert need > limits.max_shared_per_block
+                with pytest.raises(
+                    ValueError,
+                    match=rf"needs {need} B .* above the {limits.max_shared_per_block} B limit of {re.escape(limits.name)}",
+                ):
+                    cfg.validate(vendor.BACKEND, limits, dtype=dtype)
+        default = default_config(vendor.BACKEND, dtype=dtype, limits=limits)
+        assert default == kept[0]
+        default.validate(vendor.BACKEND, limits, dtype=dtype)
+    over = {"sm_80": 196608, "gfx942": 131072}.get(target)
+    if over is not None:  # the issue's finding: the space's first config does not fit in fp32
+        with pytest.raises(ValueError, match=f"needs {over} B"):
+            space[0].validate(vendor.BACKEND, limits, dtype=torch.float32)
+        assert default_config(vendor.BACKEND, dtype=torch.float32, limits=limits) != space[0]
+    too_many = space[0].replace(num_warps=max(vendor.NUM_WARPS))
+    if too_many.num_warps * limits.warp_size > limits.max_threads_per_block:
+        with pytest.raises(ValueError, match="threads per block"):
+            too_many.validate(vendor.BACKEND, limits)
 
 
 def test_amd_space_is_rejected_on_nvidia():

@@ -611,7 +611,7 @@ def _resolve_config(
         )
     else:
         # On a GPU the exact need is checked against the compiled kernel in with_shared_memory.
-        config.validate(path, limits, dtype=a.dtype if path == "interpreter" else None)
+        config.validate(path, limits, dtype=a.dtype, precision=precision)
     return limits, config
 
 
@@ -648,7 +648,7 @@ def compile_gemm(
         raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
     if limits.backend == "hip" and precision == "tf32" and dtype == torch.float32:
         raise ValueError("precision='tf32' is not available on AMD GPUs in Triton; allowed there: 'ieee'")
-    config.validate(limits.backend, limits)
+    config.validate(limits.backend, limits, dtype=dtype, precision=precision)
     ptr = "*" + _TRITON_DTYPE[dtype]
     kernel = _gemm_persistent_kernel if config.persistent else _gemm_kernel
     signature: dict[str, str] = {

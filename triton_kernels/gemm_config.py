@@ -127,13 +127,16 @@ class GemmConfig:
         *,
         dtype: torch.dtype | None = None,
         needed_shared: int | None = None,
+        precision: str = "ieee",
     ) -> GemmConfig:
         """Raise ``ValueError`` naming the bad field; return ``self`` when valid.
 
         ``backend`` is 'cuda', 'hip' or 'interpreter' (vendor knobs of either vendor allowed,
-        ignored at run time). ``limits`` bounds ``smem_bytes`` and ``num_sms`` from above;
-        ``needed_shared`` (from a compiled kernel; else estimated when ``dtype`` is given)
-        bounds ``smem_bytes`` from below.
+        ignored at run time). ``limits`` bounds ``smem_bytes`` and ``num_sms`` from above, and
+        the shared memory the kernel needs (``needed_shared``, from a compiled kernel; else
+        :func:`estimate_shared_bytes` for ``dtype`` and ``precision`` when ``dtype`` is given)
+        and its threads per block: a config over the chip's limits is refused before any
+        compile, naming the limit. ``needed_shared`` also bounds ``smem_bytes`` from below.
         """
         if backend not in ALLOWED_NUM_WARPS:
             raise ValueError(f"backend {backend!r} is unknown; allowed: cuda, hip, interpreter")
@@ -197,6 +200,30 @@ class GemmConfig:
             )
         if self.kpack is not None and self.kpack not in (1, 2):
             raise ValueError(f"kpack={self.kpack!r} is invalid; allowed: 1, 2")
+        # what the kernel needs must fit the chip
+        need = needed_shared
+        source = "the compiled kernel uses"
+        if need is None and dtype is not None:
+            need = estimate_shared_bytes(
+                self,
+                dtype,
+                limits if limits is not None else ("hip" if backend == "hip" else "cuda"),
+                precision,
+            )
+            source = f"this config is estimated to use for {dtype_name(dtype)}"
+        if limits is not None:
+            if need is not None and need > limits.max_shared_per_block:
+                raise ValueError(
+                    f"{self.spec()} needs {need} B of shared memory per block ({source}), above the "
+                    f"{limits.max_shared_per_block} B limit of {limits.name}; use smaller BLOCK_M/BLOCK_N/"
+                    "BLOCK_K or fewer num_stages"
+                )
+            threads = self.num_warps * limits.warp_size
+            if threads > limits.max_threads_per_block:
+                raise ValueError(
+                    f"num_warps={self.num_warps} is {threads} threads per block, above the "
+                    f"{limits.max_threads_per_block} of {limits.name}"
+                )
         # per-block shared-memory footprint
         if self.smem_bytes is not None:
             if (
@@ -212,13 +239,6 @@ class GemmConfig:
                     f"smem_bytes={self.smem_bytes} is above the device limit of "
                     f"{limits.max_shared_per_block} B per block on {limits.name}"
                 )
-            need = needed_shared
-            source = "the compiled kernel uses"
-            if need is None and dtype is not None:
-                need = estimate_shared_bytes(
-                    self, dtype, limits if limits is not None else ("hip" if backend == "hip" else "cuda")
-                )
-                source = "this config is estimated to use"
             if need is not None and self.smem_bytes < need:
                 raise ValueError(
                     f"smem_bytes={self.smem_bytes} is below the {need} B of shared memory {source}; "
@@ -410,9 +430,24 @@ def config_space(backend: str, persistent: bool = False) -> list[GemmConfig]:
     return [GemmConfig(**fields, persistent=persistent) for fields in vendor.SPACE]
 
 
-def default_config(backend: str, persistent: bool = False) -> GemmConfig:
-    """The vendor's default config (the first of its space)."""
-    return config_space(backend, persistent)[0]
+def default_config(
+    backend: str,
+    persistent: bool = False,
+    *,
+    dtype: torch.dtype | None = None,
+    limits: ArchLimits | None = None,
+    precision: str = "ieee",
+) -> GemmConfig:
+    """The vendor's default config: the first of its space, or, given ``dtype`` and
+    ``limits``, the first that fits that chip for that dtype (fp32 tiles take twice the shared
+    memory of 16-bit ones: the space's first does not fit every chip in fp32)."""
+    space = config_space(backend, persistent)
+    if dtype is None or limits is None:
+        return space[0]
+    fitting = prune_configs(space, dtype, limits, precision=precision)
+    if not fitting:
+        raise ValueError(f"no {backend} GEMM config fits {limits.name} for {dtype_name(dtype)}")
+    return fitting[0]
 
 
 def interpreter_config(M: int, N: int, K: int, persistent: bool = False) -> GemmConfig:
