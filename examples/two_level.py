@@ -94,9 +94,10 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             stats = opt.comm_stats
             inter = stats.step_sent_bytes - stats.step_intra_sent_bytes
-            print(
-                f"step {step:3d}  loss {loss.item():.4f}  bytes/step: inside {stats.step_intra_sent_bytes:,}"
-                f"  across {inter:,}  (a dense all-reduce: {stats.step_dense_bytes:,})",
+            print(  # what each number is: the fast links inside a node carry the dense part
+                f"step {step:3d}  loss {loss.item():.4f}  sent by this rank: {stats.step_intra_sent_bytes:,} B "
+                f"inside its node (the fast links) + {inter:,} B across nodes (compressed); a dense "
+                f"all-reduce would send {stats.step_dense_bytes:,} B, all of it across the slow links",
                 flush=True,
             )
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]

@@ -497,6 +497,24 @@ def test_bad_steps_and_values_are_clear_errors(tmp_path):
     assert steps == [5, 6]  # refused steps wrote nothing
 
 
+def test_metrics_as_a_mapping_and_as_keywords(tmp_path):
+    """``metrics={...}`` (what a dict of metrics reads like) and keywords both land in
+    ``metrics``; a name given both ways, or metrics that are not a mapping, are refused and
+    write nothing."""
+    mon = Monitor(tmp_path, "r")
+    rec = mon.step(1, loss=1.0, metrics={"grad_norm": 1.5, "tokens": torch.tensor(64)}, acc=0.5)
+    assert rec["metrics"] == {"grad_norm": 1.5, "tokens": 64.0, "acc": 0.5}
+    with pytest.raises(ValueError, match="'acc' given both in metrics= and as keywords"):
+        mon.step(2, metrics={"acc": 0.1}, acc=0.2)
+    with pytest.raises(TypeError, match="metrics must be a mapping"):
+        mon.step(2, metrics=[("acc", 0.1)])
+    with pytest.raises(TypeError, match="metric 'grad_norm'"):
+        mon.step(2, metrics={"grad_norm": "big"})
+    mon.close()
+    steps = [r for r in _lines(tmp_path) if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1] and steps[0]["metrics"]["tokens"] == 64.0
+
+
 def test_check_record_names_the_problem():
     with pytest.raises(ValueError, match="misses step_s"):
         check_record(

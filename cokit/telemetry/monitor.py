@@ -321,12 +321,14 @@ class Monitor:
         loss: Any = None,
         lr: Any = None,
         held_out_loss: Any = None,
-        **metrics: Any,
+        metrics: Mapping[str, Any] | None = None,
+        **more: Any,
     ) -> dict[str, Any]:
         """Record step ``step`` (an int above the previous one); returns the record written.
 
-        ``loss``, ``lr``, ``held_out_loss`` and the extra ``metrics`` are numbers (or
-        one-element tensors, read with ``.item()``); NaN and inf are written as null. The
+        ``loss``, ``lr``, ``held_out_loss`` and the extra metrics (a ``metrics`` mapping and/or
+        keywords: ``metrics={"grad_norm": g}`` or ``grad_norm=g``) are numbers (or one-element
+        tensors, read with ``.item()``); NaN and inf are written as null. The
         step time is the time since the previous call (the first: since the monitor
         started), less time spent in :meth:`paused`; ``compute_s`` is the step time less the
         optimizer's encode, decode and exposed communication time (null when the optimizer
@@ -342,6 +344,12 @@ class Monitor:
                 f"step {step} after step {self.last_step}: step numbers must increase "
                 "(one call per training step)"
             )
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
+        twice = sorted(set(metrics or {}) & set(more))
+        if twice:
+            raise ValueError(f"metric(s) {', '.join(map(repr, twice))} given both in metrics= and as keywords")
+        metrics = {**(metrics or {}), **more}
         values = {"loss": loss, "lr": lr, "held_out_loss": held_out_loss}
         numbers_ = {k: _number(k, v) for k, v in values.items()}
         extra = {}
