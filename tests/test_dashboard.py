@@ -16,6 +16,7 @@ import queue
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -629,3 +630,20 @@ def test_overlap_demo_fills_the_kernel_and_tuner_panels(tmp_path, monkeypatch):
         )
     assert "linear K32xN" in text["panel-occupancy"] and "lock" in text["panel-occupancy"]
     assert "ran on CPU" in section and "change no timing" in section
+
+
+def test_without_plotly_the_command_says_what_to_install(tmp_path):
+    """plotly is an optional extra: without it `cokit dashboard` exits 2 with one line naming
+    the install, and `import cokit` (the library) works."""
+    _two_runs(tmp_path / "runs", steps=5)
+    code = (
+        "import sys; sys.modules['plotly'] = None; import cokit, cokit.compress, cokit.telemetry; "
+        "from cokit.cli import main; sys.exit(main(['dashboard', sys.argv[1]]))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "runs")], capture_output=True, text=True, timeout=120
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2, res.stderr
+    assert len(lines) == 1 and "pip install 'cokit[dashboard]'" in lines[0], res.stderr
+    assert not (tmp_path / "runs" / "dashboard.html").exists()

@@ -58,7 +58,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Check the RUN_DIRs and --out, read the telemetry, write the page, print its path."""
-    from cokit.dashboard import DEFAULT_MAX_POINTS, TelemetryError, build_dashboard
+    try:
+        from cokit.dashboard import DEFAULT_MAX_POINTS, TelemetryError, build_dashboard
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "plotly":
+            raise
+        raise CliError(
+            "cokit dashboard draws with plotly, an optional extra that is not installed: "
+            "pip install 'cokit[dashboard]' (or pip install plotly)"
+        ) from None
     from cokit.files import OutputError
 
     max_points = DEFAULT_MAX_POINTS if args.max_points is None else args.max_points
