@@ -408,6 +408,9 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     @overload
     def step(self, closure: Callable[[], float]) -> float: ...
 
+    # Eager even inside torch.compile (docs/design.md §3): collectives, the status agreement and
+    # the timing cannot be traced, and the per-tensor math already runs in cokit's kernels.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One synchronized step over every parameter that has a gradient."""

@@ -333,6 +333,9 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
+    # Eager even inside torch.compile (docs/design.md §3): collectives, the status agreement and
+    # the timing cannot be traced, and the per-tensor math already runs in cokit's kernels.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One local step of the inner optimizer; every ``current_interval``-th step, a sync."""
