@@ -87,12 +87,12 @@ def shaped_candidates(
 ) -> tuple[list[GemmConfig], list[str]]:
     """Occupancy-shaped GEMM configs for one shape class, and why others were left out.
 
-    From the vendor's space (pruned to the device; configs whose tiles exceed the class's
-    N = ``out_features`` and K = ``in_features`` least come first, vendor order among equals;
-    the batch rows are not known here), in this order: the first config as is; the same with twice its shared-memory footprint per
-    block (fewer blocks per SM: room for communication kernels); its persistent form leaving
-    each of :data:`RESERVE_FRACTIONS` of the SMs/CUs to communication; the space's next
-    configs (other tiles, warps, stages). Each must pass ``guard`` (with ``comm_sms`` SMs
+    From the vendor's space (pruned to the device; the configs whose tiles exceed the class's
+    N = ``out_features`` and K = ``in_features`` least come first, the vendor's order among
+    equals; the batch rows are not known here), in this order: the first config as is; the
+    same with twice its shared-memory footprint per block (fewer blocks per SM: room for
+    communication kernels); its persistent form leaving each of :data:`RESERVE_FRACTIONS` of
+    the SMs/CUs to communication; the space's next configs (other tiles, warps, stages). Each must pass ``guard`` (with ``comm_sms`` SMs
     taken by communication) and the config's own validation; the returned reasons name what
     each rejected candidate breaks.
     """
