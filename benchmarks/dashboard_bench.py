@@ -130,10 +130,12 @@ def _rank_lines(
     kernels: bool,
     tuner: bool,
     held_out_every: int,
+    sync_every: int = 0,
+    first_step_s: float | None = None,
 ) -> tuple[list[dict[str, Any]], list[float]]:
     """One rank's meta and step records, and its step times."""
     rng = random.Random(seed * 1000 + rank)
-    compressed = method == "demo"
+    compressed = method == "demo" or sync_every > 0
     dense_bytes = 4 * 1_200_000
     t0 = 1_760_000_000.0
     lines = [
@@ -161,7 +163,15 @@ def _rank_lines(
         decisions, cfg = _decisions(step, steps, wall, state, seed) if tuner else ([], 0)
         straggle = 1.15 if rank == ranks - 1 and steps / 3 <= step < 2 * steps / 3 else 1.0
         compute = 0.030 * straggle * (1.0 + 0.05 * rng.gauss(0, 1)) * (1.0 + 0.04 * cfg)
-        if compressed:
+        if step == 0 and first_step_s is not None:
+            compute = first_step_s  # compile / warm-up
+        if sync_every > 0:  # SparseLoCo-like: local steps send nothing, a sync sends them all
+            syncing = step % sync_every == sync_every - 1
+            encode = decode = 0.004 if syncing else 0.0
+            comm = 0.04 * (1 + 0.2 * rng.random()) if syncing else 0.0
+            exposed = comm * 0.7
+            sent = dense_bytes * sync_every // 150 + rng.randrange(0, 2000) if syncing else 0
+        elif compressed:
             encode, decode = 0.0021 * (1 + 0.1 * rng.random()), 0.0015 * (1 + 0.1 * rng.random())
             comm = 0.009 * (1 + 0.2 * rng.random())
             exposed = min(comm, 0.0015 + 0.001 * rng.random())
@@ -191,7 +201,7 @@ def _rank_lines(
                 t0 + wall,
                 step=step,
                 wall_s=wall,
-                step_s=step_s if step else None,
+                step_s=step_s if step or first_step_s is not None else None,
                 loss=base + 0.08 * rng.gauss(0, 1),
                 held_out_loss=held,
                 lr=1e-3 * min(1.0, (step + 1) / 20),
@@ -203,7 +213,7 @@ def _rank_lines(
                     "sent_bytes": sent,
                     "received_bytes": sent * (ranks - 1) if compressed else sent,
                     "dense_bytes": dense_bytes,
-                    "ratio": cum_dense / cum_sent,
+                    "ratio": cum_dense / cum_sent if cum_sent else None,  # inf is written as null
                     "collectives": [
                         {
                             "what": "all_gather" if compressed else "all_reduce",
@@ -250,6 +260,8 @@ def write_synthetic_telemetry(
     end: bool = True,
     seed: int = 0,
     held_out_every: int = 25,
+    sync_every: int = 0,
+    first_step_s: float | None = None,
 ) -> list[Path]:
     """Write ``root/telemetry/<run>/rank<r>.jsonl`` for ``ranks`` ranks in the telemetry schema.
 
@@ -257,12 +269,18 @@ def write_synthetic_telemetry(
     anything else behaves like a dense all-reduce (ratio 1, more exposed). The last rank
     straggles by 15 % in the middle third. With ``tuner``, every rank's tuner explores three
     configs, locks, drifts at 50-70 % (by seed) and re-locks; ``kernels`` records the config in use; rank 0
-    writes per-step ``summary`` records across ranks. Returns the files written.
+    writes per-step ``summary`` records across ranks. ``sync_every=H`` makes a SparseLoCo-like
+    run: zero bytes on H - 1 steps out of H, then one sync sending them all (ratio ~150 at
+    syncs). ``first_step_s`` gives step 0 that step time (a compile/warm-up outlier); by
+    default step 0 has no ``step_s``. Returns the files written.
     """
     folder = Path(root) / "telemetry" / run
     folder.mkdir(parents=True, exist_ok=True)
     per_rank = [
-        _rank_lines(run, r, ranks, steps, method, seed, kernels, tuner, held_out_every) for r in range(ranks)
+        _rank_lines(
+            run, r, ranks, steps, method, seed, kernels, tuner, held_out_every, sync_every, first_step_s
+        )
+        for r in range(ranks)
     ]
     t0 = 1_760_000_000.0
     if summary and ranks > 1:

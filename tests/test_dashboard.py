@@ -29,6 +29,7 @@ import cokit.dashboard
 from cokit.bench.dashboard_bench import write_synthetic_telemetry
 from cokit.cli import main
 from cokit.dashboard import figures, load_telemetry, render_html
+from cokit.dashboard.axes import first_step_range, log_axis, step_range, sync_steps
 from cokit.dashboard.panels import run_color
 from cokit.dashboard.series import downsample, run_series
 
@@ -647,3 +648,160 @@ def test_without_plotly_the_command_says_what_to_install(tmp_path):
     assert res.returncode == 2, res.stderr
     assert len(lines) == 1 and "pip install 'cokit[dashboard]'" in lines[0], res.stderr
     assert not (tmp_path / "runs" / "dashboard.html").exists()
+
+
+# ---------------------------------------------------------------------- axes
+def test_axis_decisions_on_plain_arrays():
+    """Log when a range spans more than a decade; syncs when most steps send nothing; the
+    shared step range; a first-step outlier's range from the later steps."""
+    assert log_axis([np.array([1.0, 2.0]), np.array([60.0, np.nan])])
+    assert not log_axis([np.array([1.0, 2.0, 9.0]), np.array([0.0, -5.0])])  # zeros, negatives ignored
+    assert not log_axis([np.array([np.nan])]) and not log_axis([])
+    sent = np.array([0, 0, 0, 500, 0, 0, 0, 510, np.nan], dtype=float)
+    assert list(sync_steps(sent)) == [False] * 3 + [True] + [False] * 3 + [True, False]
+    assert sync_steps(np.array([100.0, 0, 120, 110])) is None  # sends on most steps
+    assert sync_steps(np.zeros(5)) is None and sync_steps(np.full(3, np.nan)) is None
+    assert step_range([np.arange(0, 101), np.arange(5, 50)]) == [-1.0, 101.0]
+    assert step_range([np.array([3])]) == [2.5, 3.5] and step_range([np.zeros(0)]) is None
+    rng = np.random.default_rng(0)
+    later = 30 + rng.normal(0, 1, 200)
+    found = first_step_range([np.concatenate([[300.0], later]), 31 + rng.normal(0, 1, 200)])
+    assert found is not None and found[1] == 300.0
+    lo, hi = found[0]
+    assert 20 < lo < 29 and 32 < hi < 40, found
+    assert first_step_range([np.concatenate([[300.0], later])], from_zero=True)[0][0] == 0.0
+    assert first_step_range([np.concatenate([[35.0], later])]) is None  # no outlier
+    assert first_step_range([np.array([300.0, 30.0])]) is None  # too few later steps
+
+
+def _sync_runs(root: Path, steps: int = 120) -> Path:
+    """DeMo with a 300 ms first step, AdamW, and a SparseLoCo-like run syncing every 10 steps."""
+    write_synthetic_telemetry(root, "demo-DeMo", steps=steps, ranks=2, seed=1, first_step_s=0.3)
+    write_synthetic_telemetry(root, "demo-AdamW", steps=steps, ranks=2, method="adamw", seed=2)
+    write_synthetic_telemetry(
+        root, "sparseloco", steps=steps, ranks=2, method="sparseloco", seed=3, sync_every=10
+    )
+    return root
+
+
+def test_syncs_are_markers_log_axes_and_first_step_range(tmp_path):
+    """SparseLoCo's bytes and ratio are drawn at its syncs only (no line through zeros, no
+    sawtooth); bytes and ratio axes are log; the time plots' initial y range leaves DeMo's
+    300 ms first step out (the point stays) and the notes say so; every step axis starts from
+    the same range and has spikelines, the loss against wall time and bytes are not linked."""
+    panels = {p.key: p for p in figures(_sync_runs(tmp_path / "r"))}
+    fig = panels["bytes"].figure
+    syncs = {t.name: t for t in fig.data if t.legendgroup == "sparseloco"}
+    sent, ratio = syncs["sparseloco sent (syncs)"], syncs["sparseloco ratio (syncs)"]
+    assert sent.mode == "markers" and list(sent.x) == list(range(9, 120, 10)) and min(sent.y) > 0
+    assert ratio.mode == "lines+markers" and list(ratio.x) == list(sent.x)
+    assert max(ratio.y) / min(ratio.y) < 1.05  # cumulative at the syncs: flat, no spike
+    assert syncs["sparseloco dense"].mode == "lines" and len(syncs["sparseloco dense"].x) == 120
+    demo = next(t for t in fig.data if t.name == "demo-DeMo sent")
+    assert demo.mode == "lines" and len(demo.x) == 120
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"  # 1x .. 150x
+    assert "sparseloco send(s) bytes only at syncs" in panels["bytes"].note
+    # only DeMo and AdamW: ratios 1..60 still span more than a decade; one run alone does not
+    alone = {p.key: p for p in figures(_two_runs(tmp_path / "two", steps=40))}
+    assert alone["bytes"].figure.layout.yaxis2.type == "log"
+    one = tmp_path / "one"
+    write_synthetic_telemetry(one, "demo-DeMo", steps=40, ranks=1)
+    assert {p.key: p for p in figures(one)}["bytes"].figure.layout.yaxis2.type == "linear"
+    # the first step: out of the initial y range, still in the data
+    for key, yaxis in (("time", "yaxis2"), ("ranks", "yaxis"), ("tuner", "yaxis")):  # time: row 2 is DeMo
+        f = panels[key].figure
+        assert "first step (30" in panels[key].note and "compile/warm-up" in panels[key].note, key
+        top = f.layout[yaxis].range[1]
+        assert 30 < top < 100 and f.layout[yaxis].autorange is False, (key, top)
+        on = [np.nanmax(np.asarray(t.y, dtype=float)) for t in f.data if t.yaxis in (None, "y" + yaxis[5:])]
+        assert max(on) > 250, key
+    assert panels["time"].figure.layout.yaxis.range is None  # AdamW's first step is no outlier
+    assert "first step" not in alone["ranks"].note and alone["ranks"].figure.layout.yaxis.range is None
+    # the shared step axis
+    assert panels["loss"].step_axes == ("xaxis",)
+    assert panels["occupancy"].step_axes == tuple(f"xaxis{i}" if i > 1 else "xaxis" for i in range(1, 6))
+    for p in panels.values():
+        for name in p.step_axes:
+            ax = p.figure.layout[name]
+            assert tuple(ax.range) == (-1.19, 120.19) and ax.showspikes, (p.key, name)
+    loss = panels["loss"].figure.layout
+    assert loss.xaxis2.range is None and loss.xaxis3.range is None and not loss.xaxis2.showspikes
+
+
+LINK_PROBE = """(async () => {
+  const link = window.cokitStepAxes;
+  const plot = id => document.getElementById(id);
+  const ranges = () => Object.fromEntries(Object.keys(link).map(id => [id, Object.fromEntries(
+      Object.keys(plot(id).layout).filter(k => /^xaxis\\d*$/.test(k))
+        .map(k => [k, plot(id).layout[k].range]))]));
+  const settle = () => new Promise(done => setTimeout(done, 400));
+  const out = {link, range: window.cokitStepRange, calls: []};
+  const relayout = Plotly.relayout;
+  let calls = 0;  // relayouts, the page's own included: a feedback loop would never stop
+  Plotly.relayout = function () { calls++; return relayout.apply(this, arguments); };
+  await Plotly.relayout(plot('plot-loss'), {'xaxis.range': [A, B]});  // zoom the first step panel
+  await settle();
+  out.zoomed = ranges();
+  out.calls.push(calls);
+  await settle();
+  out.calls.push(calls);
+  await Plotly.relayout(plot('plot-bytes'), {'xaxis2.autorange': true});  // reset another one
+  await settle();
+  out.reset = ranges();
+  await settle();
+  out.calls.push(calls);
+  // hover step 40 on one panel, as the mouse does (an event with a target emits plotly_hover)
+  const drag = plot('plot-time').querySelector('.draglayer .xy .nsewdrag');
+  const box = drag.getBoundingClientRect();
+  const mouse = {xval: 40, target: drag, clientX: box.left + box.width / 2, clientY: box.top + box.height / 2};
+  Plotly.Fx.hover(plot('plot-time'), mouse, 'xy');
+  await settle();
+  out.hovered = Object.fromEntries(Object.keys(link).map(id => [id, (plot(id)._hoverdata || []).map(p => p.x)]));
+  return JSON.stringify(out);
+})()"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_step_axes_zoom_reset_and_hover_together_in_chromium(tmp_path):
+    """In headless Chromium: zooming the first step panel gives every step axis of every panel
+    (each shared subplot axis too) the same range, and nothing else (loss against wall time and
+    bytes keep theirs); resetting another panel returns all of them to the shared initial range;
+    hovering a step on one panel hovers that step on the others; no console errors."""
+    binary = _chromium()
+    if binary is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
+    page = cokit.dashboard.build_dashboard([_sync_runs(tmp_path / "runs")], tmp_path / "a.html", log=None)
+    a, b = 20.5, 60.25
+    browser = DevTools(binary, tmp_path / "profile")
+    try:
+        session = _session(browser)
+        panels, since = _open(browser, session, page)
+        expr = LINK_PROBE.replace("[A, B]", f"[{a}, {b}]")
+        res = browser.send(
+            "Runtime.evaluate", {"expression": expr, "awaitPromise": True, "returnByValue": True}, session
+        )
+        errors = _errors(browser.events[since:])
+    finally:
+        browser.close()
+    assert errors == [], errors
+    assert all(p["svg"] >= 1 and p["traces"] >= 1 for p in panels), panels
+    assert "exceptionDetails" not in res, res
+    out = json.loads(res["result"]["value"])
+    link = out["link"]
+    assert set(link) == {f"plot-{k}" for k in PANEL_KEYS}
+    assert link["plot-loss"] == {"axes": ["xaxis"], "subplots": ["xy"]}
+    assert link["plot-occupancy"]["subplots"] == ["xy", "x2y2", "x3y3", "x4y4", "x5y5"]
+    assert out["range"] == [-1.19, 120.19]
+    for state, want in (("zoomed", [a, b]), ("reset", out["range"])):
+        for plot, axes in link.items():
+            for ax in axes["axes"]:
+                np.testing.assert_allclose(
+                    out[state][plot][ax], want, atol=1e-6, err_msg=f"{state} {plot} {ax}"
+                )
+    # zoom: the test's call and one per other figure; reset: the test's and one per figure
+    assert out["calls"] == [6, 6, 13], out["calls"]
+    for ax in ("xaxis2", "xaxis3"):  # loss against wall time and bytes: not step axes
+        assert not np.allclose(out["zoomed"]["plot-loss"][ax], [a, b]), out["zoomed"]["plot-loss"]
+    for plot in link:
+        assert 40 in out["hovered"][plot], (plot, out["hovered"])

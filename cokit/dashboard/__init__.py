@@ -7,8 +7,10 @@ Reads ``RUN_DIR/telemetry/<run>/rank<r>.jsonl`` (schema ``cokit.telemetry/1``, w
 :class:`cokit.telemetry.Monitor`) for every RUN_DIR, overlays all their runs, and writes one
 HTML file with plotly.js inline: loss against step, wall time and bytes; the step-time split
 with hidden communication; bytes and compression ratio; kernel configs and blocks per SM
-beside the exposed-communication fraction; per-rank step time; tuner decisions.
-:func:`figures` gives the same panels as plotly figures (for a notebook).
+beside the exposed-communication fraction; per-rank step time; tuner decisions. The panels
+share one step axis (zoom, reset and hover move together; :mod:`cokit.dashboard.axes` makes
+the log-axis, sync-marker and first-step-outlier decisions). :func:`figures` gives the same
+panels as plotly figures (for a notebook).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The dashboard page: a header describing the runs, then the panels, in one HTML file.
 
 plotly.js is embedded once, inline, so the file opens offline from disk (no server, no CDN);
-each panel is a ``<section class="panel" id="panel-KEY">`` holding one plot div.
+each panel is a ``<section class="panel" id="panel-KEY">`` holding one plot div. A small
+script (:data:`LINK_JS`) links the panels' step axes: zooming or resetting one step axis moves
+all the others, and hovering a step shows that step on every panel.
 """
 
 from __future__ import annotations
@@ -35,6 +37,72 @@ table.runs th, table.runs td { border-bottom: 1px solid #ddd; padding: 4px 10px 
 .panel { margin: 18px 0 8px; padding-top: 8px; border-top: 1px solid #eee; }
 .note { color: #555; font-size: 13px; margin: 0 0 4px; min-height: 1em; }
 code { font-size: 12px; }
+"""
+
+#: Links the step axes of the page's figures (``STEP_AXES``: plot div id -> its step axes and
+#: their subplots; ``STEP_RANGE``: the shared initial range). A relayout of a step axis (zoom,
+#: pan, reset) is applied to every step axis of every figure; a reset (autorange) returns all
+#: of them to the shared range. No feedback loop: a figure already at the target range is left
+#: alone, and the event of a figure this script moved is not passed on. Hovering a step on one
+#: figure hovers it on the others (without their hover events).
+LINK_JS = """
+(function () {
+  const LINK = window.cokitStepAxes = %(axes)s;
+  const RANGE = window.cokitStepRange = %(range)s;
+  const plots = () => Object.keys(LINK).map(id => document.getElementById(id)).filter(Boolean);
+  const moving = new Set();
+  const same = (a, b) => Math.abs(a - b) <= 1e-9 * Math.max(1, Math.abs(a), Math.abs(b));
+  function stepRange(gd, ev) {
+    for (const ax of LINK[gd.id].axes) {
+      if (ev[ax + '.autorange']) return 'auto';
+      if (Array.isArray(ev[ax + '.range'])) return ev[ax + '.range'].map(Number);
+      if ((ax + '.range[0]') in ev && (ax + '.range[1]') in ev)
+        return [Number(ev[ax + '.range[0]']), Number(ev[ax + '.range[1]'])];
+    }
+    return null;
+  }
+  function moveAll(range) {
+    if (range === 'auto' && RANGE) range = RANGE;
+    for (const gd of plots()) {
+      const update = {};
+      for (const ax of LINK[gd.id].axes) {
+        const cur = gd.layout[ax] || {};
+        if (range === 'auto') {
+          if (!cur.autorange) update[ax + '.autorange'] = true;
+        } else if (!(Array.isArray(cur.range) && same(cur.range[0], range[0]) && same(cur.range[1], range[1]))) {
+          update[ax + '.range'] = range.slice();
+        }
+      }
+      if (Object.keys(update).length) {
+        moving.add(gd);
+        Plotly.relayout(gd, update).finally(() => moving.delete(gd));
+      }
+    }
+  }
+  let hovering = false;
+  function hoverAll(gd, ev) {
+    const pt = ev && ev.points && ev.points[0];
+    if (hovering || !pt || typeof pt.x !== 'number' || !pt.xaxis || !LINK[gd.id].axes.includes(pt.xaxis._name)) return;
+    hovering = true;
+    try {
+      for (const other of plots()) if (other !== gd) Plotly.Fx.hover(other, {xval: pt.x}, LINK[other.id].subplots, true);
+    } finally { hovering = false; }
+  }
+  function unhoverAll(gd) {
+    if (hovering) return;
+    hovering = true;
+    try { for (const other of plots()) if (other !== gd) Plotly.Fx.unhover(other); } finally { hovering = false; }
+  }
+  for (const gd of plots()) {
+    gd.on('plotly_relayout', ev => {
+      if (moving.has(gd)) return;
+      const range = stepRange(gd, ev || {});
+      if (range) moveAll(range);
+    });
+    gd.on('plotly_hover', ev => hoverAll(gd, ev));
+    gd.on('plotly_unhover', () => unhoverAll(gd));
+  }
+})();
 """
 
 
@@ -125,6 +193,21 @@ def header_html(telemetry: Telemetry, series: list[RunSeries], max_points: int) 
     return table + "".join(extra)
 
 
+def step_links(panels: list[Panel]) -> dict[str, dict[str, list[str]]]:
+    """Plot div id -> the figure's step axes (layout names) and their subplots (``"x2y2"``):
+    what :data:`LINK_JS` moves and hovers."""
+    links = {}
+    for p in panels:
+        if not p.step_axes:
+            continue
+        subplots = []
+        for name in p.step_axes:
+            x = "x" + name[len("xaxis") :]
+            subplots.append(x + (p.figure.layout[name].anchor or "y"))
+        links[f"plot-{p.key}"] = {"axes": list(p.step_axes), "subplots": subplots}
+    return links
+
+
 def render_page(
     telemetry: Telemetry, series: list[RunSeries], panels: list[Panel], *, max_points: int, title: str
 ) -> str:
@@ -154,5 +237,20 @@ def render_page(
         f"<title>{html.escape(title)}</title><style>{CSS}</style>"
         f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script></head><body>"
         f"<h1>{html.escape(title)}</h1><p class='sub'>{sub}</p>"
-        f"{header_html(telemetry, series, max_points)}" + "".join(sections) + "</body></html>\n"
+        f"{header_html(telemetry, series, max_points)}"
+        + "".join(sections)
+        + f"<script id='cokit-step-link'>{link_script(panels)}</script></body></html>\n"
     )
+
+
+def link_script(panels: list[Panel]) -> str:
+    """:data:`LINK_JS` filled with the panels' step axes and their shared initial range."""
+    shared = next(
+        (
+            list(p.figure.layout[p.step_axes[0]].range)
+            for p in panels
+            if p.step_axes and p.figure.layout[p.step_axes[0]].range
+        ),
+        None,
+    )
+    return LINK_JS % {"axes": json.dumps(step_links(panels)), "range": json.dumps(shared)}

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from cokit.dashboard.axes import first_step_range, log_axis, step_range, sync_steps
 from cokit.dashboard.series import RunSeries, downsample
 
 #: one color per run, in the order the runs are given
@@ -38,12 +39,15 @@ MS = 1e3
 
 @dataclass
 class Panel:
-    """One section of the page: an id, a title, a short note, and the figure."""
+    """One section of the page: an id, a title, a short note, and the figure. ``step_axes``
+    names the figure's x axes (``"xaxis"``, ``"xaxis2"``, ...) whose x is the step: the page
+    links them across panels (zoom, reset, hover)."""
 
     key: str
     title: str
     figure: go.Figure
     note: str = ""
+    step_axes: tuple[str, ...] = ()
 
 
 def run_color(index: int) -> str:
@@ -63,9 +67,58 @@ def _layout(fig: go.Figure, height: int) -> go.Figure:
         height=height,
         margin={"l": 60, "r": 20, "t": 40, "b": 40},
         legend={"orientation": "v", "x": 1.01, "xanchor": "left", "y": 1, "yanchor": "top"},
-        hovermode="closest",
+        hovermode="x",
     )
     return fig
+
+
+def _x_axes(fig: go.Figure) -> tuple[str, ...]:
+    """The layout names of every x axis of ``fig`` (``"xaxis"``, ``"xaxis2"``, ...)."""
+    return tuple(ax.plotly_name for ax in fig.select_xaxes())
+
+
+def _ys(fig: go.Figure, yaxis: str = "y", *, lines_only: bool = True) -> list[np.ndarray]:
+    """The y values of the traces drawn against ``yaxis`` (markers-only ones left out unless
+    not ``lines_only``): what an axis decision looks at."""
+    return [
+        np.asarray(t.y, dtype=float)
+        for t in fig.data
+        if (t.yaxis or "y") == yaxis
+        and t.y is not None
+        and (not lines_only or "lines" in (t.mode or "lines"))
+    ]
+
+
+def _first_step_y(fig: go.Figure, yaxis: str = "y", *, stacked: bool = False) -> float | None:
+    """Keep a first-step outlier from flattening a time plot: set the initial range of
+    ``yaxis`` (``"y"``, ``"y2"``, ...) from the later points of its lines (with ``stacked``:
+    the top of its stack, from 0) by :func:`first_step_range`; returns the outlier (ms) or None
+    when there is none."""
+    ys = _ys(fig, yaxis)
+    if stacked:
+        on_stack = [
+            np.asarray(t.y, dtype=float) for t in fig.data if (t.yaxis or "y") == yaxis and t.stackgroup
+        ]
+        ys = [np.sum(on_stack, axis=0)] if on_stack else []
+    found = first_step_range(ys, from_zero=stacked)
+    if found is None:
+        return None
+    fig.layout["yaxis" + yaxis[1:]].update(range=found[0], autorange=False)
+    return found[1]
+
+
+def _add_note(note: str, sentence: str) -> str:
+    """``note`` followed by ``sentence`` (either may be empty)."""
+    return f"{note.rstrip('.')}. {sentence}" if note and sentence else note or sentence
+
+
+def _first_step_note(first_ms: float | None) -> str:
+    if first_ms is None:
+        return ""
+    return (
+        f"The first step ({first_ms:.4g} ms: compile/warm-up) is above the initial y range, set from "
+        "the 1st-99th percentile of the later steps; autoscale (modebar) to see and hover it."
+    )
 
 
 def _empty_note(fig: go.Figure, text: str, row: int | None = None, col: int | None = None) -> None:
@@ -158,7 +211,7 @@ def loss_panel(runs: list[RunSeries], max_points: int) -> Panel:
     fig.update_xaxes(title_text="step", row=1, col=1)
     fig.update_xaxes(title_text="wall time (s)", row=1, col=2)
     fig.update_xaxes(title_text="bytes sent (log)", type="log", row=1, col=3)
-    return Panel("loss", "Training progress: loss", _layout(fig, 420), note)
+    return Panel("loss", "Training progress: loss", _layout(fig, 420), note, ("xaxis",))
 
 
 def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
@@ -172,6 +225,7 @@ def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
         vertical_spacing=min(0.08, 0.3 / max(len(runs), 1)),
     )
     any_comm = False
+    first: float | None = None
     for row, r in enumerate(runs, 1):
         compute = r.compute_s()
         hidden = r.hidden_comm_s()
@@ -226,6 +280,8 @@ def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
                 hovertemplate=f"hidden communication %{{y:.3g}} ms<extra>{r.label}</extra>",
             )
         fig.update_yaxes(title_text="ms", row=row, col=1)
+        found = _first_step_y(fig, "y" + (str(row) if row > 1 else ""), stacked=True)
+        first = first if found is None else max(found, first or 0.0)
     fig.update_xaxes(title_text="step", row=len(runs), col=1)
     note = (
         "Mean over ranks. Compute is the step time less encode, decode and exposed communication; "
@@ -233,11 +289,18 @@ def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
     )
     if not any_comm:
         note += " No communication timing recorded."
-    return Panel("time", "Step time split", _layout(fig, 140 + 230 * len(runs)), note)
+    note = _add_note(note, _first_step_note(first))
+    fig = _layout(fig, 140 + 230 * len(runs))
+    return Panel("time", "Step time split", fig, note, _x_axes(fig))
 
 
 def bytes_panel(runs: list[RunSeries], max_points: int) -> Panel:
-    """Bytes sent per step (and the dense all-reduce it replaces) and the compression ratio."""
+    """Bytes sent per step (and the dense all-reduce it replaces) and the compression ratio.
+
+    A run that sends on few steps (SparseLoCo: zero bytes between syncs) gets markers at its
+    syncs instead of a line through the zeros, and its ratio (cumulative, as recorded) is
+    drawn at the syncs only: between them it climbs with every zero-byte step and drops at the
+    next sync. Each y axis is logarithmic when its values span more than :data:`LOG_SPAN`."""
     fig = make_subplots(
         rows=1,
         cols=2,
@@ -245,37 +308,55 @@ def bytes_panel(runs: list[RunSeries], max_points: int) -> Panel:
         horizontal_spacing=0.08,
     )
     any_bytes = False
+    synced: list[str] = []
     for i, r in enumerate(runs):
-        color = run_color(i)
-        x, (sent, dense, ratio), _ = downsample(
-            r.steps, [r.mean("sent_bytes"), r.mean("dense_bytes"), r.mean("ratio")], max_points
-        )
-        for y, name, dash, col in (
-            (sent, "sent", "solid", 1),
-            (dense, "dense", "dot", 1),
-            (ratio, "ratio", "solid", 2),
+        sent, dense, ratio = r.mean("sent_bytes"), r.mean("dense_bytes"), r.mean("ratio")
+        syncs = sync_steps(sent)
+        x, (dense_x,), _ = downsample(r.steps, [dense], max_points)
+        if syncs is None:
+            at, (sent_x, ratio_x), _ = downsample(r.steps, [sent, ratio], max_points)
+            modes, suffix = ("lines", "lines"), ""
+        else:  # the syncs' own points (averaged only beyond the points budget)
+            synced.append(r.label)
+            at, (sent_x, ratio_x), _ = downsample(r.steps[syncs], [sent[syncs], ratio[syncs]], max_points)
+            modes, suffix = ("markers", "lines+markers"), " (syncs)"
+        for xs, y, name, dash, col, mode in (
+            (at, sent_x, "sent" + suffix, "solid", 1, modes[0]),
+            (x, dense_x, "dense", "dot", 1, "lines"),
+            (at, ratio_x, "ratio" + suffix, "solid", 2, modes[1]),
         ):
             drawn = _add_line(
                 fig,
-                x,
+                xs,
                 y,
                 f"{r.label} {name}",
-                color,
+                run_color(i),
                 dash=dash,
                 row=1,
                 col=col,
                 legendgroup=r.label,
-                showlegend=name == "sent",
+                showlegend=col == 1 and name != "dense",
+                mode=mode,
+                marker={"size": 6},
             )
             any_bytes = any_bytes or drawn
     if not any_bytes:
         for col in (1, 2):
             _empty_note(fig, "no communication stats recorded", 1, col)
-    fig.update_yaxes(title_text="bytes", type="log", row=1, col=1)
-    fig.update_yaxes(title_text="dense / sent (cumulative)", row=1, col=2)
+    for col, title in ((1, "bytes"), (2, "dense / sent (cumulative)")):
+        log = log_axis(_ys(fig, "y" if col == 1 else "y2", lines_only=False))
+        fig.update_yaxes(
+            title_text=title + (" (log)" if log else ""), type="log" if log else "linear", row=1, col=col
+        )
     fig.update_xaxes(title_text="step")
-    note = "" if any_bytes else "no communication stats recorded"
-    return Panel("bytes", "Bytes and compression", _layout(fig, 400), note)
+    notes = [] if any_bytes else ["no communication stats recorded"]
+    if synced:
+        notes.append(
+            f"{', '.join(synced)} send(s) bytes only at syncs (zero on most steps): markers at the syncs, "
+            "the ratio at the syncs only"
+        )
+    fig = _layout(fig, 400)
+    return Panel("bytes", "Bytes and compression", fig, "; ".join(notes), _x_axes(fig))
 
 
 def occupancy_panel(runs: list[RunSeries], max_points: int) -> Panel:
@@ -405,6 +486,7 @@ def occupancy_panel(runs: list[RunSeries], max_points: int) -> Panel:
         "Overlap: kernel configs, occupancy, tuner, exposed communication",
         _layout(fig, 900),
         "; ".join(notes),
+        _x_axes(fig),
     )
 
 
@@ -462,10 +544,14 @@ def ranks_panel(runs: list[RunSeries], max_points: int) -> Panel:
             )
     if not notes:
         _empty_note(fig, "one rank per run: no stragglers to show", 2, 1)
+    outlier = _first_step_note(_first_step_y(fig))
     fig.update_yaxes(title_text="ms", row=1, col=1)
     fig.update_yaxes(title_text="rank", dtick=1, row=2, col=1)
     fig.update_xaxes(title_text="step", row=2, col=1)
-    return Panel("ranks", "Per-rank step time (stragglers)", _layout(fig, 520), "; ".join(notes))
+    fig = _layout(fig, 520)
+    return Panel(
+        "ranks", "Per-rank step time (stragglers)", fig, _add_note("; ".join(notes), outlier), _x_axes(fig)
+    )
 
 
 def tuner_panel(runs: list[RunSeries], max_points: int) -> Panel:
@@ -517,14 +603,42 @@ def tuner_panel(runs: list[RunSeries], max_points: int) -> Panel:
     note = f"{total} decision(s)" if total else "no tuner decisions recorded"
     if not total:
         _empty_note(fig, "no tuner decisions recorded")
+    outlier = _first_step_note(_first_step_y(fig))
+    note = _add_note(note, outlier)
     fig.update_yaxes(title_text="step time (ms)")
     fig.update_xaxes(title_text="step")
-    return Panel("tuner", "Tuner decisions", _layout(fig, 400), note)
+    return Panel("tuner", "Tuner decisions", _layout(fig, 400), note, ("xaxis",))
 
 
 PANELS = (loss_panel, time_split_panel, bytes_panel, occupancy_panel, ranks_panel, tuner_panel)
 
 
+#: spikelines of a step axis: the hovered step, drawn across its subplot
+STEP_SPIKES = {
+    "showspikes": True,
+    "spikemode": "across",
+    "spikesnap": "cursor",
+    "spikethickness": 1,
+    "spikedash": "dot",
+    "spikecolor": "#888",
+}
+
+
+def link_step_axes(panels: list[Panel], runs: list[RunSeries]) -> list[float] | None:
+    """Give every step axis of ``panels`` the same initial range (first to last step of all
+    runs, :func:`step_range`) and spikelines; returns that range. The page's script keeps them
+    together on zoom, reset and hover."""
+    shared = step_range([r.steps for r in runs])
+    for p in panels:
+        for name in p.step_axes:
+            p.figure.layout[name].update(STEP_SPIKES)
+            if shared is not None:
+                p.figure.layout[name].update(range=shared, autorange=False)
+    return shared
+
+
 def build_panels(runs: list[RunSeries], *, max_points: int = 2000) -> list[Panel]:
-    """Every panel of the page, in order."""
-    return [make(runs, max_points) for make in PANELS]
+    """Every panel of the page, in order, their step axes linked (:func:`link_step_axes`)."""
+    panels = [make(runs, max_points) for make in PANELS]
+    link_step_axes(panels, runs)
+    return panels
