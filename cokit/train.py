@@ -427,6 +427,7 @@ def run_method(
     telemetry_dir: str | os.PathLike | None = None,
     telemetry_run: str | None = None,
     overlap: bool = False,
+    telemetry_sinks: Sequence[str] | None = None,
 ) -> RunResult:
     """Train a fresh model (init from ``seed``) for ``steps`` steps with ``spec`` on every rank.
 
@@ -441,9 +442,10 @@ def run_method(
     (:meth:`Method.evaluation`: for SparseLoCo/DiLoCo the last sync's).
     ``telemetry_dir``: each rank writes a :class:`cokit.telemetry.Monitor` stream there (run
     ``telemetry_run``, default the method's display name; evaluations are left out of its
-    step times). ``overlap``: the model's linear layers run on cokit's GEMM with the
-    configs an online tuner picks while training (:func:`cokit.nn.apply_overlap`; its configs
-    and decisions go to the telemetry). The result is complete on every rank.
+    step times) to ``telemetry_sinks`` (sink names, default ``["jsonl"]``). ``overlap``: the
+    model's linear layers run on cokit's GEMM with the configs an online tuner picks while
+    training (:func:`cokit.nn.apply_overlap`; its configs and decisions go to the telemetry).
+    The result is complete on every rank.
     """
     if steps < 1 or eval_every < 1:
         raise ValueError("steps and eval_every must be >= 1")
@@ -501,7 +503,9 @@ def run_method(
         on_start(method)
     monitor = None
     if telemetry_dir is not None:
-        monitor = _monitor(telemetry_dir, telemetry_run or spec.display, spec, method, result, group)
+        monitor = _monitor(
+            telemetry_dir, telemetry_run or spec.display, spec, method, result, group, telemetry_sinks
+        )
     tuning = None
     if overlap:
         from cokit.nn import apply_overlap
@@ -568,9 +572,11 @@ def _monitor(
     method: Method,
     result: RunResult,
     group: dist.ProcessGroup | None,
+    sinks: Sequence[str] | None = None,
 ) -> Any:
-    """This rank's telemetry Monitor for one run: it reads the method's ``comm_stats`` (bytes
-    and timing) when it has them, else the optimizer (``comm`` null)."""
+    """This rank's telemetry Monitor for one run, writing to ``sinks`` (names; default
+    JSONL): it reads the method's ``comm_stats`` (bytes and timing) when it has them, else
+    the optimizer (``comm`` null)."""
     from cokit.telemetry import Monitor
 
     source = method if getattr(method, "comm_stats", None) is not None else method.optimizer
@@ -581,7 +587,9 @@ def _monitor(
         "num_params": result.num_params,
         "environment": result.environment,
     }
-    return Monitor(out_dir, run, optimizer=source, group=group, config=config, method=spec.display)
+    return Monitor(
+        out_dir, run, optimizer=source, group=group, config=config, method=spec.display, sinks=sinks
+    )
 
 
 def _paused(monitor: Any) -> contextlib.AbstractContextManager[None]:
@@ -601,10 +609,11 @@ def run_methods(
     telemetry_dir: str | None = None,
     telemetry_runs: Sequence[str] | None = None,
     overlap: bool = False,
+    telemetry_sinks: Sequence[str] | None = None,
 ) -> list[RunResult]:
     """Worker body: build the workload on this rank's device and run each spec in turn
-    (with telemetry in ``telemetry_dir``, runs named ``telemetry_runs``, one per spec; with
-    ``overlap``, on tuned cokit.nn.Linear layers)."""
+    (with telemetry in ``telemetry_dir``, runs named ``telemetry_runs``, one per spec, to
+    ``telemetry_sinks``; with ``overlap``, on tuned cokit.nn.Linear layers)."""
     if telemetry_runs is not None and len(telemetry_runs) != len(specs):
         raise ValueError(f"telemetry_runs names {len(telemetry_runs)} runs for {len(specs)} specs")
     workload = factory.build(local_device(device))
@@ -620,6 +629,7 @@ def run_methods(
             telemetry_dir=telemetry_dir,
             telemetry_run=telemetry_runs[i] if telemetry_runs is not None else None,
             overlap=overlap,
+            telemetry_sinks=telemetry_sinks,
         )
         for i, s in enumerate(specs)
     ]

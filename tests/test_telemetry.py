@@ -417,11 +417,12 @@ def test_demo_writes_telemetry_by_default_and_not_with_no_telemetry(tmp_path, mo
     for extra in ([], ["--no-telemetry"]):
         with pytest.raises(KeyboardInterrupt):
             main([*base, "--out", str(tmp_path / "o"), *extra])
-    (*_, tel, runs), (*_, tel_off, _) = seen
+    (*_, tel, runs, _overlap, sinks), (*_, tel_off, _, _, _) = seen
     assert (
         tel == str(tmp_path / "o")
         and runs == ["demo-DeMo", "demo-SparseLoCo", "demo-AdamW"]
         and tel_off is None
+        and sinks == ["jsonl"]
     )
 
 

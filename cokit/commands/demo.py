@@ -220,6 +220,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "demo-AdamW/, one JSONL file per rank, for `cokit dashboard`)",
     )
     p.add_argument(
+        "--sinks",
+        default="jsonl",
+        metavar="LIST",
+        help="telemetry sinks of every rank, comma-separated from jsonl, csv, parquet, tensorboard, "
+        "prometheus (default jsonl; prometheus serves rank r on $COKIT_PROMETHEUS_PORT+r, default 9464+r)",
+    )
+    p.add_argument(
         "--overlap",
         action="store_true",
         help="train on cokit.nn.Linear layers whose GEMM configs an online tuner picks while training "
@@ -400,6 +407,7 @@ def _storage_failure(exc: BaseException) -> WriteError | None:
 
 def _run(args: argparse.Namespace) -> int:
     world, device, torchrun, methods, gpus = _resolve(args)
+    sinks = _sinks(args.sinks)  # checked before anything is read or written
     cfg = _workload_config(args)
     specs = _specs(args, methods)
     rank0 = not torchrun or int(os.environ["RANK"]) == 0
@@ -457,6 +465,7 @@ def _run(args: argparse.Namespace) -> int:
         telemetry,
         runs,
         args.overlap,
+        sinks,
         world_size=world,
         device=device,
         interpret=args.triton_interpret,
@@ -494,9 +503,24 @@ def _run(args: argparse.Namespace) -> int:
     if telemetry is not None:
         folder = os.path.join(args.out, "telemetry")
         print(
-            f"telemetry: {folder} ({', '.join(runs)}; one JSONL per rank; see `cokit dashboard {args.out}`)"
+            f"telemetry: {folder} ({', '.join(runs)}; {', '.join(sinks)} per rank; "
+            f"see `cokit dashboard {args.out}`)"
         )
     return 0
+
+
+def _sinks(text: str) -> list[str]:
+    """The --sinks names, checked (known, their packages installed) before any training."""
+    from cokit.telemetry.sinks import require
+
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    _check(bool(names), "--sinks names no sink; give e.g. jsonl or jsonl,csv,parquet")
+    for name in names:
+        try:
+            require(name)
+        except (ValueError, ImportError) as exc:
+            raise CliError(f"--sinks: {exc}") from None
+    return names
 
 
 def _remove_stale_telemetry(out: str, runs: list[str]) -> None:

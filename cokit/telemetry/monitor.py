@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 from cokit.telemetry.collect import CommReader, TunerReader, device_name, kernel_entry, max_memory_bytes
-from cokit.telemetry.schema import SCHEMA, clean
-from cokit.telemetry.sinks import Sink, make_sink
+from cokit.telemetry.schema import SCHEMA, clean, iso_time
+from cokit.telemetry.sinks import SINK_NAMES, Sink, make_sink
 
 __all__ = ["Monitor", "TelemetryError", "telemetry_dir"]
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]*")
-_RANK_FILE = re.compile(r"rank(\d+)\.(jsonl|csv|parquet)")
+_RANK_FILE = re.compile(r"rank(\d+)(\.part-\d+)?\.(jsonl|csv|parquet)")
 _SUMMARY_WIDTH = 3  # per rank: step, step_s, exposed_s
 # Gathers left in flight by a failed run: held until exit so that their last reference is not
 # dropped on gloo's thread (see cokit.compress.comm).
@@ -93,7 +93,8 @@ class Monitor:
         optimizer: read after each step (see :meth:`attach`); None: no ``comm``.
         sinks: where records go: :class:`~cokit.telemetry.sinks.Sink` objects and/or names
             (``"jsonl"``, ``"csv"``, ``"parquet"``, ``"tensorboard"``: that sink at its default
-            path in the run's folder). Default ``["jsonl"]``.
+            path in the run's folder; ``"prometheus"``: gauges served on
+            ``$COKIT_PROMETHEUS_PORT`` + rank). Default ``["jsonl"]``.
         rank, world_size: default from the initialized process group (else 0 and 1).
         gather: join one all-gather per step so rank 0 writes a ``summary`` line. Default:
             on when a process group is initialized. Every rank must then call :meth:`step`
@@ -164,10 +165,8 @@ class Monitor:
         specs = ["jsonl"] if sinks is None else list(sinks)
         for s in specs:
             if isinstance(s, str):
-                if s not in ("jsonl", "csv", "parquet", "tensorboard"):
-                    raise ValueError(
-                        f"unknown sink {s!r}; known: jsonl, csv, parquet, tensorboard (or a Sink)"
-                    )
+                if s not in SINK_NAMES:
+                    raise ValueError(f"unknown sink {s!r}; known: {', '.join(SINK_NAMES)} (or a Sink)")
             elif not all(callable(getattr(s, m, None)) for m in ("write", "flush", "close")):
                 raise TypeError(
                     f"a sink must be a name or have write(record), flush() and close(); got {type(s).__name__}"
@@ -348,7 +347,9 @@ class Monitor:
             raise TypeError(f"metrics must be a mapping of names to numbers, got {type(metrics).__name__}")
         twice = sorted(set(metrics or {}) & set(more))
         if twice:
-            raise ValueError(f"metric(s) {', '.join(map(repr, twice))} given both in metrics= and as keywords")
+            raise ValueError(
+                f"metric(s) {', '.join(map(repr, twice))} given both in metrics= and as keywords"
+            )
         metrics = {**(metrics or {}), **more}
         values = {"loss": loss, "lr": lr, "held_out_loss": held_out_loss}
         numbers_ = {k: _number(k, v) for k, v in values.items()}
@@ -443,6 +444,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ output
     def _emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        now = time.time()
         record = clean(
             {
                 "schema": SCHEMA,
@@ -450,7 +452,8 @@ class Monitor:
                 "run": self.run,
                 "rank": self.rank,
                 "world_size": self.world_size,
-                "time": time.time(),
+                "time": now,
+                "time_iso": iso_time(now),
                 **fields,
             }
         )
@@ -465,7 +468,8 @@ class Monitor:
         return record
 
     def flush(self) -> None:
-        """Flush every sink (tables are written out; JSONL is flushed every line anyway)."""
+        """Flush every sink (Parquet writes a part file of the rows since the last one; JSONL and
+        CSV hand every line to the OS as written anyway)."""
         for sink in self.sinks:
             sink.flush()
 

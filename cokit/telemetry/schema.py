@@ -1,7 +1,9 @@
 """The telemetry record schema ``cokit.telemetry/1``: record kinds, JSON-safe values, checks.
 
 One JSON object per line. Every record has ``schema``, ``kind``, ``run``, ``rank``,
-``world_size`` and ``time`` (unix seconds); the kinds add:
+``world_size`` and ``time`` (unix seconds), and records written by this version also
+``time_iso`` (the same instant as ISO-8601 UTC text, :func:`iso_time`; optional, so older
+files stay valid); the kinds add:
 
 * ``meta`` (the first line): ``started``, ``host``, ``pid``, ``torch``, ``triton``,
   ``device``, ``method``, ``config``;
@@ -18,11 +20,12 @@ mid-write) is skipped. Floats that are NaN or infinite are written as null.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +36,12 @@ __all__ = [
     "SCHEMA",
     "check_record",
     "clean",
+    "column_types",
     "flatten",
+    "iso_time",
+    "order_columns",
     "read_jsonl",
+    "table_row",
 ]
 
 SCHEMA = "cokit.telemetry/1"
@@ -77,6 +84,60 @@ COMM_FIELDS = (
 KERNEL_FIELDS = ("name", "config", "blocks_per_sm", "limiter", "smem_per_block", "reserved_sms")
 
 _NUMBER = (int, float)
+
+#: the type of each table column whose name the schema fixes (``int``, ``float``, ``bool`` or
+#: ``str``; lists are JSON text); ``metrics.*`` columns are floats. Column names are
+#: :func:`flatten`'s: nested objects as ``comm.exposed_s``.
+_COLUMN_TYPES: dict[str, dict[str, str]] = {
+    "": {
+        "schema": "str",
+        "kind": "str",
+        "run": "str",
+        "rank": "int",
+        "world_size": "int",
+        "time": "float",
+        "time_iso": "str",
+    },
+    "meta": {
+        "started": "str",
+        "host": "str",
+        "pid": "int",
+        "torch": "str",
+        "triton": "str",
+        "device": "str",
+        "method": "str",
+        "gather": "bool",
+    },
+    "step": {
+        "step": "int",
+        "wall_s": "float",
+        "step_s": "float",
+        "loss": "float",
+        "held_out_loss": "float",
+        "lr": "float",
+        **{
+            f"comm.{f}": "int" if f.endswith("_bytes") or f.endswith("_size") else "float"
+            for f in COMM_FIELDS
+            if f != "collectives"
+        },
+        "comm.collectives": "str",
+        "compute_s": "float",
+        "kernels": "str",
+        "tuner": "str",
+        "process.max_memory_bytes": "int",
+        "process.device": "str",
+    },
+    "summary": {
+        "step": "int",
+        "step_s_max": "float",
+        "step_s_min": "float",
+        "slowest_rank": "int",
+        "exposed_s_max": "float",
+        "ranks": "int",
+        "step_s_by_rank": "str",
+    },
+    "end": {"steps": "int", "wall_s": "float", "error": "str"},
+}
 
 
 def clean(value: Any) -> Any:
@@ -122,6 +183,53 @@ def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             row[name] = value
     return row
+
+
+def iso_time(t: float) -> str:
+    """Unix seconds ``t`` as ISO-8601 UTC text with microseconds, e.g.
+    ``2026-12-06T10:15:03.123456+00:00`` (what BI tools and spreadsheets parse as a time)."""
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="microseconds")
+
+
+def table_row(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` as one flat table row (:func:`flatten`), with ``time_iso`` right after
+    ``time`` (computed from ``time`` for records written before it existed)."""
+    row = flatten(record)
+    if "time_iso" not in row and isinstance(row.get("time"), _NUMBER):
+        out: dict[str, Any] = {}
+        for key, value in row.items():
+            out[key] = value
+            if key == "time":
+                out["time_iso"] = iso_time(value)
+        row = out
+    return row
+
+
+def column_types(kinds: Iterable[str] | None = None) -> dict[str, str]:
+    """The columns the schema fixes for records of ``kinds`` (None: every kind), name to type
+    (``int``, ``float``, ``bool``, ``str``), common columns first."""
+    out = dict(_COLUMN_TYPES[""])
+    for kind in KIND_FIELDS if kinds is None else kinds:
+        for name, typ in _COLUMN_TYPES.get(kind, {}).items():
+            out.setdefault(name, typ)
+    return out
+
+
+def order_columns(names: Iterable[str]) -> list[str]:
+    """``names`` (flat columns, no repeats) in a stable order: the schema's common and
+    per-kind keys first (in schema order; ``a.b`` columns at ``a``'s place), then the others
+    in the order given."""
+    seen = list(dict.fromkeys(names))
+    order = [*COMMON_FIELDS, "time_iso"]
+    for fields in KIND_FIELDS.values():
+        order += [f for f in fields if f not in order]
+    rank = {name: i for i, name in enumerate(order)}
+    first = {name: i for i, name in enumerate(seen)}
+
+    def key(col: str) -> tuple[int, int]:
+        return (rank.get(col.split(".", 1)[0], len(order)), first[col])
+
+    return sorted(seen, key=key)
 
 
 def _problem(record: Mapping[str, Any]) -> str | None:
