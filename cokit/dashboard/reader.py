@@ -14,15 +14,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cokit.telemetry.export import run_files
+
 SCHEMA_PREFIX = "cokit.telemetry/"
-_RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 
 
 class TelemetryError(ValueError):
@@ -125,35 +125,6 @@ _DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_int=_bounded_int)
 MAX_INDEX = 2**53
 
 
-def rank_files(run_dir: str | os.PathLike) -> list[tuple[str, Path, int]]:
-    """(run name, file, rank) for every ``rank<r>.jsonl`` under ``run_dir`` (any of the three
-    layouts), sorted by run then rank. Empty when there are none."""
-    root = Path(run_dir)
-    candidates = [root / "telemetry", root]
-    found: list[tuple[str, Path, int]] = []
-    for base in candidates:
-        if not base.is_dir():
-            continue
-        direct = _ranks_in(base)
-        if direct and base == root:  # RUN_DIR is one run's folder
-            found = [(root.resolve().name, p, r) for p, r in direct]
-            break
-        for sub in sorted(p for p in base.iterdir() if p.is_dir()):
-            found.extend((sub.name, p, r) for p, r in _ranks_in(sub))
-        if found:
-            break
-    return sorted(found, key=lambda t: (t[0], t[2]))
-
-
-def _ranks_in(folder: Path) -> list[tuple[Path, int]]:
-    out = []
-    for entry in os.scandir(folder):
-        m = _RANK_FILE.match(entry.name)
-        if m and entry.is_file():
-            out.append((Path(entry.path), int(m.group(1))))
-    return sorted(out, key=lambda t: t[1])
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -252,7 +223,7 @@ def load_telemetry(run_dirs: Sequence[str | os.PathLike] | str | os.PathLike) ->
     files: list[Path] = []
     empty: list[str] = []
     for run_dir in run_dirs:
-        found = rank_files(run_dir)
+        found = run_files(run_dir)
         if not found:
             empty.append(str(run_dir))
             continue

@@ -33,7 +33,7 @@ def run_files(run_dir: str | os.PathLike) -> list[tuple[str, Path, int]]:
     """(run name, file, rank) of every ``rank<r>.jsonl`` under ``run_dir``: a results folder
     holding ``telemetry/<run>/``, the ``telemetry`` folder, or one run's folder; sorted by run
     then rank, empty when there are none. (The layouts ``cokit dashboard`` reads; kept here
-    so that exporting needs no plotly.)"""
+    so that exporting needs no plotly; the dashboard reads with it too.)"""
     root = Path(run_dir)
 
     def ranks(folder: Path) -> list[tuple[Path, int]]:
