@@ -47,7 +47,8 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_fsdp.py tests/test_hierarchy.py tests/test_examples.py tests/test_hook_state.py \
 	tests/test_checkpoint.py tests/test_no_surprises.py tests/test_exchange_scaling.py \
 	tests/test_update_rules.py tests/test_precision.py tests/test_workloads.py \
-	tests/test_validate_compression.py tests/test_reliability_matrix.py
+	tests/test_validate_compression.py tests/test_reliability_matrix.py tests/test_telemetry_export.py \
+	tests/test_integrations_accelerate.py tests/test_integrations_hf.py tests/test_integrations_lightning.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 

@@ -37,6 +37,7 @@ APP = (
     "cokit.telemetry",
     "cokit.nn",
     "cokit.overlap_training",
+    "cokit.integrations",
     "cokit.ops",
 )
 #: the folders' bare names: importing them bare bypasses the one import root, ``cokit``

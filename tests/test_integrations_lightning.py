@@ -1,0 +1,98 @@
+"""Lightning at world 2 (torchrun, CPU/gloo; tests/integrations_lightning_worker.py is one rank):
+``CokitStrategy`` runs DeMo/SparseLoCo without DDP (no double sync), with an LR scheduler,
+gradient accumulation and clipping, and a resume from a checkpoint in fresh processes ends
+bit-identical to the uninterrupted run on every rank; ``CommHookDDPStrategy`` registers the
+cokit DDP hook on CPU (Lightning's ``DDPStrategy`` skips it there) and checkpoints every rank's
+hook state, so its resume is bit-identical too; each refuses the other's
+optimizers, and bad arguments are clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("integrations_lightning_worker.py")
+SKIP = "lightning is not installed (pip install 'cokit[lightning]')"
+
+
+def _torchrun(*args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [*cmd, str(WORKER), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _facts(folder: Path, name: str) -> list[dict]:
+    return [torch.load(folder / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["demo", "sparseloco"])
+def test_cokit_strategy_resume_is_bit_identical_at_world_2(tmp_path, optimizer):
+    pytest.importorskip("lightning", reason=SKIP)
+    for phase in ("ref", "resume"):
+        _torchrun("--mode", "cokit", "--optimizer", optimizer, "--phase", phase, "--out", str(tmp_path))
+    ref, res = _facts(tmp_path, "cokit_ref"), _facts(tmp_path, "cokit_resume")
+    for r in range(2):
+        assert ref[r]["wrapper"] == res[r]["wrapper"] == "Net"  # no DDP around the module
+        assert not [w for w in ref[r]["warnings"] + res[r]["warnings"] if "DoubleSync" in w]
+        assert ref[r]["bytes_sent"] > 0
+        assert ref[r]["global_step"] == res[r]["global_step"] == 6
+        assert ref[r]["lr"] == res[r]["lr"]
+        for a, b in zip(ref[r]["params"], res[r]["params"]):
+            assert torch.equal(a, b), f"rank {r}: resumed parameters differ from the uninterrupted run"
+    for a, b in zip(ref[0]["params"], ref[1]["params"]):  # ranks started from rank 0's weights
+        assert torch.equal(a, b)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_comm_hook_strategy_registers_the_hook_on_cpu_and_resumes_it(tmp_path):
+    pytest.importorskip("lightning", reason=SKIP)
+    for phase in ("ref", "resume"):
+        _torchrun("--mode", "hook", "--optimizer", "adamw", "--phase", phase, "--out", str(tmp_path))
+    ref, res = _facts(tmp_path, "hook_ref"), _facts(tmp_path, "hook_resume")
+    for r in range(2):
+        assert ref[r]["wrapper"] == res[r]["wrapper"] == "DistributedDataParallel"
+        # once per optimizer step (accumulation: DDP's no_sync); the resumed state counts on
+        assert ref[r]["hook_iterations"] == res[r]["hook_iterations"] == 6
+        assert ref[r]["bytes_sent"] > 0
+        for a, b in zip(ref[r]["params"], res[r]["params"]):
+            assert torch.equal(a, b), f"rank {r}: resumed parameters differ from the uninterrupted run"
+    for a, b in zip(ref[0]["params"], ref[1]["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_strategies_refuse_the_other_kind_of_optimizer(tmp_path):
+    pytest.importorskip("lightning", reason=SKIP)
+    _torchrun("--mode", "refusals", "--optimizer", "demo", "--phase", "ref", "--out", str(tmp_path))
+    for f in _facts(tmp_path, "refusals"):
+        assert len(f["messages"]) == 2
+
+
+def test_strategy_arguments_are_checked():
+    pytest.importorskip("lightning", reason=SKIP)
+    from cokit.compress.hooks import dct_topk_hook
+    from cokit.integrations.lightning import CokitStrategy, CommHookDDPStrategy
+
+    with pytest.raises(ValueError, match="ddp_comm_hook configure DDP"):
+        CokitStrategy(ddp_comm_hook=dct_topk_hook)
+    with pytest.raises(ValueError, match="find_unused_parameters configure DDP"):
+        CokitStrategy(find_unused_parameters=True)
+    with pytest.raises(ValueError, match="pass ddp_comm_hook="):
+        CommHookDDPStrategy()
+    with pytest.raises(TypeError, match="must be callable"):
+        CommHookDDPStrategy(ddp_comm_hook=3)
+    CokitStrategy(process_group_backend="gloo")
