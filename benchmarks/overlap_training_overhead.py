@@ -27,11 +27,7 @@ printed and the JSON written atomically to ``--out`` (default
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,21 +36,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cokit.bench.paired_steps import (
+    WARMUP_STEPS,
+    demo_workload_config,
+    out_refused,
+    parse_args,
+    results,
+    write_results,
+)
+
 DEFAULT_OUT = os.path.join("benchmarks", "results", "overlap_training_overhead.json")
 #: variant -> DeMo's comm_priority
 VARIANTS = {"tuner": "normal", "tuner+priority": "high"}
 TARGET_PCT = 1.0
-
-
-def _config(quick: bool) -> Any:
-    from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
-    from cokit.workloads.text import VOCAB_SIZE
-
-    return TextWorkloadConfig(
-        corpus=CorpusConfig(max_chars=200_000 if quick else 400_000),
-        model=ModelConfig.preset("tiny", VOCAB_SIZE),
-        batch_size=16,
-    )
 
 
 def _spec(priority: str) -> Any:
@@ -173,57 +167,36 @@ def table(summary: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, print the table, write the JSON; exit 0."""
-    ap = argparse.ArgumentParser(prog="overlap_training_overhead", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions (about a minute)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 80; quick 30)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions per variant (default 4; quick 2)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results file (default {DEFAULT_OUT})")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    args = ap.parse_args(argv)
-    steps = args.steps or (30 if args.quick else 80)
-    reps = args.reps or (2 if args.quick else 4)
-    if steps < 10 or reps < 1:
-        ap.error(f"--steps must be >= 10 and --reps >= 1, got {steps} and {reps}")
-    from cokit.files import OutputError, atomic_write_text, prepare_out_file
-
-    try:
-        prepare_out_file(args.out, overwrite=args.overwrite)
-    except OutputError as exc:
-        print(f"overlap_training_overhead: error: {exc}", file=sys.stderr)
+    """Run the benchmark, print the table, write the JSON; exit 0 (2 when --out is refused)."""
+    prog = "overlap_training_overhead"
+    args, steps, reps = parse_args(prog, __doc__ or "", DEFAULT_OUT, argv)
+    if out_refused(prog, args):
         return 2
     from cokit.train import run_distributed
 
-    warmup = 5
     print(
         f"overlap tuner overhead: demo step (tiny model, 16 seqs/rank, DeMo), 2 gloo ranks, {reps} reps x "
-        f"{steps} steps per variant, every other step with a tuner call (first {warmup} steps not counted)",
+        f"{steps} steps per variant, every other step with a tuner call (first {WARMUP_STEPS} steps not counted)",
         flush=True,
     )
     t0 = time.perf_counter()
-    rows = run_distributed(worker, _config(args.quick), steps, reps, warmup, 0, world_size=2, device="cpu")
+    config = demo_workload_config(args.quick)
+    rows = run_distributed(worker, config, steps, reps, WARMUP_STEPS, 0, world_size=2, device="cpu")
     summary = summarize(rows)
     print(table(summary))
-    doc = {
-        "benchmark": "overlap_training_overhead",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "torch": torch.__version__,
-        "world_size": 2,
-        "backend": "gloo",
-        "steps_per_run": steps,
-        "reps": reps,
-        "warmup_steps": warmup,
-        "variants": {
+    doc = results(
+        prog,
+        steps,
+        reps,
+        variants={
             k: f"DeMo comm_priority={v!r}, OverlapTuning.step() every other step" for k, v in VARIANTS.items()
         },
-        "design": "a tuner call on every other step of each run; with/without medians over those steps",
-        "target_pct": TARGET_PCT,
-        "summary": summary,
-        "elapsed_s": round(time.perf_counter() - t0, 1),
-    }
-    atomic_write_text(args.out, json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+        design="a tuner call on every other step of each run; with/without medians over those steps",
+        target_pct=TARGET_PCT,
+        summary=summary,
+        elapsed_s=round(time.perf_counter() - t0, 1),
+    )
+    write_results(args.out, doc)
     return 0
 
 
