@@ -103,6 +103,17 @@ def script_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def torchrun_ok(script: Path, *args: str, nproc: int = 2, timeout: float = 300) -> None:
+    """Run ``script`` under ``torch.distributed.run --standalone`` on ``nproc`` CPU ranks (the
+    torch path, one thread each); fail the test with its output unless it exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    env = script_env(TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [*cmd, str(script), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
 def worker_report(script: str, *args: str, mark: str, timeout: float, **env_defaults: str) -> dict:
     """Run the test file ``script`` as a script without ``TRITON_INTERPRET`` and return the JSON
     it prints after ``mark``: GPU-path code (compile-only builds, traced graphs) needs a process

@@ -6,27 +6,19 @@ bit-identically with each rank's hook state (tests/integrations_accelerate_worke
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import torchrun_ok
 
 from cokit.integrations.state import GATHERED_KEY, merge_states, own_state_dict
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("integrations_accelerate_worker.py")
 
 
 def _torchrun(tmp_path: Path, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(WORKER), *args, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path)]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun_ok(WORKER, *args, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path))
 
 
 @pytest.mark.distributed

@@ -8,27 +8,18 @@ optimizers, and bad arguments are clear errors."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import torchrun_ok
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("integrations_lightning_worker.py")
 SKIP = "lightning is not installed (pip install 'cokit[lightning]')"
 
 
 def _torchrun(*args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [*cmd, str(WORKER), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun_ok(WORKER, *args)
 
 
 def _facts(folder: Path, name: str) -> list[dict]:
