@@ -202,6 +202,7 @@ class OverlapTuning:
         self._laps = laps
         self._hook: Any = None
         self._undone = False
+        self._recorded = False  # the monitor has every class's config
         self._times: list[float] = []  # this rank's step times since the last agreement
         self._batch = self._next_batch()
         self._apply()
@@ -298,14 +299,16 @@ class OverlapTuning:
         """Every class's config for the next step: the active class's from its batch."""
         for i, c in enumerate(self.classes):
             config = self._batch[len(self._times)] if i == self.active else c.held
+            changed = c.modules[0].config != config
             c.apply(config)
-            if self.monitor is not None:
+            if self.monitor is not None and (changed or not self._recorded):  # occupancy once per change
                 self.monitor.add_kernel(
                     f"linear {c.key}",
                     config,
                     dtype=c.dtype,
                     target=self.limits.target_name if self.limits.source == "table" else None,
                 )
+        self._recorded = True
 
     # ------------------------------------------------------------------ lifetime
     def hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
