@@ -9,7 +9,7 @@ VENV36 := .venv36
 STAMP36 := $(VENV36)/.cokit-installed
 PYTEST_FAST := -m "not slow and not notebook"
 
-.PHONY: run test test-fast test-triton36 lint format typecheck info clean
+.PHONY: run test test-fast test-triton36 lint format typecheck docs info clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ format: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# The docs site (mkdocs, material theme, API pages from the docstrings) into site/, ignored by
+# git; --strict fails on a broken link, anchor or docstring reference.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 info: $(STAMP)
 	$(BIN)/cokit info

@@ -167,7 +167,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The summary as a markdown table (the README's)."""
+    """The summary as a markdown table (the one in docs/benchmarks.md)."""
     lines = [
         "| profile | method | reached target | time to target (s) | vs static: median [min, max] | "
         "total (s) | steps | final held-out | bytes/step |",

@@ -71,7 +71,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
             ``weight_decay``, ``compression_decay``, ``compression_topk``,
             ``compression_chunk``, ``alpha`` and the update-rule settings below).
         lr: learning rate (the update is ``lr * rule(decoded)``). Each rule has an lr rule
-            from a tuned AdamW lr (:mod:`cokit.compress.rules`, measured in the README):
+            from a tuned AdamW lr (:mod:`cokit.compress.rules`, measured in docs/optimizers.md):
             ``sign`` and ``rms`` update with RMS 1 per element, about 4x AdamW's, ``adam``
             about 3x, ``newton_schulz`` about AdamW's.
         compression_decay: momentum decay ``beta`` of the error-feedback buffer, in [0, 1].

@@ -6,7 +6,8 @@ the transmitted DCT coefficients, inverse-transformed). A rule turns ``u`` into 
     p = p * (1 - lr * wd) - lr * rule(u)
 
 Rules and their lr scale (what makes a tuned AdamW lr carry over; measured numbers are in
-the README's calibration notes):
+docs/optimizers.md, "Update rules and low precision", and the calibration guide of
+docs/validation-study.md):
 
 * ``"sign"``: ``sign(u)`` (DeMo): every element +-1, RMS 1.
 * ``"rms"``: ``u / rms(u)`` per tensor: RMS exactly 1, like sign, but keeps magnitudes.

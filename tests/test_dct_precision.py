@@ -99,7 +99,7 @@ def test_tf32x3_dct_is_fp32_class(shape, scale):
 
 
 def test_tf32x3_error_is_near_fp32_not_tf32():
-    """The measured numbers quoted in README's tolerance table (64x64 tiles, 64 of them)."""
+    """The measured numbers quoted in docs/kernels.md (Conventions, Precision: 64x64 tiles, 64 of them)."""
     x = torch.randn(64, 64, 64, generator=torch.Generator().manual_seed(0))
     bh = basis_matrix(64, torch.float64, x.device)
     y64 = bh @ x.double() @ bh.T

@@ -1,6 +1,7 @@
 """Citations of the design document point at a file and a section that exist.
 
-Code cites docs/design.md by section (``docs/design.md §1.1``); a citation of another file
+Code and the docs (README.md, CONTRIBUTING.md, the pages in docs/) cite docs/design.md by section
+(``docs/design.md §1.1``; a page in docs/ may write ``design.md``); a citation of another file
 name (``DESIGN.md``) or of a section the document does not have sends the reader nowhere.
 """
 
@@ -10,7 +11,17 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("triton_kernels", "compress", "overlap", "cokit", "benchmarks", "tests", "notebooks", "examples")
+FOLDERS = (
+    "triton_kernels",
+    "compress",
+    "overlap",
+    "cokit",
+    "benchmarks",
+    "tests",
+    "notebooks",
+    "examples",
+    "docs",
+)
 SUFFIXES = (".py", ".md", ".ipynb")
 # a mention of the design document, with the section it cites if any ("§1.1", "section 1.1", "1.2")
 MENTION = re.compile(
@@ -34,8 +45,10 @@ def _sections() -> set[str]:
 def test_design_citations_name_the_file_and_an_existing_section() -> None:
     sections = _sections()
     assert {"0", "1.1", "1.2", "3", "7"} <= sections  # the parser reads the headings
+    sources = _sources()
+    assert ROOT / "docs" / "optimizers.md" in sources  # the docs pages are read too
     bad = []
-    for path in _sources():
+    for path in sources:
         if path.resolve() == Path(__file__).resolve():
             continue
         text = path.read_text(encoding="utf-8", errors="replace")

@@ -1,5 +1,5 @@
-"""The README's torchrun examples run and end with bit-identical replicas (two_level.py), or
-with a tensor-parallel block that matches the dense one (tp_block.py)."""
+"""The torchrun examples of docs/fsdp-hsdp.md and docs/overlap.md run and end with bit-identical
+replicas (two_level.py), or with a tensor-parallel block that matches the dense one (tp_block.py)."""
 
 from __future__ import annotations
 

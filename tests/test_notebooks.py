@@ -29,7 +29,7 @@ DRAWS = re.compile(r"plt\.\w+\(|savefig\(|plot_\w+\(|default_plots\(|display\(Im
 
 
 def test_dev_extras_bring_nbconvert():
-    """`jupyter nbconvert --execute` (the README's way to render a notebook) is installed."""
+    """`jupyter nbconvert --execute` (docs/notebooks.md's way to render a notebook) is installed."""
     assert importlib.util.find_spec("nbconvert") is not None
 
 

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 --max-restarts 1 tests/torchrun_resume_worker.py \
         --ckpt DIR --steps 12 --kill-at 6 --out FILE
 
-The restart recipe of README.md ("Restarting after a fault"), as a runnable script. Every
+The restart recipe of docs/optimizers.md ("Restarting after a fault"), as a runnable script. Every
 ``--every`` steps each rank saves ``DIR/rank<r>-step<s>.pt`` (model and optimizer
 ``state_dict()``, written atomically; the newest few are kept). On start, the ranks agree on
 the newest step that *every* rank has saved and all load it, so a rank that died between
