@@ -37,7 +37,6 @@ Writes ``exchange_scaling.json`` and ``exchange_scaling.md`` (the tables) atomic
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -47,12 +46,16 @@ from typing import Any
 
 import torch
 
-from cokit.compress.adaptation import STATUS_ROW_BYTES
-from cokit.compress.agreement import ROW_BYTES
-from cokit.compress.buckets import compressed_nbytes, make_buckets
-from cokit.compress.payload import PayloadCodec, codec_names, get_codec
-from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.buckets import compressed_nbytes
+from cokit.compress.payload import codec_names, get_codec
+from cokit.compress.traffic import (
+    Setup,
+    dense_allreduce,
+    exchange_traffic,
+    hierarchical_traffic,
+)
 from cokit.files import OutputError, atomic_write_text, prepare_out_dir
+from cokit.model_shapes import Model, model_names, named_model, parse_shape
 
 JSON_NAME = "exchange_scaling.json"
 MD_NAME = "exchange_scaling.md"
@@ -61,164 +64,7 @@ DEFAULT_WORLDS = tuple(2**i for i in range(1, 11))  # 2 ... 1024
 DTYPES = {"fp32": 4, "bf16": 2}  # gradient dtype -> element size of its dense all-reduce
 VALUE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-# name -> (CharTransformer sizes, vocabulary size, note)
-MODELS: dict[str, tuple[dict[str, Any], int, str]] = {
-    "gpt-50m": (
-        {"d_model": 512, "n_layers": 10, "n_heads": 8, "max_seq_len": 1024},
-        16384,
-        "GPT-like: d_model 512, 10 blocks, vocab 16384, context 1024, untied head",
-    ),
-    "gpt2-124m": (
-        {"d_model": 768, "n_layers": 12, "n_heads": 12, "max_seq_len": 1024, "tied_head": True},
-        50257,
-        "GPT-2 small shapes: d_model 768, 12 blocks, vocab 50257, context 1024, tied head",
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """A model given by its parameter shapes, in parameter order."""
-
-    name: str
-    description: str
-    shapes: tuple[tuple[int, ...], ...]
-
-    @property
-    def params(self) -> int:
-        return sum(math.prod(s) for s in self.shapes)
-
-
-def model_names() -> tuple[str, ...]:
-    """Names ``--model`` accepts: the GPT-like shapes and the demo's presets."""
-    from cokit.workloads.model import MODEL_PRESETS
-
-    return (*MODELS, *MODEL_PRESETS)
-
-
-def named_model(name: str) -> Model:
-    """The parameter shapes of a named model (built on the meta device: no memory, no init)."""
-    from cokit.workloads.model import MODEL_PRESETS, CharTransformer, ModelConfig
-
-    if name in MODELS:
-        sizes, vocab, note = MODELS[name]
-        cfg = ModelConfig(vocab_size=vocab, **sizes)
-    elif name in MODEL_PRESETS:
-        from cokit.workloads.text import VOCAB_SIZE
-
-        cfg = ModelConfig.preset(name, VOCAB_SIZE)
-        note = f"the demo's {name!r} CharTransformer (d_model {cfg.d_model}, {cfg.n_layers} blocks)"
-    else:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(model_names())} (or give --shapes)")
-    with torch.device("meta"):
-        module = CharTransformer(cfg)
-    return Model(name, note, tuple(tuple(p.shape) for p in module.parameters()))
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``"512x2048"`` -> ``(512, 2048)``; ``"scalar"`` -> ``()``; positive sizes only."""
-    if text == "scalar":
-        return ()
-    parts = text.lower().split("x")
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(
-            f"shape {text!r} is not sizes joined by 'x' (e.g. 512x2048, 768, or 'scalar' for a 0-D tensor)"
-        )
-    return tuple(int(p) for p in parts)
-
-
 # ----------------------------------------------------------------------------- counting
-
-
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    """Bytes one rank sends in one step of DeMo's exchange (ring collectives receive as much)."""
-
-    compressed: int  # the compressed buckets' all-gathers
-    dense: int  # the dense buckets' all-reduce
-    status: int  # the gradient-status all-gather
-    dense_tensors: int  # tensors that went dense
-
-    @property
-    def sent(self) -> int:
-        return self.compressed + self.dense + self.status
-
-    @property
-    def received(self) -> int:
-        return self.sent
-
-    def as_dict(self) -> dict[str, int]:
-        return {**dataclasses.asdict(self), "sent": self.sent, "received": self.received}
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What DeMo is configured with, besides the world size and the gradient dtype."""
-
-    codec: type[PayloadCodec]
-    k: int
-    chunk: int = 64
-    value_dtype: torch.dtype = torch.bfloat16
-    cap_bytes: int = 25 * 2**20
-
-    @property
-    def value(self) -> torch.dtype:
-        return self.codec.resolve_value_dtype(self.value_dtype)
-
-
-def exchange_traffic(
-    shapes: Sequence[tuple[int, ...]],
-    setup: Setup,
-    world: int,
-    dense_itemsize: int,
-    *,
-    fallback: bool | None = None,
-    status_world: int | None = None,
-    owner: tuple[int, int] | None = None,
-) -> Traffic:
-    """DeMo's bytes per rank for one step over ``world`` ranks (the exchange's group).
-
-    ``dense_itemsize`` is the gradient dtype's element size: the fallback compares against a
-    dense all-reduce of that size and sends its dense tensors in it. ``fallback`` defaults to
-    the codec's default (DeMo's ``dense_fallback=None``); ``status_world`` is the group of the
-    status all-gather (default ``world``). ``owner=(j, L)`` counts only the buckets that local
-    rank ``j`` of ``L`` owns in a hierarchy (bucket ``b`` when ``b % L == j``).
-    """
-    shapes = [tuple(s) for s in shapes]
-    buckets = make_buckets(
-        [0] * len(shapes),
-        shapes,
-        [{"compression_chunk": setup.chunk, "compression_topk": setup.k}],
-        setup.codec,
-        setup.value,
-        setup.cap_bytes,
-        setup.codec.dense_fallback if fallback is None else fallback,
-        world,
-        dense_itemsizes=[dense_itemsize] * len(shapes),
-    )
-    compressed = dense = n_dense = 0
-    for index, b in enumerate(buckets):
-        if owner is not None and index % owner[1] != owner[0]:
-            continue
-        if b.dense:
-            dense += ring_allreduce_bytes(
-                dense_itemsize * sum(math.prod(shapes[i]) for i in b.members), world
-            )
-            n_dense += len(b.members)
-        else:
-            assert b.codec is not None
-            compressed += ring_allgather_bytes(b.codec.nbytes, world)
-    status = ring_allgather_bytes(STATUS_ROW, world if status_world is None else status_world)
-    return Traffic(compressed, dense, status, n_dense)
-
-
-STATUS_ROW = STATUS_ROW_BYTES  # a rank's status row on the exchange group
-AGREEMENT_ROW = ROW_BYTES  # and on an agreement group (a node)
-
-
-def dense_allreduce(n_elements: int, itemsize: int, world: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``n_elements`` of ``itemsize`` bytes."""
-    return ring_allreduce_bytes(n_elements * itemsize, world)
 
 
 def _compressible(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -322,17 +168,9 @@ def hierarchical_rows(model: Model, setup: Setup, worlds: Sequence[int], local: 
             "local": local,
         }
         for dtype, b in DTYPES.items():
-            inter = max(
-                (
-                    exchange_traffic(model.shapes, setup, nodes, b, status_world=nodes, owner=(j, local))
-                    for j in range(local)
-                ),
-                key=lambda t: t.sent,
-            )
+            intra, inter = hierarchical_traffic(model.shapes, setup, nodes, local, b)
             flat_dense = dense_allreduce(n, b, w)
             two_level_inter = dense_allreduce(-(-n // local), b, nodes)
-            # the gradient average, the parameters' broadcast, the status agreement
-            intra = dense_allreduce(n, b, local) + n * b + ring_allgather_bytes(AGREEMENT_ROW, local)
             row[dtype] = {
                 "intra_sent": intra,
                 "inter": inter.as_dict(),

@@ -14,6 +14,7 @@ import torch
 from cokit.bench import exchange_scaling as es
 from cokit.compress.buckets import compressed_nbytes, make_buckets, sends_dense
 from cokit.compress.payload import CompactCodec, SignCodec
+from cokit.compress.traffic import AGREEMENT_ROW, STATUS_ROW
 
 SETTINGS = [{"compression_chunk": 64, "compression_topk": 8}]
 SMALL = ((64, 128), (128,), ())  # 8321 elements; tiles: 2 of 64x64, 2 of 1x64, one scalar
@@ -125,7 +126,7 @@ def test_traffic_matches_a_first_principles_count(codec, bucket):
         payload = alone if one_d_dense else bucket  # (64, 128) alone, or both in one bucket
         assert t.compressed == (w - 1) * payload
         assert t.dense == ring_allreduce(dense_elems * itemsize, w)
-        assert t.status == (w - 1) * es.STATUS_ROW  # the fixed-size status row
+        assert t.status == (w - 1) * STATUS_ROW  # the fixed-size status row
         assert t.dense_tensors == 1 + one_d_dense
         assert t.sent == t.received == t.compressed + t.dense + t.status
 
@@ -136,14 +137,14 @@ def test_flat_and_hierarchical_rows_first_principles():
     (row,) = es.flat_rows(model, _setup(), [4])
     assert row["fp32"]["dense_sent"] == ring_allreduce(SMALL_N * 4, 4) == 49926
     assert row["bf16"]["dense_sent"] == ring_allreduce(SMALL_N * 2, 4)
-    assert row["fp32"]["cokit"]["sent"] == 3 * 128 + ring_allreduce(4, 4) + 3 * es.STATUS_ROW == 558
+    assert row["fp32"]["cokit"]["sent"] == 3 * 128 + ring_allreduce(4, 4) + 3 * STATUS_ROW == 558
     assert row["fp32"]["ratio"] == pytest.approx(49926 / 558)
 
     (h,) = es.hierarchical_rows(model, _setup(), [8], local=2)  # 4 nodes of 2
     assert (h["nodes"], h["local"]) == (4, 2)
     f = h["fp32"]
     # intra: gradient average, parameter broadcast, status agreement (one row)
-    row_intra = es.AGREEMENT_ROW
+    row_intra = AGREEMENT_ROW
     assert (
         f["intra_sent"]
         == ring_allreduce(SMALL_N * 4, 2) + SMALL_N * 4 + row_intra
@@ -151,7 +152,7 @@ def test_flat_and_hierarchical_rows_first_principles():
     )
     # inter: the dense bucket (0) is local rank 0's, the compressed one (1) local rank 1's, the
     # busier; plus the status exchange over the 4 nodes
-    assert f["inter"]["sent"] == 3 * 128 + 3 * es.STATUS_ROW
+    assert f["inter"]["sent"] == 3 * 128 + 3 * STATUS_ROW
     assert f["flat_dense_sent"] == ring_allreduce(SMALL_N * 4, 8)
     assert f["two_level_dense_inter_sent"] == ring_allreduce(math.ceil(SMALL_N / 2) * 4, 4) == 24966
     assert es.hierarchical_rows(model, _setup(), [2, 4, 6, 10], local=4) == []  # < 2 nodes or not a multiple
