@@ -8,7 +8,7 @@ import os
 import sys
 
 # Each module defines add_parser(subparsers) and sets `func` (args -> exit code).
-SUBCOMMANDS = ("info", "occupancy", "demo", "sweep", "bench", "dashboard", "telemetry")
+SUBCOMMANDS = ("info", "occupancy", "demo", "sweep", "bench", "dashboard", "telemetry", "plan")
 
 
 class CliError(Exception):

@@ -39,6 +39,8 @@ APP = (
     "cokit.overlap_training",
     "cokit.integrations",
     "cokit.ops",
+    "cokit.plan",
+    "cokit.model_shapes",
 )
 #: the folders' bare names: importing them bare bypasses the one import root, ``cokit``
 BARE = ("triton_kernels", "compress", "overlap", "benchmarks")
