@@ -75,6 +75,44 @@ def summary_table(results: Sequence[RunResult], uniform_loss: float | None = Non
     return "\n".join(lines)
 
 
+def cost_per_epoch(
+    results: Sequence[RunResult], price_per_hour: float, steps_per_epoch: int, world_size: int
+) -> list[dict[str, Any]]:
+    """Per method: the mean step (after the first; syncs included), an epoch's time and its
+    cost at ``price_per_hour`` per rank (a GPU, or a CPU process here)."""
+    rows = []
+    for r in results:
+        steps = r.step_s[1:] or r.step_s
+        step_s = sum(steps) / len(steps) if steps else 0.0
+        epoch_s = step_s * steps_per_epoch
+        rows.append(
+            {
+                "method": r.spec.display,
+                "mean_step_s": step_s,
+                "steps_per_epoch": steps_per_epoch,
+                "epoch_s": epoch_s,
+                "cost_per_epoch": epoch_s / 3600 * world_size * price_per_hour,
+            }
+        )
+    return rows
+
+
+def cost_table(rows: Sequence[dict[str, Any]], price_per_hour: float, world_size: int) -> str:
+    """The cost rows as lines of text."""
+    steps = rows[0]["steps_per_epoch"] if rows else 0
+    lines = [
+        f"cost per epoch ({steps:,} steps: the training text once over {world_size} ranks) "
+        f"at {price_per_hour:g} per rank-hour:"
+    ]
+    width = max((len(r["method"]) for r in rows), default=0)
+    for r in rows:
+        lines.append(
+            f"  {r['method'].ljust(width)}  {r['mean_step_s'] * 1e3:7.1f} ms/step  "
+            f"{r['epoch_s'] / 60:8.1f} min  {r['cost_per_epoch']:,.4g}"
+        )
+    return "\n".join(lines)
+
+
 def csv_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     """One dict per (method, step); step 0 carries only the initial held-out loss."""
     rows: list[dict[str, Any]] = []

@@ -20,7 +20,8 @@ TOY_ARGS = ["--model", "toy", "--max-chars", "100000", "--batch-size", "4", "--e
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    code = main(["demo", "--ranks", "2", "--steps", "6", "--sync-every", "3", "--out", str(out), *TOY_ARGS])
+    argv = ["demo", "--ranks", "2", "--steps", "6", "--sync-every", "3", "--price-per-hour", "2.5"]
+    code = main([*argv, "--out", str(out), *TOY_ARGS])
     return code, out
 
 
@@ -58,6 +59,16 @@ def test_demo_writes_json_csv_png(demo_run, capsys):
     sent = next(m for m in doc["methods"] if m["spec"]["name"] == "sparseloco")["series"]["bytes_sent"]
     assert sent[1] == sent[3] == sent[4] == 0 < sent[5]  # steps 3 and 6 sync
     assert sent[2] > sent[0] > 0  # step 1 carries the first-step settings check
+    cost = cfg["cost_per_epoch"]  # --price-per-hour: an epoch is the training text once over the ranks
+    steps = math.ceil(cfg["workload"]["corpus"]["train_chars"] / (4 * cfg["workload"]["seq_len"] * 2))
+    assert cost["price_per_hour"] == 2.5 and {r["method"] for r in cost["rows"]} == set(summary)
+    for row in cost["rows"]:
+        series = next(m for m in doc["methods"] if m["summary"]["method"] == row["method"])["series"][
+            "step_s"
+        ]
+        assert row["mean_step_s"] == pytest.approx(sum(series[1:]) / len(series[1:]))
+        assert row["steps_per_epoch"] == steps
+        assert row["cost_per_epoch"] == pytest.approx(row["mean_step_s"] * steps / 3600 * 2 * 2.5)
     for m in doc["methods"]:
         # the test process runs the Triton interpreter; spawned demo ranks take the torch path
         assert m["environment"]["kernel_path"] == "torch" and m["environment"]["backend"] == "gloo"
@@ -129,6 +140,7 @@ BAD = [
     (["--sparseloco-topk", "0"], "--sparseloco-topk"),
     (["--sparseloco-lr", "nan"], "--sparseloco-lr"),
     (["--d-model", "30", "--heads", "4"], "divisible"),
+    (["--price-per-hour", "nan"], "--price-per-hour"),
 ]
 
 

@@ -232,6 +232,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="train on cokit.nn.Linear layers whose GEMM configs an online tuner picks while training "
         "(cokit.nn.apply_overlap; configs and decisions go to the telemetry; on CPU they change no timing)",
     )
+    p.add_argument(
+        "--price-per-hour",
+        type=float,
+        default=None,
+        metavar="PRICE",
+        help="print each method's time and cost per epoch (the training text once) at PRICE per rank-hour",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
     return p
@@ -261,6 +268,10 @@ def _resolve(args: argparse.Namespace) -> tuple[int, str, bool, list[str], int]:
             1 <= world <= cores * 4, f"--ranks must be in [1, {cores * 4}] (4 per CPU core here), got {world}"
         )
     _check(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
+    _check(
+        args.price_per_hour is None or (math.isfinite(args.price_per_hour) and args.price_per_hour >= 0),
+        f"--price-per-hour must be a finite number >= 0, got {args.price_per_hour}",
+    )
     _check(args.eval_every >= 1, f"--eval-every must be >= 1, got {args.eval_every}")
     _check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
     _check(args.chunk >= 1, f"--chunk must be >= 1, got {args.chunk}")
@@ -474,7 +485,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     elapsed = time.perf_counter() - start
 
-    from cokit.train_report import summary_table, write_outputs
+    from cokit.train_report import cost_per_epoch, cost_table, summary_table, write_outputs
 
     info = {
         "world_size": world,
@@ -493,6 +504,12 @@ def _run(args: argparse.Namespace) -> int:
     }
     print()
     print(summary_table(results, uniform_loss=info["workload"]["uniform_loss"]))
+    if args.price_per_hour is not None:
+        tokens = cfg.batch_size * workload.seq_len * world  # predicted per step, all ranks
+        steps_per_epoch = math.ceil(workload.corpus.train.numel() / tokens)
+        costs = cost_per_epoch(results, args.price_per_hour, steps_per_epoch, world)
+        info["cost_per_epoch"] = {"price_per_hour": args.price_per_hour, "rows": costs}
+        print(cost_table(costs, args.price_per_hour, world))
     title = (
         f"cokit demo: {world} ranks, {args.model} model ({n_params:,} params), {args.steps} steps, "
         f"demo topk={args.topk} chunk={args.chunk} payload={args.payload}"
