@@ -16,6 +16,15 @@ def human_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def human_duration(seconds: float) -> str:
+    """``12.3 s``, ``4.5 min`` or ``2.25 h``."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
 def pyplot():
     """``matplotlib.pyplot``, imported when a report first draws. The backend is left alone
     (a notebook keeps its inline plots); headless entry points choose one themselves

@@ -35,6 +35,7 @@ from typing import Any
 from cokit.compress.payload import get_codec
 from cokit.compress.stats import ring_allreduce_bytes
 from cokit.compress.traffic import STATUS_ROW, Setup, exchange_traffic, hierarchical_traffic
+from cokit.display import human_duration
 from cokit.model_shapes import Model
 
 __all__ = [
@@ -248,20 +249,12 @@ class Plan:
         for r in self.rows:
             line = (
                 f"| {r['method']} | {r['sent_bytes'] / 1e6:.3g} | {r['comm_ms']:.4g} | {r['exposed_ms']:.4g} "
-                f"| {r['compute_ms']:.4g} | {r['step_ms']:.4g} | {_duration(r['epoch_s'])} |"
+                f"| {r['compute_ms']:.4g} | {r['step_ms']:.4g} | {human_duration(r['epoch_s'])} |"
             )
             if cost:
                 line += f" {r['cost_per_epoch']:,.2f} |" if r["cost_per_epoch"] is not None else " - |"
             lines.append(line)
         return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
 
 
 def _flat_exchange(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 from typing import Any
 
-from cokit.display import human_bytes, pyplot
+from cokit.display import human_bytes, human_duration, pyplot
 from cokit.files import atomic_savefig, atomic_write_text
 from cokit.train import RunResult
 
@@ -108,7 +108,7 @@ def cost_table(rows: Sequence[dict[str, Any]], price_per_hour: float, world_size
     for r in rows:
         lines.append(
             f"  {r['method'].ljust(width)}  {r['mean_step_s'] * 1e3:7.1f} ms/step  "
-            f"{r['epoch_s'] / 60:8.1f} min  {r['cost_per_epoch']:,.4g}"
+            f"{human_duration(r['epoch_s']):>9}  {r['cost_per_epoch']:,.4g}"
         )
     return "\n".join(lines)
 
