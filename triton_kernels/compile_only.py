@@ -34,6 +34,7 @@ from typing import Any
 
 from ._compat import TRITON_VERSION_STRING, compile_option_names, ptxas_path
 from .backend import ArchLimits, arch_limits, compile_target
+from .roofline import bytes_per_element
 
 __all__ = [
     "KERNEL_MODULES",
@@ -81,6 +82,7 @@ class CompiledKernel:
     wide_accesses: int | None = None  # 128-bit global loads and stores in the code (static count)
     narrow_accesses: int | None = None  # narrower global loads and stores (static count)
     num_stages: int | None = None
+    bytes_per_element: float | None = None  # HBM traffic per tensor element (roofline.bytes_per_element)
     compiled: Any = dataclasses.field(repr=False, compare=False, default=None)
 
     @property
@@ -273,7 +275,8 @@ def _compile_spec(target: str, index: int) -> CompiledKernel:
         ck = compile_for_target(fn, sig, constexprs, target, attrs=attrs, **options)
     except Exception as exc:
         raise RuntimeError(f"{label} failed to compile for {target}: {exc}") from exc
-    return dataclasses.replace(ck, name=label, compiled=None)
+    nbytes = bytes_per_element(label, sig, constexprs)
+    return dataclasses.replace(ck, name=label, compiled=None, bytes_per_element=nbytes)
 
 
 def compile_all(targets: list[str], jobs: int = 1) -> list[CompiledKernel]:

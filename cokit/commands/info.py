@@ -89,12 +89,15 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 def _print_kernels(targets: list[str], as_json: bool) -> int:
     from cokit.triton_kernels.backend import arch_limits
     from cokit.triton_kernels.compile_only import resource_rows, spill_problems
+    from cokit.triton_kernels.roofline import estimates
 
     for t in targets:
         arch_limits(t)  # an unknown target fails here, with the known ones named
     print(f"compiling every shipped kernel config for {', '.join(targets)} ...", file=sys.stderr, flush=True)
     rows = kernel_resources(targets)
     if as_json:
+        for row, est in zip(rows, estimates(rows)):
+            row["estimate"] = {k: est[k] for k in ("blocks_per_sm", "limited_by", "roofline_ms_per_1e9")}
         print(json.dumps(rows, indent=2))
         return 0
     table = resource_rows(rows)
@@ -102,7 +105,41 @@ def _print_kernels(targets: list[str], as_json: bool) -> int:
     problems = spill_problems(rows)
     print()
     print("spills: none" if not problems else "spills:\n  " + "\n  ".join(problems))
+    print()
+    print(_estimate_table(estimates(rows)))
     return 0
+
+
+def _estimate_table(est: list[dict]) -> str:
+    """The static estimate: blocks per SM, bytes per element, roofline ms per 1e9 elements."""
+    chips = list(dict.fromkeys(chip for e in est for chip in e["roofline_ms_per_1e9"]))
+    header = [
+        "kernel",
+        "target",
+        "warps/stages",
+        "blocks/SM (limit)",
+        "B/elem",
+        *[f"{c} ms/1e9" for c in chips],
+    ]
+    rows = []
+    for e in est:
+        ms = e["roofline_ms_per_1e9"]
+        rows.append(
+            [
+                e["name"],
+                e["target"],
+                f"{e['num_warps']}/{e['num_stages'] if e['num_stages'] is not None else '-'}",
+                f"{e['blocks_per_sm']} ({e['limited_by']})",
+                "-" if e["bytes_per_element"] is None else f"{e['bytes_per_element']:.3g}",
+                *["" if c not in ms else ("-" if ms[c] is None else f"{ms[c]:.3g}") for c in chips],
+            ]
+        )
+    note = (
+        "static estimate: blocks per SM/CU from registers, shared memory and warps; HBM bytes per "
+        "tensor element; the memory roofline (data-sheet bandwidth) per 1e9 elements. A bound, not "
+        "a measurement: `python -m cokit.bench.gpu_check --quick` measures GB/s on a GPU."
+    )
+    return note + "\n" + _table(rows, header)
 
 
 def run(args: argparse.Namespace) -> int:
