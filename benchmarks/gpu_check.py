@@ -11,8 +11,10 @@ budget is spent stops adding work and is marked BUDGET):
   copy_bandwidth   device-to-device copy GB/s (the roofline the kernels are compared with)
   kernels.*        dct, topk, ef_encode, ef_decode: check vs the torch reference (relative
                    error, index agreement), then time both (median of CUDA-event timings),
-                   GB/s, % of copy bandwidth, speedup, each compiled kernel's n_regs/n_spills
-                   and the launch config it chose (tuned on the GPU)
+                   GB/s, % of copy bandwidth against the target (DCT >= 70%, fused encode and
+                   decode >= 60%), the static estimate beside it (roofline ms at the chip's
+                   data-sheet HBM bandwidth, blocks per SM of the compiled builds), speedup,
+                   n_regs/n_spills and the launch config it chose (tuned on the GPU)
   optimizer        DeMo step (Triton kernels, world size 1) vs fused AdamW
   gemm.*           correctness, occupancy vs the driver, TFLOP/s vs torch.matmul, occupancy sweep
   linear           cokit.nn.Linear TFLOP/s vs torch.nn.functional.linear, bf16 LLM shapes
@@ -30,7 +32,9 @@ gpu_check.json and gpu_check.log (everything printed), rewritten atomically afte
 it is created and checked for writing before any phase runs, and a folder that already holds
 them (an earlier check) is refused unless ``--overwrite`` is given.
 Exit status: 0, 1 when a phase FAILED, 2 when the check cannot run here (one line says why).
-Sized for one H200: --quick under 3 minutes, the full run under 8 (mostly Triton compiles).
+Sized for one H200: --quick (the compression kernels, gemm.perf, linear, linear.compile and the
+overlap phase; `--list` shows which) under 3 minutes, the full run under 8 (mostly Triton
+compiles). Linear's target: >= 0.9x F.linear, and of compiled nn.Linear under Inductor.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class Phase:
     budget_full: float
     needs_gpu: bool = False
     what: str = ""
+    in_quick: bool = True  # part of --quick (compression kernels, GEMM/Linear, one overlap phase)
 
 
 class PhaseFailure(Exception):
@@ -328,6 +333,8 @@ def _time_row(
             row.update(triton_ms=ms, GBps=nbytes / ms / 1e6)
             if bw:
                 row["pct_of_copy"] = 100 * nbytes / ms / 1e6 / bw
+                row["target"] = copy_target(name, row["pct_of_copy"])
+            row.update(static_estimate(ctx, nbytes, resources))
         if not ctx.budget.stop():
             row["torch_ms"] = median_ms(reference, True, ctx.quick)
             if "triton_ms" in row:
@@ -338,6 +345,9 @@ def _time_row(
             "torch_ms",
             "GBps",
             "pct_of_copy",
+            "target",
+            "roofline_ms",
+            "blocks_per_sm",
             "speedup",
             "n_regs",
             "n_spills",
@@ -350,6 +360,46 @@ def _time_row(
     cols += [k for k in errs]
     print_rows([row], cols)
     return row
+
+
+#: cokit.nn.Linear's target: at least this fraction of F.linear's (and compiled nn.Linear's) speed
+LINEAR_TARGET = 0.9
+#: the issue's targets on an H200: % of device copy bandwidth per compression kernel
+COPY_TARGETS = {"dct_encode": 70.0, "dct_decode": 70.0, "ef_encode": 60.0, "ef_decode": 60.0}
+
+
+def static_estimate(ctx: Context, nbytes: int, resources: list[dict]) -> dict[str, Any]:
+    """Beside a measured kernel: its memory roofline at the chip's data-sheet HBM bandwidth and
+    the blocks per SM its compiled builds allow (``cokit info --kernels``' estimate, live)."""
+    import torch
+
+    from cokit.triton_kernels.backend import device_limits
+    from cokit.triton_kernels.occupancy import occupancy
+    from cokit.triton_kernels.roofline import datasheet_gbs
+
+    out: dict[str, Any] = {}
+    chip = datasheet_gbs(torch.cuda.get_device_name(ctx.device))
+    if chip is not None:
+        out["roofline_ms"] = nbytes / (chip[1] * 1e6)
+    limits = device_limits(ctx.device)
+    blocks = sorted(
+        {
+            occupancy(r["num_warps"], r["shared"] or 0, r["n_regs"], limits).blocks_per_sm
+            for r in resources
+            if r.get("num_warps")
+        }
+    )
+    if blocks:
+        out["blocks_per_sm"] = "/".join(map(str, blocks))
+    return out
+
+
+def copy_target(name: str, pct: float | None) -> str | None:
+    """``'>=70%: met'`` or ``'>=70%: missed by 12 pts'`` for a kernel with a target."""
+    target = COPY_TARGETS.get(name)
+    if target is None or pct is None:
+        return None
+    return f">={target:.0f}%: met" if pct >= target else f">={target:.0f}%: missed by {target - pct:.0f} pts"
 
 
 def _judge(row: dict, limits: dict[str, float]) -> list[str]:
@@ -369,7 +419,10 @@ def _kernel_result(rows: list[dict], problems: list[str]) -> dict:
     key = "; ".join(
         f"{r['kernel']} "
         + (
-            f"{r['GBps']:.0f} GB/s x{r.get('speedup', float('nan')):.2f} regs {r['n_regs']}"
+            f"{r['GBps']:.0f} GB/s"
+            + (f" {r['pct_of_copy']:.0f}% of copy" if "pct_of_copy" in r else "")
+            + (f" ({r['target']})" if r.get("target") else "")
+            + f" x{r.get('speedup', float('nan')):.2f}"
             if "GBps" in r
             else f"torch {r['torch_ms']:.2f} ms"
         )
@@ -649,7 +702,9 @@ def phase_linear(ctx: Context) -> dict:
         ["shape", "dtype", "cokit_ms", "torch_ms", "cokit_TFLOPs", "torch_TFLOPs", "vs_torch", "rel_err"],
     )
     key = "; ".join(
-        f"{r['shape']} {r['cokit_TFLOPs']:.0f} TFLOP/s x{r['vs_torch']:.2f} vs F.linear" for r in rows
+        f"{r['shape']} {r['cokit_TFLOPs']:.0f} TFLOP/s x{r['vs_torch']:.2f} vs F.linear "
+        f"(>=0.9: {'met' if r['vs_torch'] >= LINEAR_TARGET else 'missed'})"
+        for r in rows
     )
     return {"rows": rows, "problems": problems, "key": key}
 
@@ -722,7 +777,8 @@ def phase_linear_compile(ctx: Context) -> dict:
     print_rows([row], [*cols, "vs_torch_compiled", "dynamic_graphs", "rel_err"])
     key = (
         f"kernel in graph: {in_graph}; compiled {row['compiled_ms']:.3g} ms, "
-        f"x{row['vs_torch_compiled']:.2f} vs compiled nn.Linear"
+        f"x{row['vs_torch_compiled']:.2f} vs compiled nn.Linear "
+        f"(>=0.9: {'met' if row['vs_torch_compiled'] >= LINEAR_TARGET else 'missed'})"
     )
     return {"rows": [row], "problems": problems, "key": key}
 
@@ -756,8 +812,8 @@ def default_phases() -> list[Phase]:
         Phase("kernels.topk", phase_topk, 10, 20, what="chunk top-k"),
         Phase("kernels.ef_encode", phase_ef_encode, 12, 25, what="fused error-feedback encode"),
         Phase("kernels.ef_decode", phase_ef_decode, 12, 25, what="fused decode of 8 payloads"),
-        Phase("optimizer", phase_optimizer, 18, 40, what="DeMo step vs fused AdamW"),
-        Phase("gemm.correctness", _gemm_phase("correctness"), 22, 45, what="GEMM vs float64"),
+        Phase("optimizer", phase_optimizer, 18, 40, what="DeMo step vs fused AdamW", in_quick=False),
+        Phase("gemm.correctness", _gemm_phase("correctness"), 22, 45, what="GEMM vs float64", in_quick=False),
         Phase(
             "gemm.occupancy",
             _gemm_phase("occupancy_check"),
@@ -765,9 +821,12 @@ def default_phases() -> list[Phase]:
             15,
             needs_gpu=True,
             what="blocks/SM: calculator vs driver",
+            in_quick=False,
         ),
         Phase("gemm.perf", _gemm_phase("perf"), 18, 75, needs_gpu=True, what="tuned GEMM TFLOP/s vs torch"),
-        Phase("gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep"),
+        Phase(
+            "gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep", in_quick=False
+        ),
         Phase("linear", phase_linear, 20, 45, what="cokit.nn.Linear vs F.linear (bf16)"),
         Phase("linear.compile", phase_linear_compile, 40, 70, what="Linear in torch.compile (Inductor)"),
         Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
@@ -777,8 +836,16 @@ def default_phases() -> list[Phase]:
             35,
             80,
             what="training step + EMULATED comm: sequential, overlapped, shaped+high, tuner",
+            in_quick=False,
         ),
-        Phase("tp_layers", phase_tp_layers, 20, 40, what="TP MLP fwd+bwd vs F.linear, EMULATED comm"),
+        Phase(
+            "tp_layers",
+            phase_tp_layers,
+            20,
+            40,
+            what="TP MLP fwd+bwd vs F.linear, EMULATED comm",
+            in_quick=False,
+        ),
     ]
 
 
@@ -911,7 +978,8 @@ def main(argv: list[str] | None = None, phases: list[Phase] | None = None) -> in
     phases = default_phases() if phases is None else phases
     if args.list:
         for ph in phases:
-            print(f"{ph.name:<20} {ph.budget_quick:>5.0f} s quick  {ph.budget_full:>5.0f} s full  {ph.what}")
+            quick = f"{ph.budget_quick:>5.0f} s quick" if ph.in_quick else "  (not in --quick)"
+            print(f"{ph.name:<20} {quick}  {ph.budget_full:>5.0f} s full  {ph.what}")
         return 0
     problem = environment_problem(args.allow_cpu)
     if problem is None:
@@ -920,6 +988,8 @@ def main(argv: list[str] | None = None, phases: list[Phase] | None = None) -> in
         print(f"gpu_check: error: {problem}", file=sys.stderr, flush=True)
         return 2
     chosen = _selected(phases, args.only)
+    if args.quick and args.only is None:
+        chosen = [p for p in chosen if p.in_quick]
     if not chosen:
         print(
             f"gpu_check: error: --only {' '.join(args.only)} matches no phase; "

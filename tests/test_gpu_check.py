@@ -56,18 +56,20 @@ def test_unwritable_out_fails_fast(tmp_path):
     assert "[gpu-check]" not in res.stdout  # no phase started
 
 
-def test_allow_cpu_quick_runs_every_phase(tmp_path):
+def test_allow_cpu_quick_runs_the_quick_phases(tmp_path):
+    """--quick: the compression kernels, GEMM/Linear and one overlap phase (<= 3 min on an H200)."""
     out = tmp_path / "out"
     res = _run(["--allow-cpu", "--quick", "--out", str(out)], timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     log = (out / "gpu_check.log").read_text()
     names = [p["name"] for p in report["phases"]]
-    assert names == [p.name for p in gpu_check.default_phases()]
+    quick = [p for p in gpu_check.default_phases() if p.in_quick]
+    assert names == [p.name for p in quick] and sum(p.budget_quick for p in quick) <= 180
+    assert "tp_layers" not in names and "train_step_overlap" not in names and "linear.compile" in names
     status = {p["name"]: p["status"] for p in report["phases"]}
     assert all(s in ("OK", "SKIPPED") for s in status.values()), status
     assert status["gemm.perf"] == "SKIPPED" and status["kernels.dct"] == "OK" and status["overlap"] == "OK"
-    assert status["tp_layers"] == "OK" and status["train_step_overlap"] == "OK"
     assert report["complete"] is True and report["mode"].startswith("cpu")
     env = next(p for p in report["phases"] if p["name"] == "env")["result"]
     assert env["torch"] == torch.__version__ and "triton" in env
@@ -75,12 +77,37 @@ def test_allow_cpu_quick_runs_every_phase(tmp_path):
     assert dct_row["n_regs"] == "-" and dct_row["rel_err"] < 1e-5
     # the log is everything printed, the summary table ends stdout
     assert "[gpu-check] summary" in res.stdout and "[gpu-check] summary" in log
-    n_phases = len(gpu_check.default_phases())
+    n_phases = len(quick)
     assert (
         f"[gpu-check] [1/{n_phases}] env: start" in log
         and "kernels.ef_decode" in res.stdout.split("summary")[-1]
     )
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def test_only_runs_phases_left_out_of_quick(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--allow-cpu", "--quick", "--only", "tp_layers", "train_step_overlap", "--out", str(out)]
+    res = _run(argv, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert {p["name"]: p["status"] for p in report["phases"]} == {
+        "train_step_overlap": "OK",
+        "tp_layers": "OK",
+    }
+
+
+def test_copy_targets_and_the_chips_data_sheet_bandwidth():
+    from cokit.triton_kernels.roofline import datasheet_gbs
+
+    assert gpu_check.copy_target("dct_encode", 75.0) == ">=70%: met"
+    assert gpu_check.copy_target("ef_decode", 48.4) == ">=60%: missed by 12 pts"
+    assert gpu_check.copy_target("topk", 10.0) is None and gpu_check.copy_target("dct_decode", None) is None
+    assert (
+        datasheet_gbs("NVIDIA H200") == ("H200", 4800.0)
+        and datasheet_gbs("NVIDIA H100 80GB HBM3")[0] == "H100"
+    )
+    assert datasheet_gbs("AMD Instinct MI300X") == ("MI300X", 5300.0) and datasheet_gbs("Tesla T4") is None
 
 
 def test_failing_phase_is_reported_and_later_phases_run(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from typing import Any
 from .backend import arch_limits
 from .occupancy import occupancy
 
-__all__ = ["CHIPS", "NOMINAL_RANKS", "bytes_per_element", "estimates", "roofline_ms_per_1e9"]
+__all__ = ["CHIPS", "NOMINAL_RANKS", "bytes_per_element", "datasheet_gbs", "estimates", "roofline_ms_per_1e9"]
 
 #: compile target -> (chip, HBM GB/s from the vendor's data sheet)
 CHIPS: dict[str, tuple[tuple[str, float], ...]] = {
@@ -28,6 +28,17 @@ CHIPS: dict[str, tuple[tuple[str, float], ...]] = {
 }
 #: ranks whose payloads the fused decode reads, for its estimate
 NOMINAL_RANKS = 8
+
+
+def datasheet_gbs(device_name: str) -> tuple[str, float] | None:
+    """(chip, HBM GB/s) of a device by its name (``torch.cuda.get_device_name``), or None."""
+    upper = device_name.upper()
+    for chips in CHIPS.values():
+        for chip, gbs in chips:
+            if chip in upper:
+                return chip, gbs
+    return None
+
 
 _SIZES = {"fp64": 8, "i64": 8, "fp32": 4, "i32": 4, "bf16": 2, "fp16": 2, "i16": 2, "i8": 1, "u8": 1}
 
