@@ -234,6 +234,11 @@ def write_report(
     target = target_check(tables, info.get("target"))
     if target:
         md_parts.append(target_markdown(target))
+    advice = None
+    if getattr(cfg, "calibration", False):
+        wl = cfg.workloads[0]
+        advice = recommend(tables.get(wl.name, []), info.get("calibration_tolerance", 0.03), wl.steps)
+        md_parts.append(advice)
     horizon = {
         wl: horizon_rows(tables[wl], recs) for wl, recs in (longer or {}).items() if recs and wl in tables
     }
@@ -262,11 +267,52 @@ def write_report(
         "pareto_front": pareto,
         "target_check": target,
         "long_horizon_rows": horizon,
+        "recommendation": advice,
         "files": files,
         "table_markdown": md,
     }
     atomic_write_text(os.path.join(out_dir, "study.json"), json.dumps(doc, indent=1, default=str))
     return doc
+
+
+def recommend(rows: list[dict], tolerance: float, steps: int) -> str:
+    """``--on``'s advice from one workload's table: the compressed method with the most fewer
+    bytes whose held-out loss is within ``tolerance`` of AdamW's, or the closest one."""
+    base = next((r for r in rows if r["method"] == "adamw" and r.get("final_heldout_loss_mean")), None)
+    if base is None:
+        return "No recommendation: AdamW (the reference) has no finished run."
+    ref = base["final_heldout_loss_mean"]
+    compressed = [
+        r
+        for r in rows
+        if r["method"] != "adamw"
+        and r.get("final_heldout_loss_mean") is not None
+        and (r.get("ratio_to_dense") or 0) > 1
+    ]
+    if not compressed:
+        return "No recommendation: no compressed method finished a run."
+    gap = {r["method"]: r["final_heldout_loss_mean"] / ref - 1.0 for r in compressed}
+    within = [r for r in compressed if gap[r["method"]] <= tolerance]
+    pick = (
+        max(within, key=lambda r: r["ratio_to_dense"])
+        if within
+        else min(compressed, key=lambda r: gap[r["method"]])
+    )
+    what = (
+        f"{pick['method']} at lr {pick['best_lr']:g}: {pick['ratio_to_dense']:.0f}x fewer bytes than AdamW's "
+        f"dense all-reduce, held-out loss {gap[pick['method']] * 100:+.1f}% vs AdamW's ({ref:.4g})"
+    )
+    text = (
+        f"Recommendation: {what}, within {tolerance:.0%}."
+        if within
+        else f"No compressed method came within {tolerance:.0%} of AdamW. Closest: {what}."
+    )
+    if pick.get("lr_at_edge"):
+        text += " Its best lr is at the edge of the grid: the true best may lie outside it."
+    return (
+        text + f" One seed, {steps} steps: the gap can grow with training length "
+        "(docs/validation-study.md), so check the choice at your real horizon."
+    )
 
 
 def target_check(tables: dict[str, list[dict]], target: dict | None) -> dict[str, Any] | None:

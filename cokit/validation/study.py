@@ -60,6 +60,17 @@ TARGET_RATIO = 100.0
 TARGET_DELTA = 0.03  # held-out loss within 3% of AdamW's mean
 LONG_FACTOR = 3  # the longer horizon: this many times the workload's steps
 COMPRESSED_FAMILIES = ("demo", "demo-rms", "demo-adam", "demo-ns", "sparseloco", "diloco")
+# `--on module:factory`: calibrate on your own workload with a small grid (2 ranks, 1 seed)
+CALIBRATION_METHODS = (
+    "adamw",
+    "demo-compact-k32-c64",
+    "demo-sign-k32-c64",
+    "sparseloco-h5-k64-int2",
+    "sparseloco-h10-k16-int2",
+)
+CALIBRATION_STEPS = 200
+CALIBRATION_OUT = "calibration"
+CALIBRATION_TOLERANCE = 0.03  # a recommendation must stay within this of AdamW's held-out loss
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,6 +252,23 @@ _AE_LRS = (
 )
 
 
+_USER_LRS = (
+    ("adamw", (3e-4, 1e-3, 3e-3, 1e-2)),
+    ("sgd", (0.01, 0.03, 0.1, 0.3)),
+    ("powersgd", (3e-4, 1e-3, 3e-3, 1e-2)),
+    ("demo", (3e-4, 1e-3, 3e-3, 1e-2)),
+)
+
+
+def user_workload(spec: str, steps: int | None = None) -> WorkloadDef:
+    """``--on module:factory`` as the study's one workload, named ``yours`` (the factory is
+    imported and called here first: its errors come before any rank starts)."""
+    from cokit.validation.user_workload import UserWorkloadFactory
+
+    n = CALIBRATION_STEPS if steps is None else steps
+    return WorkloadDef("yours", UserWorkloadFactory.checked(spec), n, max(1, min(20, n // 5)), _USER_LRS)
+
+
 def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
     """The three workloads sized for ``preset`` (``steps`` overrides every step budget)."""
     from cokit.workloads import CorpusConfig, DigitsAEWorkloadConfig, ModelConfig, TextWorkloadConfig
@@ -303,6 +331,7 @@ class StudyConfig:
     long_horizon: bool = False  # phase 3: AdamW and the best >= 100x method at 3x the steps
     verbose: bool = False
     telemetry: bool = True  # each run writes out_dir/telemetry/<workload>-<method>-lr<lr>-s<seed>/
+    calibration: bool = False  # --on: the user's workload; the report recommends a method
     methods_by_label: dict[str, MethodDef] = field(default_factory=method_catalog, repr=False)
 
     def method(self, label: str) -> MethodDef:
@@ -322,8 +351,12 @@ def make_config(
     long_horizon: bool | None = None,
     verbose: bool = False,
     telemetry: bool = True,
+    on: str | None = None,
 ) -> StudyConfig:
-    """A preset's configuration with optional overrides; raises ValueError on bad values."""
+    """A preset's configuration with optional overrides; raises ValueError on bad values.
+    ``on``: ``module:factory``, your workload instead of the study's (a calibration grid)."""
+    if on is not None:
+        return _calibration_config(on, out_dir, world_size, methods, lr_points, steps, verbose, telemetry)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     if steps is not None and steps < 1:
@@ -381,6 +414,48 @@ def make_config(
         long_horizon=preset == "full" if long_horizon is None else long_horizon,
         verbose=verbose,
         telemetry=telemetry,
+    )
+
+
+def _calibration_config(
+    on: str,
+    out_dir: str | None,
+    world_size: int | None,
+    methods: list[str] | None,
+    lr_points: int | None,
+    steps: int | None,
+    verbose: bool,
+    telemetry: bool,
+) -> StudyConfig:
+    """``--on``: the calibration grid on the user's workload (2 ranks, 1 seed, no long horizon)."""
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    methods = list(CALIBRATION_METHODS) if methods is None else methods
+    catalog = method_catalog()
+    unknown = [m for m in methods if m not in catalog]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}; --list-methods shows the labels")
+    if "adamw" not in methods or len(set(methods)) != len(methods):
+        raise ValueError("--on needs 'adamw' among the methods (the reference), without repeats")
+    world = 2 if world_size is None else world_size
+    if not 2 <= world <= 64:
+        raise ValueError(f"world size must be in [2, 64] (compression needs ranks), got {world}")
+    points = GRID_POINTS if lr_points is None else lr_points
+    if points not in (1, GRID_POINTS):
+        raise ValueError(f"lr points must be 1 or {GRID_POINTS}, got {points}")
+    return StudyConfig(
+        preset="quick",
+        out_dir=out_dir or CALIBRATION_OUT,
+        world_size=world,
+        workloads=[user_workload(on, steps)],
+        methods=methods,
+        headline=[],
+        seeds=1,
+        lr_points=points,
+        long_horizon=False,
+        verbose=verbose,
+        telemetry=telemetry,
+        calibration=True,
     )
 
 
@@ -651,6 +726,8 @@ def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
         "run_time_s_all_runs": round(sum(r.get("elapsed_s", 0.0) for rs in records.values() for r in rs), 1),
         "workload_info": _workload_info(cfg, records),
     }
+    if cfg.calibration:
+        info["calibration_tolerance"] = CALIBRATION_TOLERANCE
     return write_report(cfg.out_dir, info, records, cfg, longer)
 
 
@@ -716,6 +793,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"phase 3: AdamW and the best >= {TARGET_RATIO:g}x-compressed method at {LONG_FACTOR}x the "
         "steps (default: on for full)",
     )
+    p.add_argument(
+        "--on",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="calibrate on YOUR model and data: factory() returns {'model', 'batch', 'heldout', 'loss'} "
+        f"(docs/validation-study.md); a small grid on 2 ranks, {CALIBRATION_STEPS} steps, into ./{CALIBRATION_OUT}/",
+    )
     p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
     p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
     p.add_argument("--verbose", action="store_true", help="a progress line per evaluation, tracebacks")
@@ -736,6 +820,11 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     if args.quick and args.preset not in (None, "quick"):
         raise ValueError(f"--quick conflicts with --preset {args.preset}")
     preset = "quick" if args.quick else (args.preset or "full")
+    on = getattr(args, "on", None)
+    if on is not None and (args.quick or args.preset or args.workloads or args.seeds or args.long_horizon):
+        raise ValueError(
+            "--on runs its own grid: it takes --methods, --steps, --lr-points, --world-size, --out"
+        )
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} exists and is not a folder")
     return make_config(
@@ -750,6 +839,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         long_horizon=None if args.long_horizon is None else args.long_horizon == "on",
         verbose=args.verbose,
         telemetry=not getattr(args, "no_telemetry", False),
+        on=on,
     )
 
 
