@@ -249,3 +249,33 @@ def test_autoencoder_trains_with_adamw():
         opt.step()
     end = heldout()
     assert start > w.mean_image_loss() and end < 0.7 * w.mean_image_loss(), (start, end)
+
+
+@pytest.mark.parametrize("source", ["prose", "c"])
+def test_prose_and_c_corpora_ship_with_python_and_split_by_document(source):
+    from cokit.workloads.text import SOURCES, UNKNOWN_ID, CharCorpus, CorpusConfig, decode
+
+    cfg = CorpusConfig(max_chars=300_000, source=source)
+    a, b = CharCorpus.read(cfg), CharCorpus.read(cfg)
+    assert a.sha256 == b.sha256 and a.num_chars == 300_000  # deterministic, nothing downloaded
+    assert not set(a.train_files) & set(a.heldout_files) and a.heldout_files
+    assert 0.05 < a.heldout.numel() / a.num_chars < 0.2
+    assert float((a.train == UNKNOWN_ID).float().mean()) < 0.01
+    text = decode(a.train[:20_000])
+    if source == "prose":
+        assert any(f.startswith("pydoc_data/topics/") for f in a.train_files)
+        assert text.count(" the ") > 50  # English
+    else:
+        assert all(f.endswith(".h") for f in a.train_files) and "#define" in text
+    assert a.info()["source"] == source and a.info()["text"] == SOURCES[source]
+    python = CharCorpus.read(CorpusConfig(max_chars=300_000))
+    assert python.sha256 != a.sha256
+
+
+def test_a_corpus_source_is_checked_and_too_little_text_says_what_to_lower():
+    from cokit.workloads.text import CharCorpus, CorpusConfig
+
+    with pytest.raises(ValueError, match="source must be one of python, prose, c"):
+        CorpusConfig(source="latin")
+    with pytest.raises(RuntimeError, match="lower max_chars"):
+        CharCorpus.read(CorpusConfig(max_chars=50_000_000, source="prose"))

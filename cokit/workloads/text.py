@@ -1,6 +1,9 @@
-"""A character-level corpus from the Python standard library's own ``.py`` sources.
+"""A character-level corpus from text that ships with Python: its standard library's ``.py``
+sources (``source="python"``, the default), English prose (``"prose"``: the language
+reference's topics in ``pydoc_data`` and the stdlib's license and IDLE text files), or C
+(``"c"``: the interpreter's C headers).
 
-No download: the text is whatever ``sysconfig.get_paths()["stdlib"]`` holds (tests,
+No download: the text is whatever ``sysconfig.get_paths()`` points at (for ``python``: tests,
 ``site-packages`` and caches excluded). Files are taken in a fixed pseudo-random order (by the
 SHA-256 of their relative path, so the corpus mixes packages) until ``max_chars`` characters;
 each file is cut to ``max_file_chars`` so no single file dominates; whole files go to the held-out split, chosen by ``split_seed``. The vocabulary is fixed: tab,
@@ -18,6 +21,7 @@ import functools
 import hashlib
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +37,12 @@ VOCAB_SIZE = len(VOCAB) + 1
 EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "pydoc_data", "encodings"}
 )
+#: corpus source -> what it is (CorpusConfig.source)
+SOURCES = {
+    "python": "python stdlib .py sources",
+    "prose": "English prose: pydoc_data language-reference topics, stdlib LICENSE and idlelib .txt",
+    "c": "C: the interpreter's C headers (sysconfig include dir)",
+}
 _BATCH_STREAM = 0x7E47  # keeps batch sampling apart from other uses of the same seed
 
 _LUT = np.full(128, UNKNOWN_ID, dtype=np.uint8)
@@ -66,8 +76,11 @@ class CorpusConfig:
     heldout_fraction: float = 0.1
     split_seed: int = 0
     root: str | None = None
+    source: str = "python"
 
     def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
         if self.max_chars < 10_000:
             raise ValueError(f"max_chars must be >= 10000, got {self.max_chars}")
         if self.max_file_chars < 1000:
@@ -125,7 +138,7 @@ class CharCorpus:
     def info(self) -> dict:
         """JSON-ready description: source, sizes, file counts, content hash."""
         return {
-            "source": "python stdlib .py sources",
+            "text": SOURCES[self.config.source],
             "root": self.root,
             "files": len(self.train_files) + len(self.heldout_files),
             "heldout_files": len(self.heldout_files),
@@ -144,16 +157,45 @@ def _build_corpus(config: CorpusConfig) -> CharCorpus:
     return _read_corpus(config)
 
 
+def _documents(config: CorpusConfig) -> tuple[Path, list[tuple[str, Callable[[], str]]]]:
+    """(root, [(name, read)]) of the source's documents, in the fixed mixing order."""
+    paths = sysconfig.get_paths()
+    if config.source == "prose":
+        import pydoc_data.topics
+
+        root = Path(config.root or paths["stdlib"])
+        topics = pydoc_data.topics.topics
+        docs: list[tuple[str, Callable[[], str]]] = [
+            (f"pydoc_data/topics/{key}", functools.partial(topics.__getitem__, key)) for key in topics
+        ]
+        files = [
+            "LICENSE.txt",
+            *sorted(p.relative_to(root).as_posix() for p in (root / "idlelib").glob("*.txt")),
+        ]
+        docs += [(rel, functools.partial(_read, root / rel)) for rel in files if (root / rel).is_file()]
+    elif config.source == "c":
+        root = Path(config.root or paths["include"])
+        headers = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.h"))
+        docs = [(rel, functools.partial(_read, root / rel)) for rel in headers]
+    else:
+        root = Path(config.root or paths["stdlib"])
+        docs = [(rel, functools.partial(_read, root / rel)) for rel in stdlib_sources(root)]
+    return root, sorted(docs, key=lambda d: _mix_key(d[0]))
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
 def _read_corpus(config: CorpusConfig) -> CharCorpus:
-    root = Path(config.root or sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib_sources(root), key=_mix_key)
+    root, documents = _documents(config)
     texts: list[tuple[str, str]] = []
     total = 0
-    for rel in files:
+    for rel, read in documents:
         if total >= config.max_chars:
             break
         try:
-            text = (root / rel).read_text(encoding="utf-8", errors="replace")
+            text = read()
         except OSError:
             continue
         if not text:
@@ -164,7 +206,10 @@ def _read_corpus(config: CorpusConfig) -> CharCorpus:
         texts.append((rel, text))
         total += len(text)
     if total < config.max_chars // 2 or len(texts) < 4:
-        raise RuntimeError(f"only {total} characters of .py source in {len(texts)} files under {root}")
+        raise RuntimeError(
+            f"only {total} characters of {config.source} text in {len(texts)} documents under {root}; "
+            f"lower max_chars (asked for {config.max_chars})"
+        )
 
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(config.split_seed))
     heldout_idx: set[int] = set()
