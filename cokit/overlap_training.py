@@ -96,7 +96,7 @@ def shaped_candidates(
     taken by communication) and the config's own validation; the returned reasons name what
     each rejected candidate breaks.
     """
-    fitting = prune_configs(config_space(limits.backend), dtype, limits)
+    fitting = prune_configs(config_space(limits.backend, dtype=dtype), dtype, limits)
     cap_n, cap_k = (max(16, next_pow2(d)) for d in (out_features, in_features))
 
     def excess(c: GemmConfig) -> float:  # how much of a tile falls outside the matrix

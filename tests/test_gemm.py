@@ -24,9 +24,12 @@ from cokit.triton_kernels.gemm_config import (
     GemmConfig,
     config_space,
     default_config,
+    dtype_name,
     estimate_shared_bytes,
     interpreter_config,
+    known_to_spill,
     parse_config_spec,
+    parse_dtype,
     prune_configs,
 )
 from cokit.triton_kernels.tuning_cache import TuningCache, autotune, default_cache_dir, shape_bucket
@@ -270,14 +273,19 @@ def test_vendor_space_validates_against_its_chip(vendor, target):
 
 @pytest.mark.parametrize("vendor,target", VENDORS, ids=[t for _, t in VENDORS])
 def test_configs_over_the_chip_are_refused_before_compile_and_defaults_fit(vendor, target):
-    """For every dtype: a config whose shared memory (the estimate) exceeds the chip's per-block
-    limit is refused by validation, naming the limit and the chip; every config pruning keeps
-    passes; the dtype's default config is the first that fits (the space's first does not in
-    fp32 on sm_80 and gfx942: 192 KiB of 163 KiB, 128 KiB of 64 KiB)."""
+    """For every dtype and its space: a config whose shared memory (the estimate) exceeds the
+    chip's per-block limit is refused by validation, naming the limit and the chip; every
+    config pruning keeps passes; the dtype's default config is the first that fits. The 16-bit
+    default does not fit fp32 on sm_80 and gfx942 (192 KiB of 163 KiB, 128 KiB of 64 KiB), so
+    fp32 has a space of its own (issue 36)."""
     limits = arch_limits(target)
-    space = config_space(vendor.BACKEND)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        space = config_space(vendor.BACKEND, dtype=dtype)
+        assert [c.to_dict() for c in space] == [
+            {**f, "persistent": False} for f in vendor.SPACES[dtype_name(dtype)]
+        ]
         kept = prune_configs(space, dtype, limits)
+        assert space[0] in kept
         for cfg in space:
             need = estimate_shared_bytes(cfg, dtype, limits)
             if cfg in kept:
@@ -292,15 +300,64 @@ def test_configs_over_the_chip_are_refused_before_compile_and_defaults_fit(vendo
         default = default_config(vendor.BACKEND, dtype=dtype, limits=limits)
         assert default == kept[0]
         default.validate(vendor.BACKEND, limits, dtype=dtype)
+    assert default_config(vendor.BACKEND, dtype=torch.bfloat16) == config_space(vendor.BACKEND)[0]
     over = {"sm_80": 196608, "gfx942": 131072}.get(target)
-    if over is not None:  # the issue's finding: the space's first config does not fit in fp32
+    if over is not None:  # the issue's finding: the 16-bit default does not fit in fp32
         with pytest.raises(ValueError, match=f"needs {over} B"):
-            space[0].validate(vendor.BACKEND, limits, dtype=torch.float32)
-        assert default_config(vendor.BACKEND, dtype=torch.float32, limits=limits) != space[0]
+            config_space(vendor.BACKEND)[0].validate(vendor.BACKEND, limits, dtype=torch.float32)
     too_many = space[0].replace(num_warps=max(vendor.NUM_WARPS))
     if too_many.num_warps * limits.warp_size > limits.max_threads_per_block:
         with pytest.raises(ValueError, match="threads per block"):
             too_many.validate(vendor.BACKEND, limits)
+
+
+@pytest.mark.parametrize("vendor,target", VENDORS, ids=[t for _, t in VENDORS])
+def test_compile_checked_spills_are_pruned_on_their_chip_only(vendor, target):
+    """The vendor's SPILLS table (configs compile checks found spilling in one form on one
+    chip) is pruned there, in that form and dtype only; fp32 has its own, smaller default."""
+    limits = arch_limits(target)
+    listed = [e for e in vendor.SPILLS if e[0] == target]
+    for _, dtypes, persistent, fields in listed:
+        cfg = GemmConfig(**fields, persistent=persistent)
+        for name in dtypes:
+            dtype = parse_dtype(name)
+            assert known_to_spill(cfg, dtype, limits)
+            assert cfg not in prune_configs(config_space(vendor.BACKEND, persistent, dtype), dtype, limits)
+            assert not known_to_spill(cfg.replace(persistent=not persistent), dtype, limits)
+    for other in {t for t in vendor.TARGETS if t != target}:
+        for _, dtypes, persistent, fields in [e for e in vendor.SPILLS if e[0] == other]:
+            cfg = GemmConfig(**fields, persistent=persistent)
+            assert not any(known_to_spill(cfg, parse_dtype(n), limits) for n in dtypes)
+    if target == "sm_80":  # the persistent 16-bit default on sm_80 is the first that does not spill
+        persistent = default_config("cuda", True, dtype=torch.bfloat16, limits=limits)
+        assert (persistent.BLOCK_M, persistent.BLOCK_N, persistent.BLOCK_K) == (128, 128, 64)
+        assert default_config("cuda", dtype=torch.bfloat16, limits=limits) == config_space("cuda")[0]
+    fp32 = config_space(vendor.BACKEND, dtype=torch.float32)
+    if vendor.BACKEND == "cuda":  # FMA dots: at most 64 accumulators per thread of fp32 tiles
+        assert all(c.BLOCK_M * c.BLOCK_N // (c.num_warps * 32) <= 64 for c in fp32)
+
+
+def test_registers_over_the_chip_are_refused_before_compile():
+    """maxnreg for every thread above an SM's register file, and an fp32 accumulator tile above
+    the registers a thread may have, are refused naming the limit and the chip."""
+    sm90, gfx = arch_limits("sm_90"), arch_limits("gfx942")
+    with pytest.raises(
+        ValueError, match=r"maxnreg=255 is 261120 registers per block, above the 65536 registers"
+    ):
+        GemmConfig(num_warps=32, maxnreg=255).validate("cuda", sm90)
+    GemmConfig(num_warps=8, maxnreg=255).validate("cuda", sm90)  # 256 x 255 = 65280 fits
+    with pytest.raises(
+        ValueError, match=r"in 2048 registers per thread, above the 255 registers per thread limit"
+    ):
+        GemmConfig(BLOCK_M=256, BLOCK_N=256, num_warps=1).validate("cuda", sm90)
+    with pytest.raises(ValueError, match=r"in 128 registers per thread, above the 64 registers"):
+        GemmConfig(num_warps=4, maxnreg=64).validate("cuda", sm90)
+    with pytest.raises(
+        ValueError, match=rf"above the 128 registers per thread limit .*{re.escape(gfx.name)}"
+    ):
+        GemmConfig(256, 256, 64, num_warps=4, num_stages=2, waves_per_eu=4).validate("hip", gfx)
+    GemmConfig(256, 256, 64, num_warps=8, num_stages=2, waves_per_eu=2).validate("hip", gfx)
+    GemmConfig(BLOCK_M=256, BLOCK_N=256, num_warps=1).validate("cuda")  # no chip: nothing to bound
 
 
 def test_amd_space_is_rejected_on_nvidia():

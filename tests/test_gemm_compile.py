@@ -55,7 +55,7 @@ def _cases():
             (G(128, 128, 32, 8, num_warps=4, num_stages=3), fp32, {"precision": "tf32"}),
         ],
         "gfx942": [
-            (G(256, 256, 64, 4, num_warps=8, num_stages=2, matrix_instr_nonkdim=16, kpack=2), bf16, {}),
+            (G(256, 256, 64, 4, num_warps=8, num_stages=2, matrix_instr_nonkdim=32, kpack=2), bf16, {}),
             (G(128, 128, 64, 8, num_warps=4, num_stages=2, waves_per_eu=2), fp16, {"has_bias": True}),
             (
                 G(128, 128, 32, 1, num_warps=8, num_stages=2, persistent=True, matrix_instr_nonkdim=32),

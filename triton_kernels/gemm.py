@@ -386,7 +386,7 @@ def select_config(
         return interpreter_config(M, N, K, persistent)
     limits = _limits_for(path, a.device)
     assert limits is not None  # a GPU path has limits
-    configs = prune_configs(config_space(path, persistent), a.dtype, limits, M, N, K, precision)
+    configs = prune_configs(config_space(path, persistent, a.dtype), a.dtype, limits, M, N, K, precision)
     if not configs:
         raise RuntimeError(f"no GEMM config fits {limits.name} for {a.dtype}")
     cache = TuningCache(cache_dir)

@@ -38,6 +38,7 @@ __all__ = [
     "dtype_name",
     "estimate_shared_bytes",
     "interpreter_config",
+    "known_to_spill",
     "next_pow2",
     "parse_config_spec",
     "parse_dtype",
@@ -224,6 +225,7 @@ class GemmConfig:
                     f"num_warps={self.num_warps} is {threads} threads per block, above the "
                     f"{limits.max_threads_per_block} of {limits.name}"
                 )
+            self._check_registers(limits, threads)
         # per-block shared-memory footprint
         if self.smem_bytes is not None:
             if (
@@ -245,6 +247,34 @@ class GemmConfig:
                     f"allowed: {need} to {limits.max_shared_per_block if limits else 'the device limit'}"
                 )
         return self
+
+    def _check_registers(self, limits: ArchLimits, threads: int) -> None:
+        """Refuse what cannot fit the register file: ``maxnreg`` for every thread of the block
+        above the registers of an SM (NVIDIA), or the fp32 accumulator tile alone
+        (``BLOCK_M * BLOCK_N / threads`` registers per thread) above what a thread of this
+        block may have (the chip's per-thread limit, the SM's/CU's registers shared by the
+        block's threads, ``maxnreg`` on NVIDIA, 512 / ``waves_per_eu`` on AMD): it could only
+        spill."""
+        if limits.backend == "cuda" and self.maxnreg is not None:
+            need = threads * self.maxnreg
+            if need > limits.registers_per_sm:
+                raise ValueError(
+                    f"num_warps={self.num_warps} x {limits.warp_size} threads x maxnreg={self.maxnreg} "
+                    f"is {need} registers per block, above the {limits.registers_per_sm} registers of "
+                    f"an SM of {limits.name}; use fewer num_warps or a smaller maxnreg"
+                )
+        cap = min(limits.max_registers_per_thread, limits.registers_per_sm // threads)
+        if limits.backend == "cuda" and self.maxnreg is not None:
+            cap = min(cap, self.maxnreg)
+        if limits.backend == "hip" and self.waves_per_eu:
+            cap = min(cap, limits.max_registers_per_thread // self.waves_per_eu)
+        acc = self.BLOCK_M * self.BLOCK_N // threads
+        if acc > cap:
+            raise ValueError(
+                f"{self.spec()} keeps its {self.BLOCK_M}x{self.BLOCK_N} fp32 accumulator in {acc} "
+                f"registers per thread, above the {cap} registers per thread limit of a "
+                f"{threads}-thread block on {limits.name}; use smaller BLOCK_M/BLOCK_N or more num_warps"
+            )
 
     # ------------------------------------------------------------------ helpers
     def launch_options(self, backend: str) -> dict[str, Any]:
@@ -396,8 +426,9 @@ def prune_configs(
 ) -> list[GemmConfig]:
     """Drop configs that cannot fit the device or are much larger than the problem.
 
-    A config is dropped when its estimated shared memory exceeds the per-block limit or when
-    it has more threads than a block may. Given a shape (``M``, ``N``, ``K``), only configs
+    A config is dropped when its estimated shared memory exceeds the per-block limit, when
+    it has more threads than a block may, or when compile checks found it spills on that chip
+    in that form (:func:`known_to_spill`). Given a shape (``M``, ``N``, ``K``), only configs
     whose blocks are no larger than the problem rounded up to a power of 2 (at least 16) are
     kept; when none is, the first config that fits the device is.
     """
@@ -407,6 +438,8 @@ def prune_configs(
             continue
         if cfg.num_warps * limits.warp_size > limits.max_threads_per_block:
             continue
+        if known_to_spill(cfg, dtype, limits):
+            continue
         out.append(cfg)
     if M is not None and N is not None and K is not None:
         cap_m, cap_n, cap_k = (max(_MIN_BLOCK, next_pow2(d)) for d in (M, N, K))
@@ -415,19 +448,43 @@ def prune_configs(
     return out
 
 
+def known_to_spill(config: GemmConfig, dtype: torch.dtype, limits: ArchLimits) -> bool:
+    """Whether the vendor module lists ``config`` (its tiles, warps, stages and knobs, in its
+    tiled or persistent form) as spilling for ``dtype`` on the chip of ``limits`` (the
+    ``SPILLS`` table of the vendor module, from compile-only builds)."""
+    vendor = _VENDORS.get(limits.backend)
+    if vendor is None:
+        return False
+    name = dtype_name(dtype)
+    for target, dtypes, persistent, fields in vendor.SPILLS:
+        if target != limits.target_name or name not in dtypes or persistent != config.persistent:
+            continue
+        if all(getattr(config, k) == v for k, v in fields.items()):
+            return True
+    return False
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of 2 >= ``x`` (1 for ``x <= 1``)."""
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------- search spaces
-def config_space(backend: str, persistent: bool = False) -> list[GemmConfig]:
-    """The configs autotuning tries on ``backend`` ('cuda' or 'hip'), unpruned, in the
-    vendor module's order (the first is the vendor's default)."""
+def config_space(
+    backend: str, persistent: bool = False, dtype: str | torch.dtype | None = None
+) -> list[GemmConfig]:
+    """The configs autotuning tries on ``backend`` ('cuda' or 'hip') for ``dtype``, unpruned,
+    in the vendor module's order (the first is the vendor's default for that dtype).
+
+    Each vendor has one space per dtype (``SPACES`` of the vendor module: fp16 and bf16 share
+    one, fp32 has its own, of smaller register footprints); every entry is compile-checked
+    spill-free on the vendor's targets (tests/test_gemm_config_fit.py). ``dtype=None`` is the
+    16-bit space."""
     vendor = _VENDORS.get(backend)
     if vendor is None:
         raise ValueError(f"backend {backend!r} has no config space; allowed: cuda, hip")
-    return [GemmConfig(**fields, persistent=persistent) for fields in vendor.SPACE]
+    fields = vendor.SPACE if dtype is None else vendor.SPACES[dtype_name(parse_dtype(dtype))]
+    return [GemmConfig(**f, persistent=persistent) for f in fields]
 
 
 def default_config(
@@ -438,10 +495,10 @@ def default_config(
     limits: ArchLimits | None = None,
     precision: str = "ieee",
 ) -> GemmConfig:
-    """The vendor's default config: the first of its space, or, given ``dtype`` and
-    ``limits``, the first that fits that chip for that dtype (fp32 tiles take twice the shared
-    memory of 16-bit ones: the space's first does not fit every chip in fp32)."""
-    space = config_space(backend, persistent)
+    """The vendor's default config: the first of its space for ``dtype`` (the 16-bit space when
+    None), or, given ``limits`` too, the first of that space that fits the chip (some entries
+    only fit sm_90's shared memory)."""
+    space = config_space(backend, persistent, dtype)
     if dtype is None or limits is None:
         return space[0]
     fitting = prune_configs(space, dtype, limits, precision=precision)
