@@ -275,7 +275,13 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
                 f"params -> Optimizer, got {type(inner).__name__}"
             )
         inner_groups = [{**g, "params": stepped(g["params"])} for g in groups]
-        opt = torch.optim.AdamW(inner_groups, lr=1e-3) if inner is None else inner(inner_groups)
+        if inner is None:
+            # foreach on CPU too (torch defaults to it on GPUs only): the same per-tensor kernels
+            # in the same order, bit for bit, without AdamW's per-tensor Python loop
+            plain_cpu = all(p.device.type == "cpu" and not hasattr(p, "placements") for p in params)
+            opt: Any = torch.optim.AdamW(inner_groups, lr=1e-3, foreach=True if plain_cpu else None)
+        else:
+            opt = inner(inner_groups)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
                 f"SparseLoCo: inner(params) must return a torch.optim.Optimizer, got {type(opt).__name__}"
@@ -554,12 +560,20 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         # what the other ranks will decode from this rank leaves the error buffer
         _, sent = codec.from_wire([w.reshape(1, -1) for w in wires])
         spans = [t.n_tiles * t.k_eff(k) for t in tilings]
+        # the coefficient matrices are dead once picked: they hold the sparse matrices (a
+        # fresh buffer only where a tile matrix is a view of its error buffer)
         sparse = [
-            torch.zeros_like(c).scatter_(1, ix.long(), part.view(ix.shape).float())
-            for c, (ix, _), part in zip(coeffs, picks, sent[0].split(spans))
+            (torch.zeros_like(c) if _aliases(c, e) else c.zero_()).scatter_(
+                1, ix.long(), part.view(ix.shape).float()
+            )
+            for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans))
         ]
-        for e, s in zip(errors, self._from_coeffs(sparse, errors, tilings)):
-            e.sub_(s)
+        if self.dct or not all(e.is_contiguous() for e in errors):
+            for e, s in zip(errors, self._from_coeffs(sparse, errors, tilings)):
+                e.sub_(s)
+        else:  # in the tile layout, without the copy back (a plain subtraction: exact either way)
+            for e, s, t in zip(errors, sparse, tilings):
+                _tile_view(e, t).sub_(s.view(_tile_view(e, t).shape))
         names = [self._name(i) for i in members]
 
         def receive() -> Callable[[], list[torch.Tensor]]:
@@ -567,7 +581,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
 
             def decode() -> list[torch.Tensor]:
                 world = indices.shape[0]
-                sums = [torch.zeros_like(c) for c in coeffs]
+                sums = [s.zero_() for s in sparse]  # dead since the launch: reused
                 for r in range(world):  # rank order, one add per position per rank: deterministic
                     for s, ix_r, v_r, t in zip(
                         sums, indices[r].split(spans), values[r].split(spans), tilings
@@ -683,6 +697,15 @@ def _to_tiles(x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
     """A tensor -> its ``(n_tiles, tile_numel)`` tile matrix (the DCT's tile order)."""
     m = x.reshape(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
     return m.reshape(t.n_tiles, t.tile_numel)
+
+
+def _tile_view(x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
+    """A contiguous ``x`` as an ``(tiles_y, tiles_x, h, w)`` view (the tile order)."""
+    return x.view(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _from_tiles(m: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:

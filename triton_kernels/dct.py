@@ -17,6 +17,8 @@ Layout: Triton kernel + launcher + torch reference + ``torch.library`` ops (``co
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -404,6 +406,85 @@ def dct_decode_reference(
     y = coeffs.to(dtype).reshape(t.rows // t.h, t.cols // t.w, t.h, t.w)
     x = bh.T @ y @ bw
     return x.transpose(1, 2).reshape(tuple(shape))
+
+
+# ----------------------------------------------------------------------------- fast torch path
+#
+# The CPU training path (``kernel_path == "torch"``) computes exactly what the references
+# above compute, bit for bit: the same ``bmm`` and ``mm`` calls that ``torch.matmul`` makes for
+# ``bh @ tiles @ bw.T`` and ``bh.T @ coeffs @ bw`` (same shapes, strides and transposes, so the
+# same BLAS calls), but into reused scratch buffers instead of fresh tensors: on a CPU the
+# page faults of fresh multi-megabyte temporaries cost about as much as the transforms.
+
+
+class Workspace(threading.local):
+    """Per-thread fp32 scratch buffers by slot, grown to the largest request and reused.
+
+    Buffers over ``max_numel`` elements are not kept (a one-off fresh tensor instead), so a
+    huge tensor does not pin its scratch for the life of the process."""
+
+    max_numel = 1 << 26  # 256 MiB of fp32 per slot
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D buffer of ``numel`` elements (contents undefined), at offset 0 of its storage."""
+        key = (slot, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            if numel > self.max_numel:
+                return torch.empty(numel, dtype=dtype, device=device)
+            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+
+WORKSPACE = Workspace()
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_basis(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return tiling.basis_matrix(n, dtype, device)
+
+
+def dct_encode_into(
+    x: torch.Tensor, t: tiling.TensorTiling, work: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor
+) -> torch.Tensor:
+    """:func:`dct_encode_reference` of a contiguous fp32 ``x`` (tiling ``t``), bit for bit,
+    as a ``(n_tiles, tile_numel)`` view of ``out``; ``work`` and ``scratch`` are scratch
+    (each ``t.numel`` fp32 elements, 1-D, contiguous, not overlapping ``x`` or ``out``)."""
+    r, c, h, w = t.rows // t.h, t.cols // t.w, t.h, t.w
+    bh, bw = _cached_basis(h, x.dtype, x.device), _cached_basis(w, x.dtype, x.device)
+    tiles = x.view(r, h, c, w).transpose(1, 2)  # _tiles
+    # torch.matmul(bh, tiles): bmm of the expanded basis and tiles.reshape(r*c, h, w), a
+    # contiguous copy unless that reshape is a view
+    try:
+        batch = tiles.view(r * c, h, w)
+    except RuntimeError:
+        batch = scratch.view(r, c, h, w).copy_(tiles).view(r * c, h, w)
+    y = torch.bmm(bh.expand(r, c, h, h).reshape(r * c, h, h), batch, out=work.view(r * c, h, w))
+    # (...) @ bw.T: matmul folds the batch into the rows of one mm
+    torch.mm(y.view(r * c * h, w), bw.t(), out=out.view(r * c * h, w))
+    return out.view(t.n_tiles, t.tile_numel)
+
+
+def dct_decode_into(
+    coeffs: torch.Tensor, t: tiling.TensorTiling, work: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``bh.T @ coeffs @ bw`` of :func:`dct_decode_reference` for contiguous fp32 ``coeffs``
+    ``(n_tiles, tile_numel)``, bit for bit, as an ``(r, c, h, w)`` view of ``out`` (tile
+    order: the caller writes ``.transpose(1, 2)`` of it into the tensor's layout);
+    ``work`` is scratch (``t.numel`` fp32 elements, not overlapping ``coeffs`` or ``out``)."""
+    r, c, h, w = t.rows // t.h, t.cols // t.w, t.h, t.w
+    bh, bw = _cached_basis(h, coeffs.dtype, coeffs.device), _cached_basis(w, coeffs.dtype, coeffs.device)
+    z = torch.bmm(
+        bh.t().expand(r, c, h, h).reshape(r * c, h, h), coeffs.view(r * c, h, w), out=work.view(r * c, h, w)
+    )
+    torch.mm(z.view(r * c * h, w), bw, out=out.view(r * c * h, w))
+    return out.view(r, c, h, w)
 
 
 # ----------------------------------------------------------------------------- ops

@@ -49,8 +49,16 @@ from ._checks import (
     check_tensor_list,
 )
 from .backend import arch_limits, kernel_path
-from .dct import dct_decode_reference, dct_encode_reference, table_pointer, transform_block
-from .topk import chunk_topk_reference, topk_select
+from .dct import (
+    WORKSPACE,
+    dct_decode_into,
+    dct_decode_reference,
+    dct_encode_into,
+    dct_encode_reference,
+    table_pointer,
+    transform_block,
+)
+from .topk import chunk_topk_fast, chunk_topk_reference, topk_select
 
 __all__ = [
     "compile_specs",
@@ -449,6 +457,8 @@ def _contiguous_work(t: torch.Tensor) -> torch.Tensor:
 def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
     device = deltas[0].device
     if kernel_path(device) == "torch":
+        if all(d.is_contiguous() for d in deltas):
+            return ef_encode_fast(deltas, grads, beta, lr, chunk, k, alpha=alpha, value_dtype=value_dtype)
         return ef_encode_reference(deltas, grads, beta, lr, chunk, k, alpha=alpha, value_dtype=value_dtype)
     plan = tiling.tile_plan([d.shape for d in deltas], chunk, k, device, groups=[g.dtype for g in grads])
     work = [_contiguous_work(d) for d in deltas]
@@ -530,9 +540,7 @@ def scatter_precision(config: compress_config.KernelConfig, value_dtype: torch.d
 def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
     device = params[0].device
     if kernel_path(device) == "torch":
-        ef_decode_reference(
-            params, indices, values, chunk, k, lr, weight_decay=weight_decay, use_sign=use_sign
-        )
+        ef_decode_fast(params, indices, values, chunk, k, lr, weight_decay=weight_decay, use_sign=use_sign)
         return
     plan = tiling.tile_plan([p.shape for p in params], chunk, k, device, groups=[p.dtype for p in params])
     work = [_contiguous_work(p) for p in params]
@@ -634,6 +642,87 @@ def ef_decode_reference(
             p.mul_(1 - lr * weight_decay).sub_(update, alpha=lr)
         else:
             p.copy_(p.to(dtype) * (1 - lr * weight_decay) - lr * update)
+
+
+# ----------------------------------------------------------------------------- fast torch path
+
+
+def ef_encode_fast(
+    deltas: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    beta: float,
+    lr: float,
+    chunk: int,
+    k: int,
+    *,
+    alpha: float = 1.0,
+    value_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ef_encode_reference` (fp32 math) bit for bit, for contiguous fp32 ``deltas``:
+    the same elementwise ops on the same layouts and the same BLAS calls
+    (:func:`~cokit.triton_kernels.dct.dct_encode_into`), with reused scratch buffers
+    instead of fresh temporaries and a top-k over candidates
+    (:func:`~cokit.triton_kernels.topk.chunk_topk_fast`)."""
+    plan = tiling.tile_plan([d.shape for d in deltas], chunk, k)
+    all_idx, all_vals = [], []
+    for d, g, t in zip(deltas, grads, plan.tilings):
+        d.mul_(beta).add_(g.to(torch.float32), alpha=lr)
+        n = t.numel
+        a, b, c = (WORKSPACE.get(slot, n, torch.float32, d.device) for slot in range(3))
+        coeffs = dct_encode_into(d, t, b, c, a)  # in c
+        idx, vals = chunk_topk_fast(coeffs, k)
+        sparse = coeffs.zero_().scatter_(1, idx.long(), vals)  # zeros_like(coeffs).scatter_
+        x = dct_decode_into(sparse, t, b, a)  # in a, tile order
+        # the decoded tensor in its own (contiguous) layout, as the reference's reshape copy
+        dec = c.view(t.rows // t.h, t.h, t.cols // t.w, t.w).copy_(x.transpose(1, 2)).view(d.shape)
+        d.sub_(dec, alpha=alpha)
+        all_idx.append(idx.flatten().to(plan.index_dtype))
+        all_vals.append(vals.flatten().to(value_dtype))
+    return torch.cat(all_idx), torch.cat(all_vals)
+
+
+def ef_decode_fast(
+    params: Sequence[torch.Tensor],
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    chunk: int,
+    k: int,
+    lr: float,
+    *,
+    weight_decay: float = 0.0,
+    use_sign: bool = True,
+) -> None:
+    """:func:`ef_decode_reference` (fp32 math) bit for bit, with reused scratch buffers.
+
+    One rank's payload with strictly increasing positions per tile (what :func:`ef_encode`
+    sends) is scattered with ``scatter_add_`` onto zeros: the reference's
+    ``scatter_reduce_(mean, include_self=False)`` computes ``(0 + v) / 1`` there, the same
+    value. Other payloads take the reference's mean."""
+    plan = tiling.tile_plan([p.shape for p in params], chunk, k)
+    ranks = indices.shape[0]
+    for p, t, off in zip(params, plan.tilings, plan.payload_offsets):
+        ke = t.k_eff(k)
+        span = slice(off, off + t.n_tiles * ke)
+        idx = indices[:, span].reshape(ranks, t.n_tiles, ke).transpose(0, 1).reshape(t.n_tiles, -1).long()
+        val = values[:, span].reshape(ranks, t.n_tiles, ke).transpose(0, 1).reshape(t.n_tiles, -1)
+        val = val.to(torch.float32)
+        a, b, c = (WORKSPACE.get(slot, t.numel, torch.float32, p.device) for slot in range(3))
+        dense = a.view(t.n_tiles, t.tile_numel).zero_()
+        if ranks == 1 and (ke == 1 or bool((idx[:, 1:] > idx[:, :-1]).all())):
+            dense.scatter_add_(1, idx, val)
+        else:
+            dense.scatter_reduce_(1, idx, val, reduce="mean", include_self=False)
+        x = dct_decode_into(dense, t, b, c).transpose(1, 2)  # in c
+        update = a.view(t.rows // t.h, t.h, t.cols // t.w, t.w)
+        if use_sign:
+            torch.sign(x, out=update)
+        else:
+            update.copy_(x)
+        update = update.view(p.shape)
+        if p.dtype == torch.float32:
+            p.mul_(1 - lr * weight_decay).sub_(update, alpha=lr)
+        else:
+            p.copy_(p.to(torch.float32) * (1 - lr * weight_decay) - lr * update)
 
 
 # ----------------------------------------------------------------------------- ops
