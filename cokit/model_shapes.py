@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,21 +80,27 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def import_callable(spec: str, what: str) -> Callable[..., Any]:
+    """The callable ``module:name`` names (``what`` starts each error: ``"model"``, ``"--on"``)."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {spec!r}: give an importable factory as 'module:function'")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what} {spec!r}: cannot import {attr!r} from {module_name!r}: {exc}") from None
+    if not callable(found):
+        raise ValueError(f"{what} {spec!r}: {attr!r} is not callable")
+    return found
+
+
 def factory_model(spec: str) -> Model:
     """The parameter shapes of ``module:factory``'s model, built on the meta device.
 
     ``factory()`` may return an ``nn.Module``, or a tuple/list whose first ``nn.Module`` is the
     model (the ``(model, batches, loss)`` form of a workload factory).
     """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"model {spec!r}: give an importable factory as 'module:function'")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"model {spec!r}: cannot import {attr!r} from {module_name!r}: {exc}") from exc
-    if not callable(factory):
-        raise ValueError(f"model {spec!r}: {attr!r} is not callable")
+    factory = import_callable(spec, "model")
     with torch.device("meta"):
         made = factory()
     items = made if isinstance(made, (tuple, list)) else (made,)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cokit.model_shapes import import_callable
+
 __all__ = ["REQUIRED", "UserWorkload", "UserWorkloadFactory", "load_factory"]
 
 REQUIRED = ("model", "batch", "heldout", "loss")
@@ -34,15 +36,8 @@ REQUIRED = ("model", "batch", "heldout", "loss")
 
 def load_factory(spec: str) -> dict[str, Any]:
     """Import ``module:factory``, call it and check what it returned (ValueError says what to fix)."""
-    module_name, sep, attr = str(spec).partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--on {spec!r}: give an importable factory as 'module:function'")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--on {spec!r}: cannot import {attr!r} from {module_name!r}: {exc}") from None
-    if not callable(factory):
-        raise ValueError(f"--on {spec!r}: {attr!r} is not callable")
+    factory = import_callable(spec, "--on")
+    attr = spec.partition(":")[2]
     try:
         made = factory()
     except Exception as exc:
