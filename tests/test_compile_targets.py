@@ -179,3 +179,46 @@ def test_compile_only_rejects_options_the_backend_lacks(monkeypatch):
     _, fn, sig, constexprs, _ = kernel_specs("sm_90")[0]
     with pytest.raises(ValueError, match=r"has no cuda compile option 'waves_per_eu'; allowed: .*num_warps"):
         compile_for_target(fn, sig, constexprs, "sm_90", waves_per_eu=2)
+
+
+#: (target, kernel) whose default build still holds one block per SM: the fused kernels on
+#: sm_90 (tf32x3 at 8 warps: 158-238 registers; at 4 the encode spills 32 B, the 1-D decode
+#: 432 B) and the fused decode on sm_80 (its 1-D build spills 440 B at 4 warps on triton 3.6).
+ONE_BLOCK_DEFAULTS = {("sm_90", "ef_encode"), ("sm_90", "ef_decode"), ("sm_80", "ef_decode")}
+
+
+@pytest.mark.slow
+def test_default_compression_builds_keep_two_blocks_per_sm(report):
+    """The default config (the first of the chip's space) of every DCT build and of the fused
+    encode on sm_80 leaves room for 2 resident blocks per SM by the occupancy calculator, so
+    one block's loads overlap another's dots (they were 1 block on sm_80 at 8 warps)."""
+    from cokit.triton_kernels.roofline import estimates
+
+    blocks = {mode: (rows, width) for mode, _, rows, width in tiling.compile_blocks()}
+    by_build = {(e["name"], e["target"]): e for e in estimates(report)}
+    checked = 0
+    for target in ("sm_80", "sm_90"):
+        arch = int(target.removeprefix("sm_"))
+        for kernel in compress_config.KERNELS:
+            if (target, kernel) in ONE_BLOCK_DEFAULTS:
+                continue
+            for mode, block in blocks.items():
+                spec = compress_config.config_space(kernel, "cuda", block, arch)[0].spec()
+                for suffix in ("", "+aligned"):
+                    e = by_build[(f"{kernel}_{mode}[{spec}]{suffix}", target)]
+                    assert e["blocks_per_sm"] >= 2, e
+                    checked += 1
+    assert checked == (3 + 2) * len(blocks) * 2  # sm_80: 3 kernels, sm_90: 2
+
+
+@pytest.mark.slow
+def test_gfx942_dct_basis_loads_are_wide_and_sgpr_clean(report):
+    """The DCT basis is read with 128-bit loads on gfx942 too (its offsets are provably
+    multiples of 256 elements; before, the buffer loads stayed 32-bit: 0 wide of 64 in the
+    unhinted 64x64 encode), and no DCT build spills an SGPR."""
+    dct = [
+        r for r in report if r["target"] == "gfx942" and r["name"].startswith(("dct_encode", "dct_decode"))
+    ]
+    assert dct
+    for r in dct:
+        assert r["wide_accesses"] > 0 and r["sgpr_spills"] == 0, r

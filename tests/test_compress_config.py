@@ -53,11 +53,12 @@ def test_vendor_spaces_and_defaults():
             cuda_warps = {"ef_encode": [8], "ef_decode": [8, 16]}.get(kernel, [4, 8, 16])
             hip_warps = {"ef_decode": [8, 4]}.get(kernel, [4, 8])
             assert [c.num_warps for c in cuda] == cuda_warps and [c.num_warps for c in hip] == hip_warps
-            # per chip: sm_80's mma.sync spills at tf32x3, so it takes the hand-split bf16x6 at
-            # 8 or 16 warps; AMD is ieee everywhere
+            # per chip: sm_80's mma.sync spills at tf32x3, so it takes the hand-split bf16x6,
+            # first at 4 warps (2 blocks per SM) except for the fused decode (8 or 16 warps);
+            # AMD is ieee everywhere
+            sm80_warps = [8, 16] if kernel == "ef_decode" else [4, 8, 16]
             assert cc.config_space(kernel, "cuda", (rows, width), 80) == [
-                cc.KernelConfig(8, 1, "bf16x6"),
-                cc.KernelConfig(16, 1, "bf16x6"),
+                cc.KernelConfig(w, 1, "bf16x6") for w in sm80_warps
             ]
             assert {c.dot_precision for c in cc.config_space(kernel, "cuda", (rows, width), 90)} == {"tf32x3"}
             assert {c.dot_precision for c in cc.config_space(kernel, "hip", (rows, width), "gfx942")} == {

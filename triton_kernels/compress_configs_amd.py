@@ -40,8 +40,13 @@ DEFAULT_PRECISION = "ieee"
 
 #: the configs a block may be launched with, per kernel, as KernelConfig fields; the first
 #: that fits the block's register estimate is the default. All compile without VGPR spills
-#: on gfx942 (triton 3.6 and 3.9); the fused encode still spills 4-77 SGPRs (to VGPR lanes,
-#: not memory); the decode starts at 8 waves, where it also has no SGPR spills.
+#: on gfx942 (triton 3.6 and 3.9), and the DCT with no SGPR spills, its basis read with
+#: 128-bit loads (the offsets are provably multiples of 256 elements: 8 of 32 basis loads
+#: per thread wide in the unhinted 64x64 encode at 4 waves, all 14 global accesses wide in
+#: the aligned one; 0 wide before). The fused encode still spills 10-57 SGPRs (to VGPR lanes,
+#: not memory): every masked element load or store keeps a 64-bit exec mask in SGPRs, and
+#: waves_per_eu does not change that (compile-checked). The decode starts at 8 waves, where
+#: it has no SGPR spills (20 at 4 waves, 1-D).
 _W4 = {"num_warps": 4, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 _W8 = {"num_warps": 8, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 SPACE: dict[str, tuple[dict[str, object], ...]] = {

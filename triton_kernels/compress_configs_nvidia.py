@@ -46,8 +46,10 @@ DEFAULT_PRECISION = "tf32x3"
 #: the configs a block may be launched with, per kernel, as KernelConfig fields; the first
 #: that fits the block's register estimate is the default. Every one compiles with no stack
 #: or spill bytes for the shipped 64x64 blocks on sm_90 (triton 3.6 and 3.9,
-#: tests/test_compile_targets.py); the fused encode spills at 4 warps (about 300 B) and at 16
-#: (about 100 B), the decode at 4 (224 B), so those are not here.
+#: tests/test_compile_targets.py); the fused encode spills at 4 warps (32 B, 2-D) and at 16
+#: (about 100 B), the decode at 4 (432 B, 1-D), so those are not here. The DCT's default (4
+#: warps, 122-142 registers) leaves 3-4 blocks per SM; the fused kernels at 8 warps hold
+#: 128-238 registers: 1 block per SM (2 for the aligned 1-D encode).
 _W4 = {"num_warps": 4, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 _W8 = {"num_warps": 8, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 _W16 = {"num_warps": 16, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
@@ -59,17 +61,27 @@ SPACE: dict[str, tuple[dict[str, object], ...]] = {
 }
 #: before sm_90 (mma.sync holds the operands in registers, wgmma reads them from shared
 #: memory) tf32x3 spills up to 800 B per thread on the 64x64 DCT; the hand-split bf16x6
-#: (fp32-class too) does not at 8 or 16 warps, and spills at 4 (the fused encode 330 B).
-_PRE_HOPPER: tuple[dict[str, object], ...] = (
-    {"num_warps": 8, "num_stages": 1, "dot_precision": "bf16x6"},
-    {"num_warps": 16, "num_stages": 1, "dot_precision": "bf16x6"},
-)
+#: (fp32-class too) does not. At 8 warps it holds 174-200 registers (1 block per SM, 8 of
+#: 64 warp slots); at 4 warps the DCT encode/decode (231-252 registers) and the fused encode
+#: (190-255: it reads its buffer block again instead of holding it through the transforms)
+#: compile spill-free on triton 3.6 and 3.9, so 2 blocks share an SM and one block's loads
+#: overlap the other's dots: 4 warps come first. The fused decode stays at 8 or 16 warps: its
+#: 1-D build spills 440 B at 4 (triton 3.6).
+_B6_W4 = {"num_warps": 4, "num_stages": 1, "dot_precision": "bf16x6"}
+_B6_W8 = {"num_warps": 8, "num_stages": 1, "dot_precision": "bf16x6"}
+_B6_W16 = {"num_warps": 16, "num_stages": 1, "dot_precision": "bf16x6"}
+_PRE_HOPPER: dict[str, tuple[dict[str, object], ...]] = {
+    "dct_encode": (_B6_W4, _B6_W8, _B6_W16),
+    "dct_decode": (_B6_W4, _B6_W8, _B6_W16),
+    "ef_encode": (_B6_W4, _B6_W8, _B6_W16),
+    "ef_decode": (_B6_W8, _B6_W16),
+}
 
 
 def space_for(kernel: str, arch: int | str) -> tuple[dict[str, object], ...]:
-    """The configs of ``kernel`` on one chip: :data:`SPACE` from sm_90 on, 8 or 16 warps at
-    ``"bf16x6"`` before."""
-    return SPACE[kernel] if int(arch) >= 90 else _PRE_HOPPER
+    """The configs of ``kernel`` on one chip: :data:`SPACE` from sm_90 on, ``"bf16x6"`` before
+    (4, 8 or 16 warps; the fused decode 8 or 16)."""
+    return SPACE[kernel] if int(arch) >= 90 else _PRE_HOPPER[kernel]
 
 
 #: fp32 values per block element a kernel holds at its peak (operands, accumulators, mask

@@ -73,7 +73,10 @@ def load_basis(bank, off, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
 
     The alignment hint sits on the offsets computed here: a ``tl.multiple_of`` on ``off``
     (a parameter of this called function) never reached the TTIR, and the loads stayed
-    scalar (64 instead of 16 per thread for a 64x64 encode at 4 warps on sm_90).
+    scalar (64 instead of 16 per thread for a 64x64 encode at 4 warps on sm_90). On gfx942 the
+    hint is lost when the loads become buffer loads, so the start is also rounded to a
+    multiple of 256 (it is one already): that divisibility is derived, not hinted, and the
+    basis loads are 128-bit there too (they were 32-bit).
 
     Args:
         bank: fp32, flat basis bank (:func:`cokit.triton_kernels.tiling.tile_plan`): per side
@@ -85,7 +88,7 @@ def load_basis(bank, off, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
     """
     i = tl.arange(0, BLOCK)[:, None]
     j = tl.arange(0, BLOCK)[None, :]
-    start = off
+    start = (off.to(tl.int32) // 256) * 256
     if TRANSPOSE:
         start += BLOCK * BLOCK
     return tl.load(bank + tl.multiple_of(start + i * BLOCK + j, [1, 16]))

@@ -97,6 +97,16 @@ def _block_pointers(g, pointers, col: tl.constexpr, ref, r, c, ALIGNED: tl.const
 
 
 @triton.jit
+def _updated_delta(g, pointers, delta_ref, grad_ref, r, c, mask, beta, lr, ALIGNED: tl.constexpr):
+    """``beta * delta + lr * grad`` of a program's block, fp32, read from the buffer and gradient."""
+    delta_at = _block_pointers(g, pointers, 0, delta_ref, r, c, ALIGNED)
+    grad_at = _block_pointers(g, pointers, 1, grad_ref, r, c, ALIGNED)
+    return beta * tl.load(delta_at, mask=mask, other=0.0) + lr * tl.load(grad_at, mask=mask, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
 def _ef_encode_kernel(
     geometry,
     pointers,
@@ -165,11 +175,7 @@ def _ef_encode_kernel(
     r = tl.arange(0, BLOCK_ROWS)[:, None]
     c = tl.arange(0, BLOCK_W)[None, :]
     mask = (r < rows) & (c < w)
-    delta_at = _block_pointers(g, pointers, 0, delta_ref, r, c, ALIGNED)
-    grad_at = _block_pointers(g, pointers, 1, grad_ref, r, c, ALIGNED)
-    delta = beta * tl.load(delta_at, mask=mask, other=0.0) + lr * tl.load(grad_at, mask=mask, other=0.0).to(
-        tl.float32
-    )
+    delta = _updated_delta(g, pointers, delta_ref, grad_ref, r, c, mask, beta, lr, ALIGNED)
     coeffs = transform_block(delta, bank, bh_off, bw_off, TWO_D, False, BLOCK_ROWS, BLOCK_W, DOT_PRECISION)
     selected, slot = topk_select(coeffs, mask, k, TWO_D)
     # the payload first: its position and slot blocks are dead before the inverse transform
@@ -194,11 +200,16 @@ def _ef_encode_kernel(
     )
     # the buffer's addresses again, read after the payload stores: otherwise ptxas keeps the
     # 64-bit addresses of the first load live through the transforms and the top-k (triton
-    # 3.6 spilled them on sm_80). The 1-D bf16x6 (sm_80) store goes without the hints: with
-    # them triton 3.6's build holds 128 registers and spills 4 B.
-    delta_at = _block_pointers(
-        g, pointers, 0, delta_ref, r, c, ALIGNED and (TWO_D or DOT_PRECISION != "bf16x6")
-    )
+    # 3.6 spilled them on sm_80). The bf16x6 (sm_80) store goes without the hints: with them
+    # triton 3.6's 1-D build at 8 warps spilled 4 B and its 2-D build at 4 warps 8 B.
+    if DOT_PRECISION != "ieee":
+        # NVIDIA: read the block again (an L2 hit: this program read it just before) instead of
+        # holding it through the transforms and the top-k; 16 fewer live fp32 per thread at
+        # 4 warps, which lets the bf16x6 (sm_80) encode run at 4 warps (2 blocks per SM)
+        # without spills. On AMD the second masked loads cost more SGPRs (exec masks) than
+        # the VGPRs they save, so the block stays live there.
+        delta = _updated_delta(g, pointers, delta_ref, grad_ref, r, c, mask, beta, lr, ALIGNED)
+    delta_at = _block_pointers(g, pointers, 0, delta_ref, r, c, ALIGNED and DOT_PRECISION != "bf16x6")
     tl.store(delta_at, delta - alpha * sent, mask=mask)
 
 
