@@ -492,11 +492,12 @@ class Int2Codec(BufferCodec):
             rms = tile.square().mean(dim=1, keepdim=True).sqrt()
             factors = torch.tensor(INT2_STEPS, dtype=torch.float32, device=v.device).view(-1, 1, 1)
             cand = (rms.unsqueeze(0) * factors).to(self.value_dtype).float()  # (C, n_tiles, 1)
-            q = _int2_codes(tile.unsqueeze(0), cand)
-            err = ((2 * q.float() - 3) * cand - tile).square().sum(dim=2)  # (C, n_tiles)
+            q = _int2_levels(tile.unsqueeze(0), cand)  # (C, n_tiles, ke) codes as floats
+            # ((2q - 3) * cand - tile)^2 summed per tile, the same ops in place on one temporary
+            err = q.mul(2).sub_(3).mul_(cand).sub_(tile).square_().sum(dim=2)  # (C, n_tiles)
             best = err.argmin(dim=0)  # first minimum: the smaller step on ties
             tiles = torch.arange(n_tiles, device=v.device)
-            codes.append(q[best, tiles].reshape(-1))
+            codes.append(q[best, tiles].to(torch.uint8).reshape(-1))
             steps.append(cand[best, tiles, 0])
         return torch.cat(codes), torch.cat(steps).to(self.value_dtype)
 
@@ -524,9 +525,14 @@ class Int2Codec(BufferCodec):
 def _int2_codes(values: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Nearest of the levels ``(2q - 3) * step`` for each value: uint8 codes in 0..3 (a zero
     step gives code 2, decoded as 0)."""
+    return _int2_levels(values, step).to(torch.uint8)
+
+
+def _int2_levels(values: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """:func:`_int2_codes` as fp32 values 0.0..3.0 (exact), computed in place on one temporary."""
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.round((values / safe + 3) / 2).clamp_(0, 3)
-    return torch.where(step > 0, q, torch.full_like(q, 2)).to(torch.uint8)
+    q = (values / safe).add_(3).div_(2).round_().clamp_(0, 3)
+    return q.masked_fill_(~(step > 0), 2)
 
 
 def _pack_2bit(codes: torch.Tensor) -> torch.Tensor:

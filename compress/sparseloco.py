@@ -57,6 +57,9 @@ from cokit.triton_kernels.topk import chunk_topk
 __all__ = ["SparseLoCo"]
 
 OUTER = ("average", "nesterov")
+#: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
+#: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
+Mean = tuple[torch.Tensor, "torch.Tensor | None"]
 NONFINITE = ("error", "skip")
 
 
@@ -408,6 +411,8 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
 
     def _sync(self) -> None:
         params = self._model_params
+        # fp32 pseudo-gradients; once in the error buffers, their buffers hold the tile
+        # matrices that are picked and decoded in (_launch)
         deltas = [(self.state[p]["global"] - self._local(p)).contiguous() for p in params]
         rnd = self._agree(deltas)
         self.skipped_steps += sum(rep.skipped for rep in rnd.reports)
@@ -439,11 +444,18 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         self.syncs += 1
         generator = self._generator(params[0].device)
         mu, lr = self.outer_momentum, self.outer_lr
-        for p, mean in zip(params, means):
+        for p, received in zip(params, means):
             g = self.state[p]["global"]
-            if mean is not None:
-                if self.outer == "nesterov":
-                    m = self.state[p].setdefault("momentum", torch.zeros_like(g))
+            if received is not None:
+                mean, positions = received
+                if positions is not None:
+                    # "average" where the mean is not zero; elsewhere g - lr * 0 == g
+                    flat = g.view(-1)
+                    flat.index_put_((positions,), flat[positions].sub_(mean, alpha=lr))
+                elif self.outer == "nesterov":
+                    if "momentum" not in self.state[p]:
+                        self.state[p]["momentum"] = torch.zeros_like(g)
+                    m = self.state[p]["momentum"]
                     m.mul_(mu).add_(mean)
                     g.sub_(mean + mu * m, alpha=lr)
                 else:
@@ -510,11 +522,11 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             )
         return self._buckets
 
-    def _exchange(self, deltas: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _exchange(self, deltas: list[torch.Tensor]) -> list[Mean | None]:
         """Encode every bucket (updating the error buffers), launch all collectives, check every
-        rank's bytes, then decode each into the mean pseudo-gradient of its tensors (None:
-        empty tensors)."""
-        means: list[torch.Tensor | None] = [None] * len(deltas)
+        rank's bytes, then decode each into the mean pseudo-gradient of its tensors (:data:`Mean`:
+        dense, or its values where some rank sent one; None: empty tensors)."""
+        means: list[Mean | None] = [None] * len(deltas)
         launched = [self._launch(b, bucket, deltas) for b, bucket in enumerate(self._plan())]
         received = [receive() for receive in launched]
         for bucket, finish in zip(self._plan(), received):
@@ -524,7 +536,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
 
     def _launch(
         self, b: int, bucket: Bucket, deltas: list[torch.Tensor]
-    ) -> Callable[[], Callable[[], list[torch.Tensor]]]:
+    ) -> Callable[[], Callable[[], list[Mean]]]:
         """Start bucket ``b``'s collectives; returns its receive (wait and check), which returns
         its decode."""
         members = bucket.members
@@ -533,9 +545,9 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             flat = torch.cat([deltas[i].reshape(-1) for i in members])
             pending = self.comm.all_reduce_mean(flat, "pseudo-gradient all-reduce")
 
-            def receive_dense() -> Callable[[], list[torch.Tensor]]:
+            def receive_dense() -> Callable[[], list[Mean]]:
                 mean = self.exchange.dense(pending, f"{label} (dense)")
-                return lambda: split_like(mean, [deltas[i] for i in members])
+                return lambda: [(m, None) for m in split_like(mean, [deltas[i] for i in members])]
 
             return receive_dense
 
@@ -544,14 +556,21 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         plan = bucket.plan
         errors = []
         for i in members:
-            e = self.state[self._model_params[i]].setdefault("error", torch.zeros_like(deltas[i]))
+            state = self.state[self._model_params[i]]
+            if "error" not in state:  # (not setdefault: that would zero a fresh buffer every sync)
+                state["error"] = torch.zeros_like(deltas[i])
+            e = state["error"]
             errors.append(e.mul_(self.error_decay).add_(deltas[i]))
         tilings = plan.tilings
-        coeffs = (
-            dct_encode_multi(errors, chunk)
-            if self.dct
-            else [_to_tiles(e, t) for e, t in zip(errors, tilings)]
-        )
+        # in place: the tile matrices of contiguous error buffers go into the pseudo-gradients'
+        # buffers (dead once added to the error buffers)
+        in_place = not self.dct and all(e.is_contiguous() for e in errors)
+        if self.dct:
+            coeffs = dct_encode_multi(errors, chunk)
+        elif in_place:
+            coeffs = [_tiles_into(deltas[i], e, t) for i, e, t in zip(members, errors, tilings)]
+        else:
+            coeffs = [_to_tiles(e, t) for e, t in zip(errors, tilings)]
         picks = [chunk_topk(c, k) for c in coeffs]
         idx = torch.cat([ix.reshape(-1).to(plan.index_dtype) for ix, _ in picks])
         vals = torch.cat([v.reshape(-1) for _, v in picks]).to(codec.encode_dtype)
@@ -560,36 +579,53 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         # what the other ranks will decode from this rank leaves the error buffer
         _, sent = codec.from_wire([w.reshape(1, -1) for w in wires])
         spans = [t.n_tiles * t.k_eff(k) for t in tilings]
-        # the coefficient matrices are dead once picked: they hold the sparse matrices (a
-        # fresh buffer only where a tile matrix is a view of its error buffer)
-        sparse = [
-            (torch.zeros_like(c) if _aliases(c, e) else c.zero_()).scatter_(
-                1, ix.long(), part.view(ix.shape).float()
-            )
-            for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans))
-        ]
-        if self.dct or not all(e.is_contiguous() for e in errors):
+        if in_place:
+            # ``e -= sparse(sent)`` at the picked positions only: everywhere else it subtracts
+            # zero, which leaves every value (and the sign of a zero) as it was
+            for e, (ix, _), part, t in zip(errors, picks, sent[0].split(spans), tilings):
+                flat, pos = e.view(-1), _positions(ix, t)
+                flat.index_put_((pos,), flat[pos] - part.view(ix.shape).float().view(-1))
+            sparse = coeffs  # dead once picked: the decode's sums
+        else:
+            # the coefficient matrices are dead once picked: they hold the sparse matrices (a
+            # fresh buffer only where a tile matrix is a view of its error buffer)
+            sparse = [
+                (torch.zeros_like(c) if _aliases(c, e) else c.zero_()).scatter_(
+                    1, ix.long(), part.view(ix.shape).float()
+                )
+                for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans))
+            ]
             for e, s in zip(errors, self._from_coeffs(sparse, errors, tilings)):
                 e.sub_(s)
-        else:  # in the tile layout, without the copy back (a plain subtraction: exact either way)
-            for e, s, t in zip(errors, sparse, tilings):
-                _tile_view(e, t).sub_(s.view(_tile_view(e, t).shape))
         names = [self._name(i) for i in members]
+        # the "average" outer step needs the mean only where some rank sent a value
+        at_positions = in_place and self.outer == "average"
+        at_positions = at_positions and all(
+            self.state[self._model_params[i]]["global"].is_contiguous() for i in members
+        )
 
-        def receive() -> Callable[[], list[torch.Tensor]]:
+        def receive() -> Callable[[], list[Mean]]:
             indices, values = self.exchange.selection(codec, pendings, label, names)
 
-            def decode() -> list[torch.Tensor]:
+            def decode() -> list[Mean]:
                 world = indices.shape[0]
+                if at_positions:
+                    return [
+                        _mean_at_positions(s, ix, v, t, world)
+                        for s, ix, v, t in zip(
+                            sparse, indices.split(spans, 1), values.split(spans, 1), tilings
+                        )
+                    ]
                 sums = [s.zero_() for s in sparse]  # dead since the launch: reused
                 for r in range(world):  # rank order, one add per position per rank: deterministic
                     for s, ix_r, v_r, t in zip(
                         sums, indices[r].split(spans), values[r].split(spans), tilings
                     ):
                         s.scatter_add_(1, ix_r.long().view(t.n_tiles, -1), v_r.float().view(t.n_tiles, -1))
-                for s in sums:
-                    s.div_(world)
-                return self._from_coeffs(sums, errors, tilings)
+                if world > 1:  # x / 1 == x
+                    for s in sums:
+                        s.div_(world)
+                return [(m, None) for m in self._from_coeffs(sums, errors, tilings)]
 
             return decode
 
@@ -697,6 +733,44 @@ def _to_tiles(x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
     """A tensor -> its ``(n_tiles, tile_numel)`` tile matrix (the DCT's tile order)."""
     m = x.reshape(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
     return m.reshape(t.n_tiles, t.tile_numel)
+
+
+def _tiles_into(buf: torch.Tensor, x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
+    """:func:`_to_tiles` of a contiguous ``x``, written into the contiguous fp32 ``buf``."""
+    m = buf.view(t.n_tiles, t.tile_numel)
+    m.view(t.rows // t.h, t.cols // t.w, t.h, t.w).copy_(_tile_view(x, t))
+    return m
+
+
+def _mean_at_positions(
+    s: torch.Tensor, ix: torch.Tensor, v: torch.Tensor, t: tiling.TensorTiling, world: int
+) -> Mean:
+    """Every rank's selection ``ix``, ``v`` ``(world, n_tiles * k)`` of one tensor -> the mean
+    over ranks (zeros elsewhere) at the flat positions the ranks sent, with those positions.
+
+    The values are the dense decode's: the tile matrix ``s`` (scratch) is zeroed where any
+    rank sent, each rank's values are added in rank order (``scatter_add_``), then divided
+    by ``world``; the rest of ``s`` is neither written nor read.
+    """
+    ix = ix.long().view(world, t.n_tiles, -1)
+    slots = (ix + torch.arange(t.n_tiles, device=ix.device).unsqueeze(1) * t.tile_numel).view(-1)
+    flat = s.view(-1)
+    flat.index_fill_(0, slots, 0.0)
+    for r in range(world):  # rank order, one add per position per rank: deterministic
+        s.scatter_add_(1, ix[r], v[r].float().view(t.n_tiles, -1))
+    mean = flat[slots]
+    if world > 1:  # x / 1 == x
+        mean.div_(world)
+    return mean, _positions(ix, t)
+
+
+def _positions(ix: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
+    """Flat positions in the tensor (row-major) of the tile positions ``ix`` ``(..., n_tiles, k)``."""
+    tiles = torch.arange(t.n_tiles, device=ix.device).unsqueeze(1)
+    ty, tx = tiles // (t.cols // t.w), tiles % (t.cols // t.w)
+    ix = ix.long()
+    r, c = ix // t.w, ix % t.w
+    return ((ty * t.h + r) * t.cols + tx * t.w + c).view(-1)
 
 
 def _tile_view(x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
