@@ -7,6 +7,7 @@ from that checkpoint in fresh processes. Each rank writes its facts to ``<out>/<
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import warnings
 
@@ -91,6 +92,16 @@ def main() -> None:
         "warnings": [f"{type(w.message).__name__}: {w.message}" for w in caught],
     }
     torch.save(facts, os.path.join(args.out, f"{args.phase}_rank{rank}.pt"))
+    # release the trainer, then end the process group before the interpreter exits: a group
+    # torn down during exit can abort the process ("terminate called without an active
+    # exception", seen once in CI after a finished resume)
+    accelerator = trainer.accelerator
+    accelerator.free_memory()
+    trainer = inner = model = None
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

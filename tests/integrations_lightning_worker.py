@@ -10,6 +10,7 @@ Each rank writes its facts to ``<out>/<mode>_<phase>_rank<R>.pt``.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import warnings
 
@@ -131,6 +132,13 @@ def main() -> None:
         "warnings": [f"{type(w.message).__name__}: {w.message}" for w in caught],
     }
     torch.save(facts, os.path.join(args.out, f"{args.mode}_{args.phase}_rank{rank}.pt"))
+    # end the process group before the interpreter exits (a group torn down during exit can
+    # abort the process, as once seen with the HF Trainer worker)
+    trainer = model = opt = hook_state = None
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
