@@ -7,11 +7,11 @@ from that checkpoint in fresh processes. Each rank writes its facts to ``<out>/<
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import warnings
 
 import torch
+from helpers import end_process_group
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from cokit.compress import DeMo, SparseLoCo
@@ -92,16 +92,9 @@ def main() -> None:
         "warnings": [f"{type(w.message).__name__}: {w.message}" for w in caught],
     }
     torch.save(facts, os.path.join(args.out, f"{args.phase}_rank{rank}.pt"))
-    # release the trainer, then end the process group before the interpreter exits: a group
-    # torn down during exit can abort the process ("terminate called without an active
-    # exception", seen once in CI after a finished resume)
-    accelerator = trainer.accelerator
-    accelerator.free_memory()
+    trainer.accelerator.free_memory()
     trainer = inner = model = None
-    gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

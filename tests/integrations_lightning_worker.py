@@ -10,12 +10,12 @@ Each rank writes its facts to ``<out>/<mode>_<phase>_rank<R>.pt``.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import warnings
 
 import lightning.pytorch as pl
 import torch
+from helpers import end_process_group
 
 from cokit.compress import DeMo, SparseLoCo
 from cokit.compress.hooks import DCTTopKState, dct_topk_hook
@@ -132,13 +132,8 @@ def main() -> None:
         "warnings": [f"{type(w.message).__name__}: {w.message}" for w in caught],
     }
     torch.save(facts, os.path.join(args.out, f"{args.mode}_{args.phase}_rank{rank}.pt"))
-    # end the process group before the interpreter exits (a group torn down during exit can
-    # abort the process, as once seen with the HF Trainer worker)
     trainer = model = opt = hook_state = None
-    gc.collect()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
