@@ -34,7 +34,7 @@ from typing import Any
 
 from cokit.compress.payload import get_codec
 from cokit.compress.stats import ring_allreduce_bytes
-from cokit.compress.traffic import STATUS_ROW, Setup, exchange_traffic, hierarchical_traffic
+from cokit.compress.traffic import Setup, exchange_traffic, hierarchical_traffic
 from cokit.display import human_duration
 from cokit.model_shapes import Model
 
@@ -381,6 +381,5 @@ def plan(
         },
         "methods": dataclasses.asdict(methods),
         "price_per_hour": price_per_hour,
-        "status_row_bytes": STATUS_ROW,
     }
     return Plan(rows, inputs)
