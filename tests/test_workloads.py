@@ -279,3 +279,33 @@ def test_a_corpus_source_is_checked_and_too_little_text_says_what_to_lower():
         CorpusConfig(source="latin")
     with pytest.raises(RuntimeError, match="lower max_chars"):
         CharCorpus.read(CorpusConfig(max_chars=50_000_000, source="prose"))
+
+
+# ----------------------------------------------------------------------------- digits CNN
+def test_cnn_workload_shares_the_digits_batches_and_split_with_a_seeded_conv_model():
+    from cokit.workloads import DigitsCNN, DigitsCNNWorkloadConfig
+    from cokit.workloads.digits import DigitsWorkloadConfig
+
+    cnn = DigitsCNNWorkloadConfig(batch_size=16).build("cpu")
+    mlp = DigitsWorkloadConfig(batch_size=16).build("cpu")
+    for rank in (0, 1):
+        xa, ya = cnn.train_batch(5, 3, rank, 2)
+        xb, yb = mlp.train_batch(5, 3, rank, 2)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert torch.equal(cnn.heldout_batches()[0][0], mlp.heldout_batches()[0][0])
+    state = torch.get_rng_state()
+    a, b, c = cnn.build_model(2), cnn.build_model(2), cnn.build_model(3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert isinstance(a, DigitsCNN) and a(xa).shape == (16, 10)
+    shapes = {n: tuple(p.shape) for n, p in a.named_parameters()}
+    assert shapes["conv2.weight"] == (64, 32, 3, 3) and shapes["head.weight"] == (10, 1024)
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), name
+        assert name.endswith("bias") or not torch.equal(p, r), name
+    loss = cnn.loss(a, cnn.heldout_batches()[0])
+    assert abs(float(loss) - math.log(10)) < 0.2  # a small classifier starts near uniform
+    assert cnn.info()["model"]["kind"] == "cnn"
+    with pytest.raises(ValueError, match="two positive widths"):
+        DigitsCNNWorkloadConfig(channels=(4, 0))
+    with pytest.raises(ValueError, match="batch_size"):
+        DigitsCNNWorkloadConfig(batch_size=0)

@@ -106,6 +106,7 @@ def run_record(
         "steps": job.steps,
         "world_size": world_size,
         "options": {k: v for k, v in job.spec.options.items()},
+        "schedule": {"name": job.spec.schedule, "warmup": job.spec.warmup},
         "extra": job.extra,
         "elapsed_s": round(elapsed, 2),
     }

@@ -493,12 +493,13 @@ def telemetry_run(workload: str, method: str, lr: float, seed: int) -> str:
     return f"{workload}-{method}-lr{lr:g}-s{seed}"
 
 
-def make_job(cfg: StudyConfig, wl: WorkloadDef, label: str, lr: float, seed: int):
-    """The :class:`cokit.validation.runs.Job` for one point of the study."""
+def make_job(cfg: Any, wl: WorkloadDef, label: str, lr: float, seed: int, **spec_fields: Any):
+    """The :class:`cokit.validation.runs.Job` for one point of the study (``spec_fields``: other
+    :class:`~cokit.train.MethodSpec` fields, e.g. the lr schedule, part of the run's key)."""
     from cokit.validation.runs import Job
 
     m = cfg.method(label)
-    spec = m.spec(lr, seed, wl.steps)
+    spec = dataclasses.replace(m.spec(lr, seed, wl.steps), **spec_fields)
     return Job(
         workload=wl.name,
         method=label,
@@ -608,9 +609,10 @@ def long_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> l
     return jobs
 
 
-def _execute(cfg: StudyConfig, wl: WorkloadDef, jobs: list, phase: str, run: bool = True) -> list[dict]:
+def _execute(cfg: Any, wl: WorkloadDef, jobs: list, phase: str, run: bool = True) -> list[dict]:
     """Run the jobs without a current JSON (unless ``run`` is false); return the JSONs of the
-    jobs that have one."""
+    jobs that have one. ``cfg``: a study or protocol configuration (its ``world_size`` and
+    ``verbose``)."""
     from cokit.train import run_distributed
     from cokit.validation.runs import run_jobs
 
@@ -800,6 +802,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="calibrate on YOUR model and data: factory() returns {'model', 'batch', 'heldout', 'loss'} "
         f"(docs/validation-study.md); a small grid on 2 ranks, {CALIBRATION_STEPS} steps, into ./{CALIBRATION_OUT}/",
     )
+    p.add_argument(
+        "--protocol",
+        choices=("grid", "transfer"),
+        default="grid",
+        help="grid (default): every method on every workload; transfer: choose settings on the "
+        "selection workloads, report them on held-out ones (cokit.validation.transfer)",
+    )
+    p.add_argument("--select", default=None, help="transfer: comma list of selection workloads")
+    p.add_argument("--heldout", default=None, help="transfer: comma list of held-out workloads")
+    p.add_argument("--candidates", default=None, help="transfer: comma list of candidate method labels")
     p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
     p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
     p.add_argument("--verbose", action="store_true", help="a progress line per evaluation, tracebacks")
@@ -815,18 +827,50 @@ def _split(value: str | None) -> list[str] | None:
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
-def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    """Build the configuration; ValueError with a one-line message on bad arguments."""
+def config_from_args(args: argparse.Namespace) -> Any:
+    """Build the configuration (a :class:`StudyConfig`, or with ``--protocol transfer`` a
+    :class:`cokit.validation.transfer.TransferConfig`); ValueError with a one-line message on
+    bad arguments."""
     if args.quick and args.preset not in (None, "quick"):
         raise ValueError(f"--quick conflicts with --preset {args.preset}")
     preset = "quick" if args.quick else (args.preset or "full")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} exists and is not a folder")
+    transfer_only = {"--select": args.select, "--heldout": args.heldout, "--candidates": args.candidates}
+    if args.protocol == "transfer":
+        from cokit.validation import transfer
+
+        grid_only = {
+            "--on": args.on,
+            "--workloads": args.workloads,
+            "--methods": args.methods,
+            "--lr-points": args.lr_points,
+            "--steps": args.steps,
+            "--long-horizon": args.long_horizon,
+        }
+        given = [k for k, v in grid_only.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"--protocol transfer chooses its own grid and horizons; drop {', '.join(given)}"
+            )
+        return transfer.make_config(
+            preset,
+            out_dir=args.out,
+            world_size=args.world_size,
+            select=_split(args.select),
+            heldout=_split(args.heldout),
+            candidates=_split(args.candidates),
+            seeds=args.seeds,
+            verbose=args.verbose,
+        )
+    given = [k for k, v in transfer_only.items() if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} belong to --protocol transfer")
     on = getattr(args, "on", None)
     if on is not None and (args.quick or args.preset or args.workloads or args.seeds or args.long_horizon):
         raise ValueError(
             "--on runs its own grid: it takes --methods, --steps, --lr-points, --world-size, --out"
         )
-    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out} exists and is not a folder")
     return make_config(
         preset,
         out_dir=args.out,
@@ -851,6 +895,20 @@ def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> i
             print(f"{label:28s} {m.about}")
         return 0
     cfg = config_from_args(args) if cfg is None else cfg
+    if not isinstance(cfg, StudyConfig):
+        from cokit.validation.transfer import run_transfer
+
+        print(
+            f"held-out protocol, preset {cfg.preset}: {len(cfg.candidates)} candidates chosen on "
+            f"{', '.join(w.name for w in cfg.select)}, reported on {', '.join(w.name for w in cfg.heldout)}; "
+            f"{cfg.world_size} gloo ranks; {cfg.seeds} seeds; out {cfg.out_dir}",
+            flush=True,
+        )
+        doc = run_transfer(cfg, report_only=args.report_only)
+        print()
+        print(doc["markdown"])
+        print(f"wrote {', '.join(doc['files'])} in {cfg.out_dir}")
+        return 0
     print(
         f"validation study, preset {cfg.preset}: {len(cfg.methods)} methods x "
         f"{cfg.lr_points} lr(s) x {len(cfg.workloads)} workload(s); {cfg.world_size} gloo ranks on "
