@@ -9,7 +9,8 @@ the bytes this rank put on the wire. Built in:
 * ``"demo"`` -- ``cokit.compress.DeMo``: it does its own (compressed) communication; bytes from its
   ``comm_stats``.
 * ``"sparseloco"`` -- ``cokit.compress.SparseLoCo``: local steps of an inner optimizer (``inner``:
-  ``"adamw"`` or ``"sgd"``, at ``lr`` and ``weight_decay``), a compressed pseudo-gradient sync every
+  ``"adamw"``, ``"sgd"`` or ``"muon"`` (:class:`cokit.compress.Muon`), at ``lr`` and
+  ``weight_decay``), a compressed pseudo-gradient sync every
   ``sync_every`` steps; bytes amortized per step (non-sync steps send 0).
 
 More can be added with :func:`register_method`. :func:`run_method` runs one method on every rank
@@ -242,16 +243,20 @@ class DeMoMethod(Method):
 
 register_method("demo")(DeMoMethod)
 
-INNER_OPTIMIZERS = ("adamw", "sgd")
+INNER_OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
 class SparseLoCoMethod(DeMoMethod):
     """``cokit.compress.SparseLoCo``: ``options`` are its keyword arguments, with ``inner`` a name
-    (``"adamw"``, the default, or ``"sgd"``) and the inner lr / weight decay from the spec.
-    Steps, zeroes and counts bytes as :class:`DeMoMethod` does (both communicate themselves)."""
+    (``"adamw"``, the default, ``"sgd"`` or ``"muon"``: :class:`cokit.compress.inner.Muon`, Muon on
+    the matrices and AdamW on the rest, its lr Muon's) and the inner lr / weight decay from the
+    spec. The model's parameters go in by name (``dense_params`` selects by name; Muon keeps
+    embeddings and heads on AdamW by name). Steps, zeroes and counts bytes as
+    :class:`DeMoMethod` does (both communicate themselves)."""
 
     def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
         from cokit.compress import SparseLoCo  # lazy, like DeMo
+        from cokit.compress.inner import Muon
 
         options = dict(spec.options)
         inner = options.pop("inner", "adamw")
@@ -259,14 +264,18 @@ class SparseLoCoMethod(DeMoMethod):
             raise ValueError(
                 f"method {spec.display!r}: inner must be one of {INNER_OPTIMIZERS}, got {inner!r}"
             )
-        kind = torch.optim.AdamW if inner == "adamw" else torch.optim.SGD
+        kind: Any = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "muon": Muon}[inner]
         inner_options = options.pop("inner_options", {})
+        named = list(model.named_parameters())
 
         def build(params: Any) -> torch.optim.Optimizer:
+            if kind is Muon:  # the inner groups list the parameters (or masters) in model order
+                names = iter(n for n, _ in named)
+                params = [{**g, "params": [(next(names), p) for p in g["params"]]} for g in params]
             return kind(params, lr=spec.lr, weight_decay=spec.weight_decay, **inner_options)
 
         self.optimizer = SparseLoCo(
-            model.parameters(),
+            named,
             build,
             process_group=group,
             **{"timeout": spec.timeout, **options},

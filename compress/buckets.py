@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 
 import torch
 
@@ -92,6 +93,7 @@ def make_buckets(
     *,
     all_dense: bool = False,
     dense_itemsizes: list[int] | None = None,
+    dense: Collection[int] = (),
 ) -> list[Bucket]:
     """Buckets for a step whose entries have param-group ``groups[i]`` and ``shapes[i]``.
 
@@ -101,7 +103,8 @@ def make_buckets(
     ``world_size`` is the size of the group the exchange runs over, and
     ``dense_itemsizes[i]`` the element size of entry i's dense all-reduce (its gradient
     dtype; default 4, fp32, for every entry): both only decide the dense fallback
-    (:func:`sends_dense`).
+    (:func:`sends_dense`). The entries in ``dense`` are sent dense whatever their size
+    (SparseLoCo's ``dense_params``).
     """
     if dense_itemsizes is None:
         itemsizes = [4] * len(shapes)
@@ -112,7 +115,8 @@ def make_buckets(
                 "give one element size per entry (its gradient's element_size())"
             )
         itemsizes = [check_itemsize(s, f"dense_itemsizes[{i}]") for i, s in enumerate(dense_itemsizes)]
-    dense: dict[int, list[int]] = {}
+    forced = set(dense)
+    dense_members: dict[int, list[int]] = {}
     compressed: dict[int, list[int]] = {}
     for i in reversed(range(len(shapes))):
         if math.prod(shapes[i]) == 0:
@@ -121,6 +125,7 @@ def make_buckets(
         chunk, k = settings[g]["compression_chunk"], settings[g]["compression_topk"]
         to_dense = (
             all_dense
+            or i in forced
             or len(shapes[i]) == 0
             or (
                 dense_fallback
@@ -129,13 +134,13 @@ def make_buckets(
                 )
             )
         )
-        (dense if to_dense else compressed).setdefault(g, []).append(i)
+        (dense_members if to_dense else compressed).setdefault(g, []).append(i)
 
     # dense buckets hold at most cap_bytes of fp32 buffer too, so that an all-dense step
     # (large worlds, a policy's "go dense") still splits into several collectives
     buckets = [
         Bucket(g, part, dense=True)
-        for g, members in dense.items()
+        for g, members in dense_members.items()
         for part in _packed(members, shapes, cap_bytes)
     ]
     for g, members in compressed.items():

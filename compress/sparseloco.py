@@ -17,6 +17,19 @@ error feedback. Inner optimizer state and error buffers never leave the rank; ``
 compressed payload would not be smaller than a dense all-reduce (biases, norms) send their
 pseudo-gradient dense, without error feedback (:mod:`cokit.compress.buckets`).
 
+Two options close the gap that grows with training length (issue 35), both off by default:
+
+* ``dense_warmup=N``: the first N steps are data-parallel: every step opens with the status row,
+  all-reduces the gradients (mean, fp32, through the same exchange core) and the inner optimizer
+  steps them on every rank alike, so the replicas stay bit-identical and ``theta_global``
+  follows them; then the H-step schedule starts (the first sync H steps after the warm-up);
+* ``dense_params=("embed", "head")``: parameters whose name contains one of the substrings send
+  their pseudo-gradient dense (averaged, without top-k or error feedback), like the small
+  tensors above; it needs named parameters (``model.named_parameters()``).
+
+A hybrid Muon inner optimizer (Muon on the matrices, AdamW on the rest) is in
+:mod:`cokit.compress.inner`.
+
 Every guarantee comes from the exchange core (:mod:`cokit.compress.exchange`): each sync opens
 with the fixed-size status row (settings fingerprint, non-finite report, the policy's
 measurement), every collective has the timeout, peers' payloads are validated, and a sync that
@@ -38,7 +51,7 @@ import torch
 from cokit.compress import precision as lowp
 from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
-from cokit.compress.agreement import canonical, fingerprint
+from cokit.compress.agreement import FOUND_INF, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
 from cokit.compress.dtensor import is_dtensor
@@ -117,6 +130,17 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             group: every rank must pass the same value); on gloo it has no effect.
             ``comm_priority_info`` says what it achieved. Agreed at every sync, not part of
             ``state_dict()``.
+        dense_warmup: data-parallel steps before the local schedule starts (default 0). Each
+            all-reduces the gradients (mean, fp32: ``comm_stats`` counts the ring all-reduce)
+            before the inner optimizer steps, so every rank stays bit-identical and
+            ``theta_global`` follows; the first sync comes ``sync_every`` steps after the last.
+            A non-finite gradient raises (``nonfinite="error"``) or skips the step on every
+            rank (``"skip"``), and a GradScaler's inf on any rank skips it on every rank:
+            ``skipped_steps`` counts such a step once per rank.
+        dense_params: None, or a tuple of name substrings (``("embed", "head")``): parameters
+            whose name contains one of them send their pseudo-gradient dense (averaged,
+            without top-k or error feedback). Needs ``(name, tensor)`` pairs
+            (``model.named_parameters()``); every substring must match some name.
         comm_guard: None, or a guard with ``violations(config=None, *, priority=...)`` (e.g.
             :class:`cokit.overlap.guard.StarvationGuard`): a ``comm_priority`` it refuses
             raises ``GuardViolation`` (a ``ValueError``) naming the limit, before anything is
@@ -157,8 +181,14 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         clock: Callable[[], float] = time.perf_counter,
         comm_priority: str | int = "normal",
         comm_guard: Any = None,
+        dense_warmup: int = 0,
+        dense_params: tuple[str, ...] | None = None,
     ):
         where = "SparseLoCo"
+        self.dense_warmup = check_int(
+            "dense_warmup", dense_warmup, 0, where=where, more="(steps of data-parallel warm-up; 0: none)"
+        )
+        self.dense_params = _check_dense_params(dense_params)
         self.comm_priority = check_comm_priority(where, comm_priority, comm_guard)
         self.sync_every = check_int("sync_every", sync_every, 1, where=where)
         if topk is not None:
@@ -200,6 +230,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
                 raise TypeError(
                     f"SparseLoCo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}"
                 )
+        self._forced_dense = _dense_members(self.dense_params, model_params, names)
         self.topk, self.payload = topk, payload
         self.value_dtype = self.codec.resolve_value_dtype(value_dtype)
         self._names = names
@@ -221,6 +252,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         self._checked = False
         self._skipped = 0  # local steps skipped since the last sync (a GradScaler's inf)
         self._buckets: list[Bucket] | None = None
+        self._warmup_buckets: list[Bucket] | None = None
         super().__init__(model_params, {})
         # masters: the inner optimizer steps fp32 copies of low-precision parameters
         self._masters: dict[int, torch.Tensor] = {}
@@ -361,11 +393,15 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         with self.exchange.guarded():
             if not self._checked:
                 self._check_start()
-            self._inner_step()
-            self._steps += 1
-            self._since_sync += 1
-            if self._since_sync >= self.current_interval:
-                self._sync()
+            if self._steps < self.dense_warmup:
+                self._warmup_step()
+                self._steps += 1
+            else:
+                self._inner_step()
+                self._steps += 1
+                self._since_sync += 1
+                if self._since_sync >= self.current_interval:
+                    self._sync()
         self.exchange.record(self.comm_stats, self._dense_bytes())
         return loss
 
@@ -379,13 +415,21 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             self._skipped += 1
             return
         amp.unscale_([p.grad for p in self._model_params if p.grad is not None])
+        self._step_inner()
+
+    def _step_inner(self, master_grads: dict[int, torch.Tensor] | None = None) -> None:
+        """The inner optimizer's step on the (unscaled) gradients; ``master_grads``: the fp32
+        gradients of the masters (by parameter id) instead of their parameters' gradients."""
         if self.param_groups is not self.inner.param_groups:
             for outer, inner in zip(self.param_groups, self.inner.param_groups):
                 inner.update(_hyper(outer))
         for p in self._model_params:
             m = self._masters.get(id(p))
             if m is not None:
-                m.grad = None if p.grad is None else p.grad.float()
+                if master_grads is not None and id(p) in master_grads:
+                    m.grad = master_grads[id(p)]
+                else:
+                    m.grad = None if p.grad is None else p.grad.float()
         self.inner.step()
         for p in self._model_params:
             m = self._masters.get(id(p))
@@ -396,6 +440,95 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         """This rank's fp32 value of ``p`` (its master when there is one)."""
         m = self._masters.get(id(p))
         return m if m is not None else p.float()
+
+    # ------------------------------------------------------------------ dense warm-up
+    def _warmup_step(self) -> None:
+        """One data-parallel step (``dense_warmup``): the status round (settings, which
+        parameters have a gradient, non-finite gradients, a GradScaler's inf), one all-reduce
+        (mean, fp32) of the gradients per bucket, each checked, then the inner step on every
+        rank alike; ``theta_global`` follows the weights. Nothing changes before every result
+        is in."""
+        params = self._model_params
+        amp = Amp.of(self)
+        has_grad = [p.grad is not None for p in params]
+        for n, p in enumerate(params):
+            g = p.grad
+            if g is not None and (g.is_sparse or g.shape != p.shape):
+                raise ValueError(
+                    f"SparseLoCo: the gradient of {self._name(n)} is "
+                    f"{'sparse' if g.is_sparse else f'of shape {tuple(g.shape)}'}; the dense warm-up "
+                    "all-reduces dense gradients shaped like their parameters"
+                )
+        where = [n for n, has in enumerate(has_grad) if has]
+        grads = [p.grad for p in params if p.grad is not None]
+        bad = [where[j] for j in nonfinite(grads, amp.inv_scale)]  # and unscaled, in one pass
+        rnd = self.exchange.agree(
+            self._fingerprints(),
+            self.exchange.report(
+                bad, grads=fingerprint(bytes(has_grad)), events=FOUND_INF if amp.found_inf else 0
+            ),
+            self._describe,
+            extra=self._driver.measurement(torch.device("cpu")),
+            device=params[0].device,
+            has_grad=lambda: has_grad,
+            names=self._name,
+        )
+        found_inf = bool(rnd.any_event(FOUND_INF))
+        if found_inf or rnd.bad:
+            if rnd.bad and not found_inf:
+                what = (
+                    f"non-finite gradient in {rnd.where_bad(self._name)} at dense warm-up step "
+                    f"{self._steps + 1}; no parameter and no buffer changed"
+                )
+                if self.nonfinite == "error":
+                    raise FloatingPointError(
+                        f"SparseLoCo: {what}. Lower the lr / fix the data, or pass nonfinite='skip' to "
+                        "skip such steps on every rank"
+                    )
+                warnings.warn(f"SparseLoCo: skipped a dense warm-up step: {what}", stacklevel=4)
+            self.skipped_steps += self.comm.world_size  # the step, skipped on every rank
+            self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=False)
+            return
+        plan = self._warmup_plan()
+        pending = [
+            self.comm.all_reduce_mean(
+                torch.cat([_grad32(params[i]).reshape(-1) for i in bucket.members]), "gradient all-reduce"
+            )
+            for bucket in plan
+        ]
+        means = [self.exchange.dense(p_, f"bucket {b} (dense warm-up)") for b, p_ in enumerate(pending)]
+        master_grads: dict[int, torch.Tensor] = {}
+        for bucket, mean in zip(plan, means):
+            members = [params[i] for i in bucket.members]
+            for i, p, m in zip(bucket.members, members, split_like(mean, members)):
+                if not has_grad[i]:
+                    continue
+                grad = p.grad
+                assert grad is not None
+                grad.copy_(m)
+                if id(p) in self._masters:
+                    master_grads[id(p)] = m
+        self._step_inner(master_grads)
+        for p in params:
+            self.state[p]["global"].copy_(self._local(p))
+        self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
+
+    def _warmup_plan(self) -> list[Bucket]:
+        """Dense buckets of every parameter (``bucket_cap_mb`` of fp32 each) for the warm-up."""
+        if self._warmup_buckets is None:
+            shapes = [tuple(p.shape) for p in self._model_params]
+            self._warmup_buckets = make_buckets(
+                [0] * len(shapes),
+                shapes,
+                [{"compression_chunk": self.chunk, "compression_topk": self.topk or 1}],
+                self.codec,
+                self.value_dtype,
+                int(self.bucket_cap_mb * 2**20),
+                False,
+                self.comm.world_size,
+                all_dense=True,
+            )
+        return self._warmup_buckets
 
     # ------------------------------------------------------------------ sync
     def _agree(self, deltas: list[torch.Tensor] | None) -> Any:
@@ -519,6 +652,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
                 self.topk is not None and self.codec.dense_fallback,
                 self.comm.world_size,
                 all_dense=self.topk is None,
+                dense=self._forced_dense,
             )
         return self._buckets
 
@@ -640,7 +774,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
     # ------------------------------------------------------------------ agreement
     def _settings(self) -> dict[str, Any]:
         """Everything every rank must agree on (compared at every sync)."""
-        return {
+        settings: dict[str, Any] = {
             "sync_every": self.sync_every,
             "topk": self.topk,
             "chunk": self.chunk,
@@ -659,6 +793,13 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             "inner": type(self.inner).__name__,
             "validate_payload": self.exchange.validate,
         }
+        # the issue-35 options only when on: the fingerprint and saved settings of a run
+        # without them are what they were
+        if self.dense_warmup:
+            settings["dense_warmup"] = self.dense_warmup
+        if self.dense_params is not None:
+            settings["dense_params"] = list(self.dense_params)
+        return settings
 
     def _describe(self, globally: bool = False) -> dict[str, Any]:
         return {
@@ -816,6 +957,53 @@ def _tensors(items: list, names: dict[int, str]) -> list[torch.Tensor]:
             )
         out.append(item)
     return out
+
+
+def _check_dense_params(value: object) -> tuple[str, ...] | None:
+    """``dense_params`` as a tuple of substrings (None: none, also for an empty one)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise TypeError(
+            f"SparseLoCo: dense_params must be a tuple of name substrings, got the string {value!r}; "
+            f"write ({value!r},)"
+        )
+    if not isinstance(value, (tuple, list)) or not all(isinstance(s, str) and s for s in value):
+        raise TypeError(
+            "SparseLoCo: dense_params must be None or a tuple of non-empty name substrings such as "
+            f"('embed', 'head'), got {value!r}"
+        )
+    return tuple(value) or None
+
+
+def _dense_members(
+    substrings: tuple[str, ...] | None, params: list[torch.Tensor], names: dict[int, str]
+) -> frozenset[int]:
+    """Positions of the parameters whose name contains one of ``substrings`` (``dense_params``)."""
+    if substrings is None:
+        return frozenset()
+    unnamed = [n for n, p in enumerate(params) if id(p) not in names]
+    if unnamed:
+        raise ValueError(
+            f"SparseLoCo: dense_params selects parameters by name, but {len(unnamed)} of the "
+            f"{len(params)} parameters came without one; pass model.named_parameters() (or (name, "
+            "tensor) pairs, also inside param groups)"
+        )
+    labels = [names[id(p)] for p in params]
+    for s in substrings:
+        if not any(s in label for label in labels):
+            raise ValueError(
+                f"SparseLoCo: dense_params entry {s!r} matches no parameter name (they are "
+                f"{_listing([repr(x) for x in labels], 6)}); fix it or leave it out"
+            )
+    return frozenset(n for n, label in enumerate(labels) if any(s in label for s in substrings))
+
+
+def _grad32(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient in fp32 (zeros where it has none)."""
+    if p.grad is None:
+        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    return p.grad.float()
 
 
 def _comparable(v: object) -> bool:

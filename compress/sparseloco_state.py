@@ -42,6 +42,8 @@ _WHERE = "SparseLoCo.load_state_dict"
 _SHARED = ("global", "momentum")
 _COUNTERS = ("steps", "since_sync", "syncs", "skipped_syncs", "skipped_steps", "inner_resets")
 _LOOSE = ("validate_payload",)  # settings that do not change what is computed
+#: settings recorded only when they are on (issue 35), and their values when off
+_OPTIONAL: dict[str, Any] = {"dense_warmup": 0, "dense_params": None}
 
 
 def pack(opt: SparseLoCo) -> dict[str, Any]:
@@ -156,9 +158,10 @@ def load(opt: SparseLoCo, sd: object) -> None:
             "the world size it was saved at (DCP keeps every rank's)"
         )
     here, saved = _settings(opt), common.get("settings") or {}
-    for key in here:
-        if key not in _LOOSE and here[key] != saved.get(key):
-            raise ValueError(f"{_WHERE}: setting {key!r} was {saved.get(key)!r}, is {here[key]!r} now")
+    for key in [*here, *(k for k in _OPTIONAL if k not in here)]:
+        now, then = here.get(key, _OPTIONAL.get(key)), saved.get(key, _OPTIONAL.get(key))
+        if key not in _LOOSE and now != then:
+            raise ValueError(f"{_WHERE}: setting {key!r} was {then!r}, is {now!r} now")
     if len(groups) != len(opt.param_groups) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(groups, opt.param_groups)
     ):

@@ -549,7 +549,7 @@ def test_the_study_runner_builds_sparseloco_with_a_named_inner_optimizer():
     assert isinstance(
         build_method(MethodSpec("sparseloco", lr=1e-3), _net()).optimizer.inner, torch.optim.AdamW
     )
-    with pytest.raises(ValueError, match=r"inner must be one of \('adamw', 'sgd'\), got 'lion'"):
+    with pytest.raises(ValueError, match=r"inner must be one of \('adamw', 'sgd', 'muon'\), got 'lion'"):
         build_method(MethodSpec("sparseloco", lr=1e-3, options={"inner": "lion"}), _net())
 
 
