@@ -251,7 +251,8 @@ class SparseLoCoMethod(DeMoMethod):
     (``"adamw"``, the default, ``"sgd"`` or ``"muon"``: :class:`cokit.compress.inner.Muon`, Muon on
     the matrices and AdamW on the rest, its lr Muon's) and the inner lr / weight decay from the
     spec. The model's parameters go in by name (``dense_params`` selects by name; Muon keeps
-    embeddings and heads on AdamW by name). Steps, zeroes and counts bytes as
+    embeddings and heads on AdamW by name); ``dense_ends=True`` sends the input and output
+    layers dense (:func:`end_layers`). Steps, zeroes and counts bytes as
     :class:`DeMoMethod` does (both communicate themselves)."""
 
     def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -267,6 +268,8 @@ class SparseLoCoMethod(DeMoMethod):
         kind: Any = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "muon": Muon}[inner]
         inner_options = options.pop("inner_options", {})
         named = list(model.named_parameters())
+        if options.pop("dense_ends", False):
+            options["dense_params"] = end_layers(named)
 
         def build(params: Any) -> torch.optim.Optimizer:
             if kind is Muon:  # the inner groups list the parameters (or masters) in model order
@@ -287,6 +290,17 @@ class SparseLoCoMethod(DeMoMethod):
 
 
 register_method("sparseloco")(SparseLoCoMethod)
+
+
+def end_layers(named: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+    """The names of a model's input and output layers, for SparseLoCo's ``dense_params``
+    (the study's ``dense_ends`` option, which fits any model): its embeddings (matrices named
+    ``*emb*``), or its first matrix when it has none, and its last matrix (the head)."""
+    mats = [n for n, p in named if p.dim() >= 2]
+    if not mats:
+        raise ValueError("dense_ends: the model has no parameter of 2 or more dimensions")
+    inputs = [n for n in mats if "emb" in n] or mats[:1]
+    return tuple(dict.fromkeys([*inputs, mats[-1]]))
 
 
 # --------------------------------------------------------------------------------------------

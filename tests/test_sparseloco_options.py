@@ -590,3 +590,14 @@ def test_the_study_runner_builds_sparseloco_with_a_muon_inner_optimizer():
     assert "head" in repr(opt._settings()["dense_params"])
     with pytest.raises(ValueError, match=r"inner must be one of \('adamw', 'sgd', 'muon'\), got 'lion'"):
         build_method(MethodSpec("sparseloco", lr=1e-3, options={"inner": "lion"}), Net())
+
+
+def test_the_study_runners_dense_ends_sends_the_input_and_output_layers_dense():
+    from cokit.train import MethodSpec, build_method
+
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 10))
+    spec = MethodSpec("sparseloco", lr=1e-3, options={"sync_every": 2, "dense_ends": True})
+    opt = build_method(spec, net).optimizer
+    assert opt.dense_params == ("0.weight", "2.weight")  # no "emb" in the names: first and last matrix
+    dense = {n for b in opt._plan() for n in b.members if b.dense}
+    assert {0, 3} <= dense and 1 not in dense  # the 64x64 body stays compressed

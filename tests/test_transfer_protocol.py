@@ -148,6 +148,8 @@ def test_the_full_protocol_holds_out_three_kinds_and_sizes_a_1m_parameter_lm():
         model = w.factory.build("cpu").build_model(0)
         sizes[w.name] = sum(p.numel() for p in model.parameters())
     assert sizes["c-1m"] >= 1_000_000 and sizes["prose"] > sizes["text"]
+    for name, w in transfer.make_workloads("toy").items():  # the toy corpora split too (prose: few files)
+        assert w.factory.build("cpu").heldout_batches(), name
     sources = {w.factory.corpus.source for w in cfg.select + cfg.heldout if hasattr(w.factory, "corpus")}
     assert sources == {"python", "prose", "c"}
 
@@ -202,3 +204,27 @@ def test_toy_protocol_selects_on_one_workload_reports_on_another_and_resumes(tmp
     assert main([*argv, "--report-only"]) == 0  # nothing re-runs; the same report
     assert {p: os.path.getmtime(p) for p in runs} == before
     assert json.loads((out / "transfer.json").read_text())["heldout_tables"] == doc["heldout_tables"]
+
+
+def test_the_variants_map_to_sparseloco_options_that_fit_every_model():
+    import torch
+
+    from cokit.train import end_layers
+
+    methods = transfer.transfer_methods()
+    assert all(c in methods for c in transfer.CANDIDATES)
+    warm = methods["sparseloco-h5-k64-int2-warm1"].spec(1e-3, 0, 750).options
+    assert warm["dense_warmup"] == 8 and "dense_warmup_fraction" not in warm
+    assert methods["sparseloco-h15-k64-int2-muon"].family == "sparseloco-muon"
+    lm = transfer.make_workloads("toy")["text"]
+    assert lm.grid("sparseloco-muon", 4) == (3e-3, 1e-2, 3e-2, 0.1)
+    assert lm.grid("sparseloco", 4) == lm.grid("adamw", 4)
+
+    def names(model):
+        return end_layers(list(model.named_parameters()))
+
+    assert names(lm.factory.build("cpu").build_model(0)) == ("pos_emb", "tok_emb.weight", "head.weight")
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    assert names(mlp) == ("0.weight", "1.weight")
+    with pytest.raises(ValueError, match="no parameter of 2 or more dimensions"):
+        names(torch.nn.LayerNorm(4))

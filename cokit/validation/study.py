@@ -88,10 +88,14 @@ class MethodDef:
     about: str = ""
 
     def spec(self, lr: float, seed: int, steps: int) -> MethodSpec:
-        """The runner spec of this method at ``lr`` (PowerSGD: 10% dense warm-up, seeded)."""
+        """The runner spec of this method at ``lr`` (PowerSGD: 10% dense warm-up, seeded; a
+        ``dense_warmup_fraction`` becomes SparseLoCo's ``dense_warmup`` steps of this run)."""
         opts = dict(self.options)
         if self.runner == "powersgd":
             opts.update(start_iter=max(2, steps // 10), seed=seed)
+        fraction = opts.pop("dense_warmup_fraction", None)
+        if fraction is not None:
+            opts["dense_warmup"] = max(1, round(fraction * steps))
         return MethodSpec(self.runner, lr, options=opts, label=self.label)
 
 

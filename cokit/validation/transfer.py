@@ -63,34 +63,67 @@ HORIZONS = (1, 3)
 LONG_WORKLOAD, LONG_HORIZON = "digits-cnn", 10
 SCHEDULE = {"schedule": "cosine", "warmup": 0.05}
 MAX_EXTENSIONS = 2
-#: the settings compared on the selection workloads (labels of the study's catalog)
+#: the settings compared on the selection workloads (labels of :func:`transfer_methods`)
 CANDIDATES = (
     "demo-ns-k32-c64",
     "diloco-h30",
     "sparseloco-h5-k64-int2",
+    "sparseloco-h5-k64-int2-warm1",
+    "sparseloco-h5-k64-int2-muon",
     "sparseloco-h5-k16-int2-c32",
     "sparseloco-h10-k64-int2",
     "sparseloco-h15-k64-int2",
+    "sparseloco-h15-k64-int2-ends",
+    "sparseloco-h15-k64-int2-muon",
+    "sparseloco-h15-k64-int2-nesterov",
     "sparseloco-h10-k16-int2",
 )
 
 
+def _sparseloco(h: int, variant: str = "") -> MethodDef:
+    """SparseLoCo at H=h, top-64 of 64x64 tiles, int2 values, with one of the issue-35 variants:
+    ``warm1`` (1% dense warm-up steps), ``muon`` (the hybrid Muon inner optimizer), ``ends``
+    (input and output layers dense) or ``nesterov`` (DiLoCo's outer Nesterov, 0.7 / 0.9)."""
+    base = (("sync_every", h), ("topk", 64), ("chunk", 64), ("payload", "int2"), ("dct", False))
+    extra, family, about = {
+        "": ((), "sparseloco", ""),
+        "warm1": ((("dense_warmup_fraction", 0.01),), "sparseloco", ", after 1% of the steps dense"),
+        "muon": ((("inner", "muon"),), "sparseloco-muon", ", Muon inner optimizer (AdamW on vectors, ends)"),
+        "ends": ((("dense_ends", True),), "sparseloco", ", embeddings / first and last layers dense"),
+        "nesterov": (
+            (("outer", "nesterov"), ("outer_lr", 0.7), ("outer_momentum", 0.9)),
+            "sparseloco",
+            ", outer Nesterov (lr 0.7, momentum 0.9)",
+        ),
+    }[variant]
+    label = f"sparseloco-h{h}-k64-int2" + (f"-{variant}" if variant else "")
+    inner = "Muon" if variant == "muon" else "AdamW"
+    return MethodDef(
+        label,
+        family,
+        "sparseloco",
+        base + extra,
+        about=f"SparseLoCo: {h} local {inner} steps, then top-64 per 64-tile of the error-fed "
+        f"pseudo-gradient, int2 values{about}",
+    )
+
+
 def transfer_methods() -> dict[str, MethodDef]:
     """The study's catalog plus the settings only this protocol compares."""
-    catalog = method_catalog()
-    extra = MethodDef(
-        "sparseloco-h15-k64-int2",
-        "sparseloco",
-        "sparseloco",
-        (("sync_every", 15), ("topk", 64), ("chunk", 64), ("payload", "int2"), ("dct", False)),
-        about="SparseLoCo: 15 local AdamW steps, then top-64 per 64-tile of the error-fed "
-        "pseudo-gradient, int2 values",
-    )
-    return {**catalog, extra.label: extra}
+    extra = [
+        _sparseloco(15),
+        _sparseloco(5, "warm1"),
+        _sparseloco(5, "muon"),
+        _sparseloco(15, "ends"),
+        _sparseloco(15, "muon"),
+        _sparseloco(15, "nesterov"),
+    ]
+    return {**method_catalog(), **{m.label: m for m in extra}}
 
 
-_LM_LRS = (("adamw", (3e-4, 1e-3, 3e-3, 1e-2)),)
-_DIGITS_LRS = (("adamw", (1e-3, 3e-3, 1e-2, 3e-2)),)
+# Muon's lr is ~20x AdamW's (its AdamW part runs at 0.05 x it)
+_LM_LRS = (("adamw", (3e-4, 1e-3, 3e-3, 1e-2)), ("sparseloco-muon", (3e-3, 1e-2, 3e-2, 0.1)))
+_DIGITS_LRS = (("adamw", (1e-3, 3e-3, 1e-2, 3e-2)), ("sparseloco-muon", (1e-2, 3e-2, 0.1, 0.3)))
 
 
 def make_workloads(preset: str) -> dict[str, WorkloadDef]:
@@ -106,8 +139,10 @@ def make_workloads(preset: str) -> dict[str, WorkloadDef]:
     from cokit.workloads.text import VOCAB_SIZE
 
     def lm(source: str, d: int, layers: int, chars: int, batch: int, seq: int) -> TextWorkloadConfig:
+        # toy: files cut to 10K characters, so even the prose (a few long documents) splits
+        cut = {"max_file_chars": 10_000} if preset == "toy" else {}
         return TextWorkloadConfig(
-            corpus=CorpusConfig(max_chars=chars, source=source),
+            corpus=CorpusConfig(max_chars=chars, source=source, **cut),
             model=ModelConfig(
                 VOCAB_SIZE, d_model=d, n_layers=layers, n_heads=min(4, d // 16), max_seq_len=seq
             ),

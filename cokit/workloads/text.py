@@ -207,8 +207,9 @@ def _read_corpus(config: CorpusConfig) -> CharCorpus:
         total += len(text)
     if total < config.max_chars // 2 or len(texts) < 4:
         raise RuntimeError(
-            f"only {total} characters of {config.source} text in {len(texts)} documents under {root}; "
-            f"lower max_chars (asked for {config.max_chars})"
+            f"only {total} characters of {config.source} text in {len(texts)} documents under {root} "
+            f"(asked for {config.max_chars} characters in at least 4 documents); lower max_chars, "
+            "or max_file_chars to cut the text into more documents"
         )
 
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(config.split_seed))
