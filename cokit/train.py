@@ -292,7 +292,7 @@ class SparseLoCoMethod(DeMoMethod):
 register_method("sparseloco")(SparseLoCoMethod)
 
 
-def end_layers(named: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+def end_layers(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
     """The names of a model's input and output layers, for SparseLoCo's ``dense_params``
     (the study's ``dense_ends`` option, which fits any model): its embeddings (matrices named
     ``*emb*``), or its first matrix when it has none, and its last matrix (the head)."""

@@ -140,9 +140,9 @@ def make_workloads(preset: str) -> dict[str, WorkloadDef]:
 
     def lm(source: str, d: int, layers: int, chars: int, batch: int, seq: int) -> TextWorkloadConfig:
         # toy: files cut to 10K characters, so even the prose (a few long documents) splits
-        cut = {"max_file_chars": 10_000} if preset == "toy" else {}
+        cut = 10_000 if preset == "toy" else CorpusConfig.max_file_chars
         return TextWorkloadConfig(
-            corpus=CorpusConfig(max_chars=chars, source=source, **cut),
+            corpus=CorpusConfig(max_chars=chars, max_file_chars=cut, source=source),
             model=ModelConfig(
                 VOCAB_SIZE, d_model=d, n_layers=layers, n_heads=min(4, d // 16), max_seq_len=seq
             ),
