@@ -41,26 +41,30 @@ def test_bad_config_is_rejected_with_the_field(fields, needle):
 
 def test_vendor_spaces_and_defaults():
     for kernel in cc.KERNELS:
-        for _, _, rows, width in tiling.compile_blocks():
-            cuda = cc.config_space(kernel, "cuda", (rows, width))
-            hip = cc.config_space(kernel, "hip", (rows, width))
+        for mode, two_d, rows, width in tiling.compile_blocks():
+            cuda = cc.config_space(kernel, "cuda", (rows, width), two_d=two_d)
+            hip = cc.config_space(kernel, "hip", (rows, width), two_d=two_d)
             assert {c.dot_precision for c in cuda} == {"tf32x3"} and {c.dot_precision for c in hip} == {
                 "ieee"
             }
             # what compiles without spills (tests/test_compile_targets.py): on NVIDIA the
-            # error-feedback kernels spill at 4 warps and the encode at 16 too; on AMD every
-            # kernel is VGPR-clean at 4 and 8 waves and the decode has no SGPR spills at 8
-            cuda_warps = {"ef_encode": [8], "ef_decode": [8, 16]}.get(kernel, [4, 8, 16])
+            # fused 2-D encode spills at 4 warps and at 16, the fused 1-D decode at 4; on AMD
+            # every kernel is VGPR- and SGPR-clean at 4 and 8 waves, the decode starts at 8
+            cuda_warps = {
+                ("ef_encode", "2d"): [8],
+                ("ef_encode", "1d"): [4, 8],
+                ("ef_decode", "1d"): [8, 16],
+            }.get((kernel, mode), [4, 8, 16])
             hip_warps = {"ef_decode": [8, 4]}.get(kernel, [4, 8])
             assert [c.num_warps for c in cuda] == cuda_warps and [c.num_warps for c in hip] == hip_warps
+            assert cuda == cc.config_space(kernel, "cuda", (rows, width), 90, two_d)
             # per chip: sm_80's mma.sync spills at tf32x3, so it takes the hand-split bf16x6,
-            # first at 4 warps (2 blocks per SM) except for the fused decode (8 or 16 warps);
-            # AMD is ieee everywhere
-            sm80_warps = [8, 16] if kernel == "ef_decode" else [4, 8, 16]
-            assert cc.config_space(kernel, "cuda", (rows, width), 80) == [
+            # first at 4 warps (2 blocks per SM) except for the fused 1-D decode (8 or 16
+            # warps); AMD is ieee everywhere
+            sm80_warps = [8, 16] if (kernel, mode) == ("ef_decode", "1d") else [4, 8, 16]
+            assert cc.config_space(kernel, "cuda", (rows, width), 80, two_d) == [
                 cc.KernelConfig(w, 1, "bf16x6") for w in sm80_warps
             ]
-            assert {c.dot_precision for c in cc.config_space(kernel, "cuda", (rows, width), 90)} == {"tf32x3"}
             assert {c.dot_precision for c in cc.config_space(kernel, "hip", (rows, width), "gfx942")} == {
                 "ieee"
             }

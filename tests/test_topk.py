@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import DTYPES, poison  # noqa: F401
 
-from cokit.triton_kernels.topk import chunk_topk, chunk_topk_reference
+from cokit.triton_kernels.topk import chunk_topk, chunk_topk_reference, topk_select
 
 
 def float64_topk(x: torch.Tensor, k: int):
@@ -51,6 +53,37 @@ def test_reference_matches_kernel_on_many_ties(device):
         i1, v1 = chunk_topk(x, k)
         i2, v2 = chunk_topk_reference(x, k)
         assert torch.equal(i1, i2) and torch.equal(v1, v2)
+
+
+@triton.jit
+def _select_kernel(x, sel_out, slot_out, n_rows, n_cols, k, TWO_D: tl.constexpr, MASK_LAST: tl.constexpr):
+    """topk_select of one 16x64 block (valid: ``n_rows x n_cols``): the mask and the slots."""
+    r = tl.arange(0, 16)[:, None]
+    c = tl.arange(0, 64)[None, :]
+    selected, slot = topk_select(tl.load(x + r * 64 + c), (r < n_rows) & (c < n_cols), k, TWO_D, MASK_LAST)
+    tl.store(sel_out + r * 64 + c, selected.to(tl.int32))
+    tl.store(slot_out + r * 64 + c, tl.where(selected, slot, -1))
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_both_selection_forms_agree(two_d, device):
+    """The mask-last form (AMD: no boolean block live across a scan) and the mask-first form
+    (NVIDIA) keep the same entries in the same slots: ties, NaN, masked rows and columns."""
+    x = torch.randint(-3, 4, (16, 64)).float()
+    x[2, 5] = x[7, 0] = float("nan")
+    x = x.to(device)
+    for n_rows, n_cols, k in ((16, 64, 7), (11, 50, 1), (5, 33, 33), (16, 64, 64)):
+        k = k * n_rows if two_d and k > 1 else k
+        outs = []
+        for mask_last in (False, True):
+            sel = torch.empty(16, 64, dtype=torch.int32, device=device)
+            slot = torch.empty_like(sel)
+            _select_kernel[(1,)](x, sel, slot, n_rows, n_cols, k, TWO_D=two_d, MASK_LAST=mask_last)
+            outs.append((sel, slot))
+        (sel_a, slot_a), (sel_b, slot_b) = outs
+        assert torch.equal(sel_a, sel_b) and torch.equal(slot_a, slot_b), (n_rows, n_cols, k)
+        kept = sel_a[:n_rows, :n_cols].sum(dim=None if two_d else 1)
+        assert (kept == min(k, n_cols * (n_rows if two_d else 1))).all()
 
 
 @pytest.mark.usefixtures("poison")

@@ -214,12 +214,14 @@ def _fits_all(kernel: str, cfg: KernelConfig, block: tuple[int, int], limits: li
 
 
 def config_space(
-    kernel: str, backend: str, block: tuple[int, int], arch: int | str | None = None
+    kernel: str, backend: str, block: tuple[int, int], arch: int | str | None = None, two_d: bool = True
 ) -> list[KernelConfig]:
     """Every config that may be launched on ``backend`` ('cuda' / 'hip') for a
     ``(BLOCK_ROWS, BLOCK_W)`` block, in the vendor's order (the first is the default). With
     ``arch`` (80, 90, 'gfx942', ...) it is that chip's space (the vendor's ``space_for``:
-    8 or 16 warps at ``"bf16x6"`` before sm_90, where tf32x3 spills).
+    ``"bf16x6"`` before sm_90, where tf32x3 spills), else the vendor's newest chip's;
+    ``two_d`` False gives the space of a block of 1-D tiles (the fused kernels' registers
+    differ by mode at the same block shape).
 
     Configs that do not fit every named target of the vendor (:func:`check_fits`: shared
     memory, registers) are pruned. When the vendor's space has none that fits (a large
@@ -230,7 +232,7 @@ def config_space(
     vendor = _vendor(backend)
     block = _check_block(block)
     limits = _vendor_limits(backend)
-    fields_list = vendor.SPACE[kernel] if arch is None else vendor.space_for(kernel, arch)
+    fields_list = vendor.space_for(kernel, arch, two_d)
     space = [KernelConfig(**fields) for fields in fields_list]
     out = [cfg for cfg in space if _fits_all(kernel, cfg, block, limits)]
     if out:
@@ -325,7 +327,7 @@ def select_config(
     if known is not None and (known[1] or tune is None):
         return known[0]
     configs = []
-    for cfg in config_space(kernel, limits.backend, block, limits.arch):
+    for cfg in config_space(kernel, limits.backend, block, limits.arch, two_d):
         try:
             check_fits(kernel, cfg, block, limits)
         except ValueError:

@@ -39,14 +39,15 @@ DEFAULT_PRECISION = "ieee"
 
 
 #: the configs a block may be launched with, per kernel, as KernelConfig fields; the first
-#: that fits the block's register estimate is the default. All compile without VGPR spills
-#: on gfx942 (triton 3.6 and 3.9), and the DCT with no SGPR spills, its basis read with
-#: 128-bit loads (the offsets are provably multiples of 256 elements: 8 of 32 basis loads
-#: per thread wide in the unhinted 64x64 encode at 4 waves, all 14 global accesses wide in
-#: the aligned one; 0 wide before). The fused encode still spills 10-57 SGPRs (to VGPR lanes,
-#: not memory): every masked element load or store keeps a 64-bit exec mask in SGPRs, and
-#: waves_per_eu does not change that (compile-checked). The decode starts at 8 waves, where
-#: it has no SGPR spills (20 at 4 waves, 1-D).
+#: that fits the block's register estimate is the default. All compile without VGPR or SGPR
+#: spills on gfx942 (triton 3.6 and 3.9, tests/test_compile_targets.py), the DCT and the
+#: fused encode with 128-bit basis loads (the offsets are provably multiples of 256
+#: elements). SGPRs were the fused kernels' limit: a wavefront keeps every boolean block
+#: (a mask, a comparison) in 64-bit SGPR pairs, 32 SGPRs per block at 16 elements per
+#: thread, so the encode's top-k makes its mask last, from integers
+#: (:func:`~cokit.triton_kernels.topk.topk_select`; it spilled 10-64 SGPRs) and the 1-D
+#: decode reads its payload without row masks (it spilled 20 at 4 waves). waves_per_eu
+#: changes none of that. The decode starts at 8 waves (6-8 waves per SIMD at 1-D).
 _W4 = {"num_warps": 4, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 _W8 = {"num_warps": 8, "num_stages": 1, "dot_precision": DEFAULT_PRECISION}
 SPACE: dict[str, tuple[dict[str, object], ...]] = {
@@ -57,8 +58,9 @@ SPACE: dict[str, tuple[dict[str, object], ...]] = {
 }
 
 
-def space_for(kernel: str, arch: int | str) -> tuple[dict[str, object], ...]:
-    """The configs of ``kernel`` on one chip: the same :data:`SPACE` on every CDNA chip."""
+def space_for(kernel: str, arch: int | str | None, two_d: bool = True) -> tuple[dict[str, object], ...]:
+    """The configs of ``kernel`` on one chip: the same :data:`SPACE` on every CDNA chip, for
+    2-D and 1-D blocks."""
     return SPACE[kernel]
 
 

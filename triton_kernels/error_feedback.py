@@ -177,7 +177,8 @@ def _ef_encode_kernel(
     mask = (r < rows) & (c < w)
     delta = _updated_delta(g, pointers, delta_ref, grad_ref, r, c, mask, beta, lr, ALIGNED)
     coeffs = transform_block(delta, bank, bh_off, bw_off, TWO_D, False, BLOCK_ROWS, BLOCK_W, DOT_PRECISION)
-    selected, slot = topk_select(coeffs, mask, k, TWO_D)
+    # AMD ("ieee", also the interpreter) makes the top-k mask last: booleans cost SGPR pairs there
+    selected, slot = topk_select(coeffs, mask, k, TWO_D, DOT_PRECISION == "ieee")
     # the payload first: its position and slot blocks are dead before the inverse transform
     if TWO_D:
         position = r * w + c
@@ -335,14 +336,25 @@ def _ef_decode_kernel(
             n += hits
             src += payload_numel
     else:
-        tile_slots = p_off + tl.arange(0, BLOCK_ROWS).to(tl.int64) * k
-        row_live = tl.arange(0, BLOCK_ROWS) < rows
+        row = tl.arange(0, BLOCK_ROWS)
+        row_live = row < rows
+        if DOT_PRECISION == "ieee":
+            # AMD: rows past the last tile read the last tile's slots, so the loads need no
+            # mask (a masked load keeps an exec mask per row in SGPRs: 20 spilled at 4
+            # waves). What those rows add stays in them: the 1-D transform is row by row and
+            # the parameter store is masked. ptxas keeps fewer registers with masked loads.
+            row = tl.minimum(row, rows - 1)
+        tile_slots = p_off + row.to(tl.int64) * k
         for _ in range(n_ranks):
             for s in range(k):
-                pos = tl.load(indices + tile_slots + s, mask=row_live, other=-1).to(tl.int32)
-                val = tl.load(values + tile_slots + s, mask=row_live, other=0.0).to(tl.float32)
-                hit = c == pos[:, None]
-                total += tl.where(hit, val[:, None], 0.0)
+                if DOT_PRECISION == "ieee":
+                    pos = tl.load(indices + tile_slots + s)
+                    val = tl.load(values + tile_slots + s)
+                else:
+                    pos = tl.load(indices + tile_slots + s, mask=row_live, other=-1)
+                    val = tl.load(values + tile_slots + s, mask=row_live, other=0.0)
+                hit = c == pos.to(tl.int32)[:, None]
+                total += tl.where(hit, val.to(tl.float32)[:, None], 0.0)
                 n += hit.to(tl.float32)
             tile_slots += payload_numel
     mean = tl.where(n > 0, total / tl.maximum(n, 1.0), 0.0)
@@ -388,7 +400,9 @@ def _encode_compile_specs(target: str) -> list[CompileSpec]:
                 ("G_COLS", "TWO_D", "BLOCK_ROWS", "BLOCK_W", "DOT_PRECISION", "ALIGNED"), "constexpr"
             )
         )
-        for cfg in compress_config.config_space("ef_encode", limits.backend, (rows, width), limits.arch):
+        for cfg in compress_config.config_space(
+            "ef_encode", limits.backend, (rows, width), limits.arch, two_d
+        ):
             for aligned in (False, True):
                 constexprs = {
                     "G_COLS": tiling.G_COLS,
@@ -434,7 +448,9 @@ def _decode_compile_specs(target: str) -> list[CompileSpec]:
                 "constexpr",
             )
         )
-        for cfg in compress_config.config_space("ef_decode", limits.backend, (rows, width), limits.arch):
+        for cfg in compress_config.config_space(
+            "ef_decode", limits.backend, (rows, width), limits.arch, two_d
+        ):
             for aligned in (False, True):
                 constexprs = {
                     "G_COLS": tiling.G_COLS,

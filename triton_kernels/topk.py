@@ -76,7 +76,7 @@ def tile_cumsum(x, TWO_D: tl.constexpr):
 
 
 @triton.jit
-def topk_select(y, valid, k, TWO_D: tl.constexpr):
+def topk_select(y, valid, k, TWO_D: tl.constexpr, MASK_LAST: tl.constexpr):
     """Top-k by magnitude of an fp32 block.
 
     Returns ``(selected, slot)``: a mask of the kept entries and, for each, its rank by
@@ -91,6 +91,15 @@ def topk_select(y, valid, k, TWO_D: tl.constexpr):
         valid: int1 block of the same shape, the entries that belong to a tile.
         k: int32/int64 scalar, entries kept per tile, ``1 <= k <=`` valid entries of a tile.
         TWO_D (constexpr): True: the whole block is one tile; False: every row is a tile.
+        MASK_LAST (constexpr): how the result is formed (both give the same bits).
+            True: the slots come from prefix sums of the entries above and at the k-th
+            magnitude (one packed scan) and the mask is made last, from integers, so no
+            boolean block is live across a scan. AMD holds every boolean of a wavefront in
+            a 64-bit SGPR pair (32 SGPRs per block at 16 entries per thread): with the
+            mask first, the fused encode spilled 10-64 SGPRs on gfx942, chunk_topk 8-12.
+            False: the mask first, the slots from its prefix sum; fewer live integers,
+            which ptxas needs (sm_80's 1-D encode at 4 warps: 185 registers, 255 with
+            MASK_LAST).
     """
     mag = tl.where(valid, tl.abs(y).to(tl.int32, bitcast=True), -1)
     kth = tile_sum(mag * 0, TWO_D)  # int32 zeros, one per tile
@@ -98,11 +107,27 @@ def topk_select(y, valid, k, TWO_D: tl.constexpr):
         candidate = kth | (1 << (30 - i))
         enough = tile_sum((mag >= candidate).to(tl.int32), TWO_D) >= k
         kth = tl.where(enough, candidate, kth)
-    above = mag > kth
-    tied = valid & (mag == kth)
-    need = k - tile_sum(above.to(tl.int32), TWO_D)
-    selected = above | (tied & (tile_cumsum(tied.to(tl.int32), TWO_D) <= need))
-    slot = tile_cumsum(selected.to(tl.int32), TWO_D) - 1
+    if MASK_LAST:
+        above = (mag > kth).to(tl.int32)
+        tied = (mag == kth).to(tl.int32)  # invalid entries have mag -1 < kth
+        need = k.to(tl.int32) - tile_sum(above, TWO_D)
+        if (y.shape[0] if TWO_D else 1) * y.shape[1] < 32768:
+            # both counts in one scan, 16 bits each (under 32768 entries per tile: no carry)
+            ranks = tile_cumsum(above + tied * 65536, TWO_D)
+            above_rank, tied_rank = ranks & 65535, ranks >> 16
+        else:
+            above_rank, tied_rank = tile_cumsum(above, TWO_D), tile_cumsum(tied, TWO_D)
+        slot = above_rank + tl.minimum(tied_rank, need) - 1
+        # order: 1 or 2 above the k-th magnitude, 0 at it among the first `need`, -1 at it
+        # after them, below it -2 or -3; mag - kth cannot overflow (mag >= -1, 0 <= kth < 2**31)
+        order = 2 * tl.minimum(tl.maximum(mag - kth, -1), 1) - tl.minimum(tl.maximum(tied_rank - need, 0), 1)
+        selected = order >= 0
+    else:
+        above = mag > kth
+        tied = valid & (mag == kth)
+        need = k - tile_sum(above.to(tl.int32), TWO_D)
+        selected = above | (tied & (tile_cumsum(tied.to(tl.int32), TWO_D) <= need))
+        slot = tile_cumsum(selected.to(tl.int32), TWO_D) - 1
     return selected, slot
 
 
@@ -129,7 +154,8 @@ def _topk_kernel(x, idx_out, val_out, n_rows, n_cols, k, BLOCK_ROWS: tl.constexp
     c = tl.arange(0, BLOCK_W)[None, :]
     valid = (r < n_rows) & (c < n_cols)
     v = tl.load(x + r * n_cols + c, mask=valid, other=0.0)
-    selected, slot = topk_select(v.to(tl.float32), valid, k, False)
+    # mask last on every backend: SGPR-clean on AMD, no more registers on NVIDIA
+    selected, slot = topk_select(v.to(tl.float32), valid, k, False, True)
     out = r * k + slot
     tl.store(idx_out + out, c.to(idx_out.dtype.element_ty) + r * 0, mask=selected)
     tl.store(val_out + out, v, mask=selected)
