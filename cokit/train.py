@@ -12,6 +12,9 @@ the bytes this rank put on the wire. Built in:
   ``"adamw"``, ``"sgd"`` or ``"muon"`` (:class:`cokit.compress.Muon`), at ``lr`` and
   ``weight_decay``), a compressed pseudo-gradient sync every
   ``sync_every`` steps; bytes amortized per step (non-sync steps send 0).
+* ``"dion"`` -- ``cokit.compress.Dion``: low-rank orthonormalized updates with error feedback
+  (``rank`` or ``rank_fraction`` in ``options``), AdamW on the other parameters; bytes from its
+  ``comm_stats``.
 
 More can be added with :func:`register_method`. :func:`run_method` runs one method on every rank
 of an initialised process group; :func:`run_distributed` starts that group: ``world_size``
@@ -292,8 +295,34 @@ class SparseLoCoMethod(DeMoMethod):
 register_method("sparseloco")(SparseLoCoMethod)
 
 
+class DionMethod(DeMoMethod):
+    """``cokit.compress.Dion``: ``options`` are its keyword arguments (``rank``,
+    ``rank_fraction``, ``mu``, ``dense_params``, ...), lr and weight decay from the spec. The
+    model's parameters go in by name (``dense_params`` selects by name); ``dense_ends=True``
+    steps the input and output layers with AdamW on their averaged gradients
+    (:func:`end_layers`). Steps, zeroes and counts bytes as :class:`DeMoMethod` does."""
+
+    def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
+        from cokit.compress import Dion  # lazy, like DeMo
+
+        options = dict(spec.options)
+        named = list(model.named_parameters())
+        if options.pop("dense_ends", False):
+            options["dense_params"] = end_layers(named)
+        self.optimizer = Dion(
+            named,
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+            process_group=group,
+            **{"timeout": spec.timeout, **options},
+        )
+
+
+register_method("dion")(DionMethod)
+
+
 def end_layers(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-    """The names of a model's input and output layers, for SparseLoCo's ``dense_params``
+    """The names of a model's input and output layers, for SparseLoCo's and Dion's ``dense_params``
     (the study's ``dense_ends`` option, which fits any model): its embeddings (matrices named
     ``*emb*``), or its first matrix when it has none, and its last matrix (the head)."""
     mats = [n for n, p in named if p.dim() >= 2]

@@ -1,5 +1,6 @@
-"""Compressed gradient exchange: the DeMo and SparseLoCo optimizers, payload codecs and a DDP comm hook."""
+"""Compressed gradient exchange: the DeMo, SparseLoCo and Dion optimizers, payload codecs and a DDP comm hook."""
 
+from cokit.compress.dion import Dion
 from cokit.compress.inner import Muon
 from cokit.compress.optimizer import DeMo
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec, register_codec
@@ -9,6 +10,7 @@ from cokit.compress.stats import CommStats, ring_allgather_bytes, ring_allreduce
 __all__ = [
     "CommStats",
     "DeMo",
+    "Dion",
     "Muon",
     "PayloadCodec",
     "SparseLoCo",

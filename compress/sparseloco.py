@@ -58,6 +58,7 @@ from cokit.compress.dtensor import is_dtensor
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, all_finite, nonfinite
+from cokit.compress.named_params import check_dense_params, dense_members, param_groups
 from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.priority import check_comm_priority, priority_group
@@ -188,7 +189,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         self.dense_warmup = check_int(
             "dense_warmup", dense_warmup, 0, where=where, more="(steps of data-parallel warm-up; 0: none)"
         )
-        self.dense_params = _check_dense_params(dense_params)
+        self.dense_params = check_dense_params(dense_params, where)
         self.comm_priority = check_comm_priority(where, comm_priority, comm_guard)
         self.sync_every = check_int("sync_every", sync_every, 1, where=where)
         if topk is not None:
@@ -214,7 +215,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         check_process_group(where, process_group)
         self.policy = make_policy(policy, where)
 
-        groups, names = _param_groups(params)
+        groups, names = param_groups(params, where)
         model_params = [p for g in groups for p in g["params"]]
         if not model_params:
             raise ValueError("SparseLoCo: got an empty parameter list")
@@ -230,7 +231,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
                 raise TypeError(
                     f"SparseLoCo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}"
                 )
-        self._forced_dense = _dense_members(self.dense_params, model_params, names)
+        self._forced_dense = dense_members(self.dense_params, model_params, names, where)
         self.topk, self.payload = topk, payload
         self.value_dtype = self.codec.resolve_value_dtype(value_dtype)
         self._names = names
@@ -927,76 +928,6 @@ def _from_tiles(m: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
     """Inverse of :func:`_to_tiles`."""
     x = m.reshape(t.rows // t.h, t.cols // t.w, t.h, t.w).transpose(1, 2)
     return x.reshape(t.shape)
-
-
-def _param_groups(params) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    """Param groups (tensors only) and a name per parameter id for ``(name, tensor)`` input."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("SparseLoCo: params must be an iterable of tensors or dicts, got a tensor")
-    items = list(params)
-    names: dict[int, str] = {}
-    if items and all(isinstance(i, dict) for i in items):
-        groups = []
-        for g in items:
-            ps = g.get("params")
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
-            groups.append({**g, "params": _tensors(ps, names)})
-        return groups, names
-    return [{"params": _tensors(items, names)}], names
-
-
-def _tensors(items: list, names: dict[int, str]) -> list[torch.Tensor]:
-    out = []
-    for item in items:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-            names[id(item[1])] = str(item[0])
-            item = item[1]
-        if not isinstance(item, torch.Tensor):
-            raise TypeError(
-                f"SparseLoCo: params must be tensors, (name, tensor) pairs or dicts, got {type(item).__name__}"
-            )
-        out.append(item)
-    return out
-
-
-def _check_dense_params(value: object) -> tuple[str, ...] | None:
-    """``dense_params`` as a tuple of substrings (None: none, also for an empty one)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        raise TypeError(
-            f"SparseLoCo: dense_params must be a tuple of name substrings, got the string {value!r}; "
-            f"write ({value!r},)"
-        )
-    if not isinstance(value, (tuple, list)) or not all(isinstance(s, str) and s for s in value):
-        raise TypeError(
-            "SparseLoCo: dense_params must be None or a tuple of non-empty name substrings such as "
-            f"('embed', 'head'), got {value!r}"
-        )
-    return tuple(value) or None
-
-
-def _dense_members(
-    substrings: tuple[str, ...] | None, params: list[torch.Tensor], names: dict[int, str]
-) -> frozenset[int]:
-    """Positions of the parameters whose name contains one of ``substrings`` (``dense_params``)."""
-    if substrings is None:
-        return frozenset()
-    unnamed = [n for n, p in enumerate(params) if id(p) not in names]
-    if unnamed:
-        raise ValueError(
-            f"SparseLoCo: dense_params selects parameters by name, but {len(unnamed)} of the "
-            f"{len(params)} parameters came without one; pass model.named_parameters() (or (name, "
-            "tensor) pairs, also inside param groups)"
-        )
-    labels = [names[id(p)] for p in params]
-    for s in substrings:
-        if not any(s in label for label in labels):
-            raise ValueError(
-                f"SparseLoCo: dense_params entry {s!r} matches no parameter name (they are "
-                f"{_listing([repr(x) for x in labels], 6)}); fix it or leave it out"
-            )
-    return frozenset(n for n, label in enumerate(labels) if any(s in label for s in substrings))
 
 
 def _grad32(p: torch.Tensor) -> torch.Tensor:
