@@ -77,6 +77,7 @@ CANDIDATES = (
     "sparseloco-h15-k64-int2-muon",
     "sparseloco-h15-k64-int2-nesterov",
     "sparseloco-h10-k16-int2",
+    "dion-r1",
 )
 
 
@@ -117,13 +118,29 @@ def transfer_methods() -> dict[str, MethodDef]:
         _sparseloco(15, "ends"),
         _sparseloco(15, "muon"),
         _sparseloco(15, "nesterov"),
+        MethodDef(
+            "dion-r1",
+            "dion",
+            "dion",
+            (("rank", 1),),
+            about="Dion: rank-1 orthonormalized update with error feedback every step (two fp32 "
+            "all-reduces of m + n values per matrix), AdamW on vectors",
+        ),
     ]
     return {**method_catalog(), **{m.label: m for m in extra}}
 
 
-# Muon's lr is ~20x AdamW's (its AdamW part runs at 0.05 x it)
-_LM_LRS = (("adamw", (3e-4, 1e-3, 3e-3, 1e-2)), ("sparseloco-muon", (3e-3, 1e-2, 3e-2, 0.1)))
-_DIGITS_LRS = (("adamw", (1e-3, 3e-3, 1e-2, 3e-2)), ("sparseloco-muon", (1e-2, 3e-2, 0.1, 0.3)))
+# Muon's and Dion's lrs are ~10-20x AdamW's (their AdamW parts run at 0.05 and 0.1 x it)
+_LM_LRS = (
+    ("adamw", (3e-4, 1e-3, 3e-3, 1e-2)),
+    ("sparseloco-muon", (3e-3, 1e-2, 3e-2, 0.1)),
+    ("dion", (3e-3, 1e-2, 3e-2, 0.1)),
+)
+_DIGITS_LRS = (
+    ("adamw", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("sparseloco-muon", (1e-2, 3e-2, 0.1, 0.3)),
+    ("dion", (1e-2, 3e-2, 0.1, 0.3)),
+)
 
 
 def make_workloads(preset: str) -> dict[str, WorkloadDef]:
