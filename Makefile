@@ -40,7 +40,8 @@ test-fast: $(STAMP)
 # The suite (all but the notebooks) on triton 3.6, the GPU image's version: the kernels under
 # the interpreter, the compile-only builds for sm_80/sm_90/gfx942, DeMo and the schedules.
 # The network, fault, policy, timing, telemetry and dashboard tests run no Triton code (torch
-# path, gloo, a browser), nor do the plan, calibration, docs and CPU step-path tests: once is enough.
+# path, gloo, a browser), nor do the plan, calibration, docs, CPU step-path, held-out protocol
+# and Dion tests: once is enough.
 TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_latency.py \
 	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py \
 	tests/test_comm_timing.py tests/test_telemetry.py tests/test_dashboard.py \
@@ -50,7 +51,7 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_validate_compression.py tests/test_reliability_matrix.py tests/test_telemetry_export.py \
 	tests/test_integrations_accelerate.py tests/test_integrations_hf.py tests/test_integrations_lightning.py \
 	tests/test_plan.py tests/test_validate_on.py tests/test_docs.py tests/test_cpu_step_paths.py \
-	tests/test_sparseloco_sync_paths.py
+	tests/test_sparseloco_sync_paths.py tests/test_transfer_protocol.py tests/test_dion.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 
