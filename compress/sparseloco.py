@@ -25,7 +25,11 @@ Two options close the gap that grows with training length (issue 35), both off b
   follows them; then the H-step schedule starts (the first sync H steps after the warm-up);
 * ``dense_params=("embed", "head")``: parameters whose name contains one of the substrings send
   their pseudo-gradient dense (averaged, without top-k or error feedback), like the small
-  tensors above; it needs named parameters (``model.named_parameters()``).
+  tensors above; it needs named parameters (``model.named_parameters()``);
+* ``adaptive_topk=True``: the same budget of values per sync (the sum over compressed tensors of
+  tiles x k), redistributed among the tensors after every sync by the share of each tensor's
+  error-buffer energy its selection captured, averaged over the ranks (:func:`redistribute_topk`:
+  a tensor whose selection misses more energy gets a larger k, within ``adaptive_range``).
 
 A hybrid Muon inner optimizer (Muon on the matrices, AdamW on the rest) is in
 :mod:`cokit.compress.inner`.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -51,7 +56,7 @@ import torch
 from cokit.compress import precision as lowp
 from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
-from cokit.compress.agreement import FOUND_INF, canonical, fingerprint
+from cokit.compress.agreement import FOUND_INF, PeerDataError, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
 from cokit.compress.dtensor import is_dtensor
@@ -68,13 +73,18 @@ from cokit.triton_kernels._checks import check_choice, check_flag, check_int, ch
 from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
 from cokit.triton_kernels.topk import chunk_topk
 
-__all__ = ["SparseLoCo"]
+__all__ = ["SparseLoCo", "redistribute_topk"]
 
 OUTER = ("average", "nesterov")
 #: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
 #: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
 Mean = tuple[torch.Tensor, "torch.Tensor | None"]
 NONFINITE = ("error", "skip")
+#: ``adaptive_range`` when ``adaptive_topk`` is on and no range is given
+ADAPTIVE_RANGE = (0.25, 4.0)
+#: the smallest weight (missed energy share) :func:`redistribute_topk` gives a tensor, so that a
+#: tensor whose selection captured everything still takes part in the normalization
+_MIN_WEIGHT = 1e-3
 
 
 class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
@@ -142,6 +152,22 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             whose name contains one of them send their pseudo-gradient dense (averaged,
             without top-k or error feedback). Needs ``(name, tensor)`` pairs
             (``model.named_parameters()``); every substring must match some name.
+        adaptive_topk: redistribute the top-k budget among the compressed tensors (default
+            False). Each sync measures, per compressed tensor, the share of its error buffer's
+            energy (sum of squares, of the DCT coefficients with ``dct``) that its top-k
+            selection captured; one small all-gather (fp32, one value per compressed tensor,
+            through the exchange core: timeout, checked, counted in ``comm_stats``) averages the
+            shares over the ranks in rank order, and :func:`redistribute_topk` turns them into
+            the k of each tensor for the next sync, the same on every rank: k proportional to
+            the missed share, within ``adaptive_range``, the total (tiles x k) at most the
+            static one. Which tensors are compressed stays as with the static ``topk``; tensors
+            with the same k share buckets. ``current_topk`` holds the k's and
+            ``captured_energy`` the shares agreed at this process's last sync (parameter index
+            -> each); the k's are in the fingerprint of every sync and in ``state_dict()``.
+            Needs ``topk``.
+        adaptive_range: ``(low, high)`` with ``0 < low <= 1 <= high``: each tensor's k stays in
+            ``[ceil(low * topk), floor(high * topk)]``, and within ``[1, tile size]`` (default
+            ``(0.25, 4.0)``; only with ``adaptive_topk``).
         comm_guard: None, or a guard with ``violations(config=None, *, priority=...)`` (e.g.
             :class:`cokit.overlap.guard.StarvationGuard`): a ``comm_priority`` it refuses
             raises ``GuardViolation`` (a ``ValueError``) naming the limit, before anything is
@@ -184,8 +210,12 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         comm_guard: Any = None,
         dense_warmup: int = 0,
         dense_params: tuple[str, ...] | None = None,
+        adaptive_topk: bool = False,
+        adaptive_range: tuple[float, float] | None = None,
     ):
         where = "SparseLoCo"
+        self.adaptive_topk = check_flag("adaptive_topk", adaptive_topk, where=where)
+        self.adaptive_range = _check_adaptive_range(adaptive_range, self.adaptive_topk, topk, where)
         self.dense_warmup = check_int(
             "dense_warmup", dense_warmup, 0, where=where, more="(steps of data-parallel warm-up; 0: none)"
         )
@@ -253,6 +283,9 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         self._checked = False
         self._skipped = 0  # local steps skipped since the last sync (a GradScaler's inf)
         self._buckets: list[Bucket] | None = None
+        self._static_buckets: list[Bucket] | None = None
+        self._k: dict[int, int] | None = None  # adaptive_topk: parameter index -> k (next sync)
+        self.captured_energy: dict[int, float] | None = None  # the last sync's agreed shares
         self._warmup_buckets: list[Bucket] | None = None
         super().__init__(model_params, {})
         # masters: the inner optimizer steps fp32 copies of low-precision parameters
@@ -332,6 +365,12 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
     def bytes_per_step(self) -> float:
         """Bytes this rank sent per step, amortized over every step so far."""
         return self.comm_stats.total_sent_bytes / max(self.comm_stats.steps, 1)
+
+    @property
+    def current_topk(self) -> dict[int, int]:
+        """Values kept per tile at the next sync, per compressed tensor (index in the parameter
+        list -> k): ``min(topk, tile size)`` each, unless ``adaptive_topk`` changed them."""
+        return dict(self._topks())
 
     @property
     def policy_log(self) -> list[dict[str, Any]]:
@@ -641,9 +680,16 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         lowp.write_update(p, value, self.precision, master=master, generator=generator)
 
     def _plan(self) -> list[Bucket]:
+        """The sync's buckets: the static plan, or with ``adaptive_topk`` the same split into
+        dense and compressed tensors, the compressed ones bucketed by their current k."""
         if self._buckets is None:
+            self._buckets = self._adaptive_plan() if self.adaptive_topk else self._static_plan()
+        return self._buckets
+
+    def _static_plan(self) -> list[Bucket]:
+        if self._static_buckets is None:
             shapes = [tuple(p.shape) for p in self._model_params]
-            self._buckets = make_buckets(
+            self._static_buckets = make_buckets(
                 [0] * len(shapes),
                 shapes,
                 [{"compression_chunk": self.chunk, "compression_topk": self.topk or 1}],
@@ -655,25 +701,97 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
                 all_dense=self.topk is None,
                 dense=self._forced_dense,
             )
-        return self._buckets
+        return self._static_buckets
+
+    def _adaptive_plan(self) -> list[Bucket]:
+        ks = self._topks()
+        shapes = [tuple(p.shape) for p in self._model_params]
+        distinct = sorted(set(ks.values())) or [self.topk or 1]
+        group_of = {k: g for g, k in enumerate(distinct)}
+        return make_buckets(
+            [group_of[ks[i]] if i in ks else 0 for i in range(len(shapes))],
+            shapes,
+            [{"compression_chunk": self.chunk, "compression_topk": k} for k in distinct],
+            self.codec,
+            self.value_dtype,
+            int(self.bucket_cap_mb * 2**20),
+            False,  # the static plan decided which tensors go dense
+            self.comm.world_size,
+            dense=[i for i in range(len(shapes)) if i not in ks],
+        )
+
+    def _tilings(self) -> dict[int, tiling.TensorTiling]:
+        """The tiling of every tensor the static plan compresses (parameter index -> tiling)."""
+        shapes = [tuple(p.shape) for p in self._model_params]
+        members = sorted(i for b in self._static_plan() if not b.dense for i in b.members)
+        return {i: tiling.TensorTiling.of(shapes[i], self.chunk) for i in members}
+
+    def _topks(self) -> dict[int, int]:
+        if self._k is None:
+            topk = self.topk or 1
+            self._k = {i: t.k_eff(topk) for i, t in self._tilings().items()}
+        return self._k
+
+    def _adapted(self, pending: Any, order: list[int]) -> tuple[dict[int, float], dict[int, int]]:
+        """Every rank's captured-energy shares (checked: finite, in [0, 1]), averaged in rank
+        order, and the k's they give for the next sync (parameter index -> each)."""
+        gathered = self.exchange.wait(pending).cpu()
+        ok = (torch.isfinite(gathered) & (gathered >= 0) & (gathered <= 1)).all(dim=1)
+        if not bool(ok.all()):
+            r = int((~ok).nonzero()[0, 0])
+            raise PeerDataError(
+                f"{self.exchange.owner}: rank {self.comm.global_rank(r)} sent captured-energy shares "
+                "outside [0, 1] (adaptive_topk): its process runs other code, or its memory is corrupt"
+            )
+        rows = gathered.double().tolist()
+        shares = [0.0] * len(order)
+        for row in rows:  # rank order: the same float sums on every rank
+            shares = [s + x for s, x in zip(shares, row)]
+        shares = [s / len(rows) for s in shares]
+        tilings = self._tilings()
+        assert self.topk is not None and self.adaptive_range is not None
+        ks = redistribute_topk(
+            shares,
+            [tilings[i].n_tiles for i in order],
+            [tilings[i].tile_numel for i in order],
+            self.topk,
+            self.adaptive_range,
+        )
+        return dict(zip(order, shares)), dict(zip(order, ks))
 
     def _exchange(self, deltas: list[torch.Tensor]) -> list[Mean | None]:
         """Encode every bucket (updating the error buffers), launch all collectives, check every
         rank's bytes, then decode each into the mean pseudo-gradient of its tensors (:data:`Mean`:
         dense, or its values where some rank sent one; None: empty tensors)."""
         means: list[Mean | None] = [None] * len(deltas)
-        launched = [self._launch(b, bucket, deltas) for b, bucket in enumerate(self._plan())]
+        captured: dict[int, torch.Tensor] | None = {} if self.adaptive_topk else None
+        launched = [self._launch(b, bucket, deltas, captured) for b, bucket in enumerate(self._plan())]
+        shares, order = None, sorted(captured or ())
+        if order:  # adaptive_topk: every rank's captured-energy shares, one fp32 each
+            assert captured is not None
+            vector = torch.stack([captured[i] for i in order]).float().to(self._model_params[0].device)
+            shares = self.comm.all_gather(vector, "captured-energy all-gather")
         received = [receive() for receive in launched]
+        adapted = self._adapted(shares, order) if shares is not None else None
         for bucket, finish in zip(self._plan(), received):
             for i, mean in zip(bucket.members, finish()):
                 means[i] = mean
+        if adapted is not None:
+            self.captured_energy, topks = adapted
+            if topks != self._k:
+                self._k, self._buckets = topks, None  # the next sync's buckets
         return means
 
     def _launch(
-        self, b: int, bucket: Bucket, deltas: list[torch.Tensor]
+        self,
+        b: int,
+        bucket: Bucket,
+        deltas: list[torch.Tensor],
+        captured: dict[int, torch.Tensor] | None = None,
     ) -> Callable[[], Callable[[], list[Mean]]]:
         """Start bucket ``b``'s collectives; returns its receive (wait and check), which returns
-        its decode."""
+        its decode. ``captured`` (``adaptive_topk``) receives, per compressed tensor, the share
+        of its error buffer's energy that its selection captured (a 0-d float64 tensor)."""
         members = bucket.members
         label = f"bucket {b}"
         if bucket.dense:
@@ -707,6 +825,9 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         else:
             coeffs = [_to_tiles(e, t) for e, t in zip(errors, tilings)]
         picks = [chunk_topk(c, k) for c in coeffs]
+        if captured is not None:  # before the coefficient matrices are reused below
+            for i, c, (_, v) in zip(members, coeffs, picks):
+                captured[i] = _captured_share(c, v)
         idx = torch.cat([ix.reshape(-1).to(plan.index_dtype) for ix, _ in picks])
         vals = torch.cat([v.reshape(-1) for _, v in picks]).to(codec.encode_dtype)
         wires = codec.to_wire(idx, vals)
@@ -800,11 +921,20 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             settings["dense_warmup"] = self.dense_warmup
         if self.dense_params is not None:
             settings["dense_params"] = list(self.dense_params)
+        if self.adaptive_topk:
+            assert self.adaptive_range is not None
+            settings["adaptive_topk"] = True
+            settings["adaptive_range"] = list(self.adaptive_range)
         return settings
 
     def _describe(self, globally: bool = False) -> dict[str, Any]:
+        settings = self._settings()
+        if self.adaptive_topk:
+            # the k's of the next sync (state, not a setting: a load does not compare them), named
+            # first when a rank's diverged
+            settings["topk_per_tensor"] = [[i, k] for i, k in sorted(self._topks().items())]
         return {
-            "settings": self._settings(),
+            "settings": settings,
             "groups": [
                 {k: _plain(v) for k, v in _hyper(g).items() if _comparable(v)} for g in self.param_groups
             ],
@@ -859,6 +989,114 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _check_adaptive_range(
+    value: object, adaptive: bool, topk: object, where: str
+) -> tuple[float, float] | None:
+    """``adaptive_range`` as two floats ``0 < low <= 1 <= high`` (None when the option is off)."""
+    if not adaptive:
+        if value is not None:
+            raise ValueError(f"{where}: adaptive_range={value!r} needs adaptive_topk=True")
+        return None
+    if topk is None:
+        raise ValueError(
+            f"{where}: adaptive_topk=True redistributes the top-k budget; it needs topk (not None, DiLoCo)"
+        )
+    if value is None:
+        return ADAPTIVE_RANGE
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{where}: adaptive_range must be a pair (low, high), got {value!r}")
+    low = check_number("adaptive_range[0]", value[0], 0.0, 1.0, low_open=True, where=where)
+    high = check_number("adaptive_range[1]", value[1], 1.0, where=where)
+    return low, high
+
+
+def _k_limits(topk: int, tile_numel: int, k_range: tuple[float, float]) -> tuple[int, int]:
+    """The smallest and largest k of a tensor whose tiles hold ``tile_numel`` values."""
+    low = min(tile_numel, max(1, math.ceil(k_range[0] * topk - 1e-9)))
+    return low, min(tile_numel, max(low, math.floor(k_range[1] * topk + 1e-9)))
+
+
+def redistribute_topk(
+    captured: list[float],
+    tiles: list[int],
+    tile_numels: list[int],
+    topk: int,
+    k_range: tuple[float, float] = ADAPTIVE_RANGE,
+) -> list[int]:
+    """``adaptive_topk``'s rule: the k of each compressed tensor for the next sync.
+
+    Tensor ``i`` has ``tiles[i]`` tiles of ``tile_numels[i]`` values, and its last selection
+    captured the share ``captured[i]`` of its error buffer's energy (averaged over the ranks).
+    The budget is the static one, ``B = sum_i tiles[i] * min(topk, tile_numels[i])`` values.
+    Each tensor gets a real target ``x_i = clamp(lam * w_i, low_i, high_i)``, with the weight
+    ``w_i = max(1 - captured[i], 1e-3)`` (the energy it missed) and the one ``lam`` for which
+    ``sum_i tiles[i] * x_i = B`` (found by bisection, to the last bit); ``low_i, high_i`` are
+    ``ceil(low * topk), floor(high * topk)`` of ``k_range``, within ``[1, tile_numels[i]]``.
+    Then ``k_i = floor(x_i)``, and what is left of ``B`` goes as ``+1`` steps to the tensors of
+    largest fractional part first (ties: larger weight, then lower index), repeated while a step
+    fits below ``high_i`` and within ``B``. So ``sum_i tiles[i] * k_i <= B`` always; of two
+    tensors with the same limits, the one that missed more energy never gets the smaller target;
+    and the result depends only on the arguments (plain float arithmetic, alike on every rank).
+    """
+    n = len(captured)
+    if not (len(tiles) == len(tile_numels) == n):
+        raise ValueError(
+            f"redistribute_topk: captured, tiles and tile_numels have {n}, {len(tiles)} and "
+            f"{len(tile_numels)} entries; give one of each per tensor"
+        )
+    if not all(isinstance(t, int) and t >= 1 for t in (*tiles, *tile_numels, topk)):
+        raise ValueError("redistribute_topk: tiles, tile_numels and topk must be positive integers")
+    if not all(isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in captured):
+        raise ValueError(f"redistribute_topk: every captured share must be in [0, 1], got {captured!r}")
+    if not 0.0 < k_range[0] <= 1.0 <= k_range[1]:
+        raise ValueError(
+            f"redistribute_topk: k_range must be (low, high), 0 < low <= 1 <= high, got {k_range!r}"
+        )
+    if n == 0:
+        return []
+    limits = [_k_limits(topk, size, k_range) for size in tile_numels]
+    budget = sum(t * min(topk, size) for t, size in zip(tiles, tile_numels))
+    weights = [max(1.0 - float(f), _MIN_WEIGHT) for f in captured]
+
+    def targets(lam: float) -> list[float]:
+        return [min(max(lam * w, float(lo)), float(hi)) for w, (lo, hi) in zip(weights, limits)]
+
+    def total(xs: list[float]) -> float:
+        return sum(t * x for t, x in zip(tiles, xs))
+
+    # total(targets(lam)) grows with lam, from sum tiles * low <= B to sum tiles * high >= B
+    below, above = 0.0, max(hi / w for w, (_, hi) in zip(weights, limits))
+    for _ in range(200):
+        mid = (below + above) / 2
+        if mid in (below, above):
+            break
+        if total(targets(mid)) <= budget:
+            below = mid
+        else:
+            above = mid
+    xs = targets(below)
+    ks = [max(lo, min(hi, math.floor(x))) for x, (lo, hi) in zip(xs, limits)]
+    left = budget - sum(t * k for t, k in zip(tiles, ks))
+    order = sorted(range(n), key=lambda i: (-(xs[i] - math.floor(xs[i])), -weights[i], i))
+    grown = True
+    while grown and left > 0:
+        grown = False
+        for i in order:
+            if ks[i] < limits[i][1] and tiles[i] <= left:
+                ks[i] += 1
+                left -= tiles[i]
+                grown = True
+    return ks
+
+
+def _captured_share(coeffs: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """The share of ``coeffs``' energy (sum of squares, float64) in ``picked`` (1 when there is
+    no energy at all: nothing was missed), as a 0-d float64 tensor in [0, 1]."""
+    whole = torch.linalg.vector_norm(coeffs.reshape(-1), dtype=torch.float64) ** 2
+    got = torch.linalg.vector_norm(picked.reshape(-1), dtype=torch.float64) ** 2
+    return (got / whole).nan_to_num(1.0).clamp(0.0, 1.0)
 
 
 def _listing(names: list[str], shown: int = 4) -> str:

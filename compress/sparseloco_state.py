@@ -12,7 +12,8 @@ ranks share once. So (format 2):
   rank, under keys naming the global rank ``R``;
 * ``param_groups``: the groups' hyper-parameters (shared); group 0 also holds two JSON records,
   ``sparseloco`` (shared: format, world size, settings, counters, policy) and
-  ``sparseloco_rank<R>`` (this rank's comm stats).
+  ``sparseloco_rank<R>`` (this rank's comm stats). With ``adaptive_topk`` the shared record
+  also holds ``topk_per_tensor``: ``[[parameter index, k], ...]``, the k's of the next sync.
 
 :func:`load` checks everything (format, rank, world size, settings, shapes, finiteness,
 counters, the policy state) before anything changes.
@@ -43,7 +44,12 @@ _SHARED = ("global", "momentum")
 _COUNTERS = ("steps", "since_sync", "syncs", "skipped_syncs", "skipped_steps", "inner_resets")
 _LOOSE = ("validate_payload",)  # settings that do not change what is computed
 #: settings recorded only when they are on (issue 35), and their values when off
-_OPTIONAL: dict[str, Any] = {"dense_warmup": 0, "dense_params": None}
+_OPTIONAL: dict[str, Any] = {
+    "dense_warmup": 0,
+    "dense_params": None,
+    "adaptive_topk": False,
+    "adaptive_range": None,
+}
 
 
 def pack(opt: SparseLoCo) -> dict[str, Any]:
@@ -87,6 +93,8 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
         "interval": opt.current_interval,
         "policy": opt._driver.state_dict(),
     }
+    if opt.adaptive_topk:
+        common["topk_per_tensor"] = [[i, k] for i, k in sorted(opt._topks().items())]
     mine = {"format": FORMAT, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
     groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
     groups[0][f"sparseloco_rank{rank}"] = json.dumps(mine, sort_keys=True)
@@ -209,6 +217,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     policy = common.get("policy")
     if policy is not None:
         copy.deepcopy(opt._driver).load_state_dict(policy, owner="SparseLoCo")  # raises if it does not load
+    topks = _saved_topks(opt, common) if opt.adaptive_topk else None
     try:
         stats = CommStats.from_dict(ranks[rank].get("comm_stats", {}))
     except (TypeError, ValueError) as exc:
@@ -239,6 +248,38 @@ def load(opt: SparseLoCo, sd: object) -> None:
     opt.skipped_steps, opt.inner_resets = counters.get("skipped_steps", 0), counters.get("inner_resets", 0)
     opt._checked = bool(counters.get("checked", False))
     opt.current_interval = interval
+    if topks is not None:
+        opt._k, opt._buckets = topks, None
     if policy is not None:
         opt._driver.load_state_dict(policy, owner="SparseLoCo")
     opt.comm_stats = stats
+
+
+def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:
+    """The saved k's of ``adaptive_topk``: one per tensor the static plan compresses, each within
+    its limits, the total within the static budget; else the file is damaged."""
+    from cokit.compress.sparseloco import _k_limits
+
+    saved = common.get("topk_per_tensor")
+    tilings = opt._tilings()
+    topk, k_range = opt.topk, opt.adaptive_range
+    assert topk is not None and k_range is not None
+    entries: list[Any] = saved if isinstance(saved, list) else []
+    ok = isinstance(saved, list) and all(
+        isinstance(e, list) and len(e) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+        for e in entries
+    )
+    topks = {e[0]: e[1] for e in entries} if ok else {}
+    ok = ok and len(topks) == len(entries) and sorted(topks) == sorted(tilings)
+    ok = ok and all(
+        _k_limits(topk, t.tile_numel, k_range)[0] <= topks[i] <= _k_limits(topk, t.tile_numel, k_range)[1]
+        for i, t in tilings.items()
+    )
+    budget = sum(t.n_tiles * t.k_eff(topk) for t in tilings.values())
+    if not ok or sum(tilings[i].n_tiles * k for i, k in topks.items()) > budget:
+        raise ValueError(
+            f"{_WHERE}: the saved topk_per_tensor {saved!r} do not fit this model's compressed "
+            f"tensors {sorted(tilings)} (each within adaptive_range, the total within {budget} values); "
+            "the file is damaged"
+        )
+    return topks
