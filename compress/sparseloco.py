@@ -29,7 +29,8 @@ Two options close the gap that grows with training length (issue 35), both off b
 * ``adaptive_topk=True``: the same budget of values per sync (the sum over compressed tensors of
   tiles x k), redistributed among the tensors after every sync by the share of each tensor's
   error-buffer energy its selection captured, averaged over the ranks (:func:`redistribute_topk`:
-  a tensor whose selection misses more energy gets a larger k, within ``adaptive_range``).
+  a tensor whose selection misses more energy, for its k, gets a larger k, within
+  ``adaptive_range``).
 
 A hybrid Muon inner optimizer (Muon on the matrices, AdamW on the rest) is in
 :mod:`cokit.compress.inner`.
@@ -750,12 +751,14 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         shares = [s / len(rows) for s in shares]
         tilings = self._tilings()
         assert self.topk is not None and self.adaptive_range is not None
+        in_force = self._topks()
         ks = redistribute_topk(
             shares,
             [tilings[i].n_tiles for i in order],
             [tilings[i].tile_numel for i in order],
             self.topk,
             self.adaptive_range,
+            [in_force[i] for i in order],
         )
         return dict(zip(order, shares)), dict(zip(order, ks))
 
@@ -1024,14 +1027,19 @@ def redistribute_topk(
     tile_numels: list[int],
     topk: int,
     k_range: tuple[float, float] = ADAPTIVE_RANGE,
+    current: list[int] | None = None,
 ) -> list[int]:
     """``adaptive_topk``'s rule: the k of each compressed tensor for the next sync.
 
-    Tensor ``i`` has ``tiles[i]`` tiles of ``tile_numels[i]`` values, and its last selection
-    captured the share ``captured[i]`` of its error buffer's energy (averaged over the ranks).
-    The budget is the static one, ``B = sum_i tiles[i] * min(topk, tile_numels[i])`` values.
-    Each tensor gets a real target ``x_i = clamp(lam * w_i, low_i, high_i)``, with the weight
-    ``w_i = max(1 - captured[i], 1e-3)`` (the energy it missed) and the one ``lam`` for which
+    Tensor ``i`` has ``tiles[i]`` tiles of ``tile_numels[i]`` values, and its last selection,
+    of ``current[i]`` values per tile (default ``topk``), captured the share ``captured[i]`` of
+    its error buffer's energy (averaged over the ranks). The budget is the static one,
+    ``B = sum_i tiles[i] * min(topk, tile_numels[i])`` values. Each tensor gets a real target
+    ``x_i = clamp(lam * w_i, low_i, high_i)``, with the weight
+    ``w_i = current[i] * max(1 - captured[i], 1e-3)``: the energy it missed, times the k it
+    missed it with. Without that factor the rule swings (more k captures more, so the next
+    sync gives less); with it, a tensor whose missed share falls like ``1 / k`` keeps its
+    weight wherever its k is, so the allocation settles. ``lam`` is the one for which
     ``sum_i tiles[i] * x_i = B`` (found by bisection, to the last bit); ``low_i, high_i`` are
     ``ceil(low * topk), floor(high * topk)`` of ``k_range``, within ``[1, tile_numels[i]]``.
     Then ``k_i = floor(x_i)``, and what is left of ``B`` goes as ``+1`` steps to the tensors of
@@ -1054,11 +1062,16 @@ def redistribute_topk(
         raise ValueError(
             f"redistribute_topk: k_range must be (low, high), 0 < low <= 1 <= high, got {k_range!r}"
         )
+    ks_now = [topk] * n if current is None else list(current)
+    if len(ks_now) != n or not all(isinstance(k, int) and k >= 1 for k in ks_now):
+        raise ValueError(
+            f"redistribute_topk: current must be one positive integer k per tensor, got {current!r}"
+        )
     if n == 0:
         return []
     limits = [_k_limits(topk, size, k_range) for size in tile_numels]
     budget = sum(t * min(topk, size) for t, size in zip(tiles, tile_numels))
-    weights = [max(1.0 - float(f), _MIN_WEIGHT) for f in captured]
+    weights = [k * max(1.0 - float(f), _MIN_WEIGHT) for k, f in zip(ks_now, captured)]
 
     def targets(lam: float) -> list[float]:
         return [min(max(lam * w, float(lo)), float(hi)) for w, (lo, hi) in zip(weights, limits)]

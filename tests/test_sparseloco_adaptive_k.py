@@ -272,8 +272,13 @@ def test_replicas_and_ks_stay_identical_and_bytes_follow_the_current_ks(results)
         # each sync's k's are the rule's, from the shares agreed at that sync
         for s in syncs:
             shares = first["shares"][s]
+            before = topks[s - 1] if s > 0 else {0: K, 1: K}  # the k's the shares were measured at
             want = redistribute_topk(
-                [shares[0], shares[1]], [t.n_tiles for t in TILES], [t.tile_numel for t in TILES], K
+                [shares[0], shares[1]],
+                [t.n_tiles for t in TILES],
+                [t.tile_numel for t in TILES],
+                K,
+                current=[before[0], before[1]],
             )
             assert [topks[s][0], topks[s][1]] == want
         # each sync's buckets: one per distinct k, from the k's in force
@@ -360,6 +365,21 @@ def test_the_rule_gives_more_k_to_the_tensor_that_missed_more_and_keeps_the_budg
     assert redistribute_topk([], [], [], K) == []
 
 
+def test_the_rule_settles_instead_of_swinging_between_syncs():
+    """Each tensor misses the share ``c / k`` of its energy at ``k`` (a power law, clamped):
+    the rule, fed its own k's back, settles within a few syncs, the harder tensor (larger
+    ``c``) holding the larger k. Weighting by the missed share alone swung 12/2 -> 9/6 -> 11/3."""
+    hardness = [2.0, 6.0]
+    counts, sizes = [4, 4], [256, 256]
+    ks, history = [K, K], []
+    for _ in range(12):
+        missed = [min(1.0, c / k) for c, k in zip(hardness, ks)]
+        ks = redistribute_topk([1 - m for m in missed], counts, sizes, K, current=ks)
+        history.append(ks)
+    assert history[-1] == history[-2] == history[-3], history
+    assert history[-1][1] > history[-1][0] and sum(history[-1]) <= 2 * K
+
+
 def test_the_rule_keeps_the_budget_and_the_range_on_random_shares_deterministically():
     rng = random.Random(0)
     for _ in range(300):
@@ -385,6 +405,8 @@ def test_the_rule_keeps_the_budget_and_the_range_on_random_shares_deterministica
         (([0.5], [0], [16], 8), "positive integers"),
         (([1.5], [1], [16], 8), r"in \[0, 1\]"),
         (([0.5], [1], [16], 8, (0.0, 2.0)), "0 < low <= 1 <= high"),
+        (([0.5], [1], [16], 8, (0.5, 2.0), [0]), "one positive integer k per tensor"),
+        (([0.5], [1], [16], 8, (0.5, 2.0), [8, 8]), "one positive integer k per tensor"),
     ],
 )
 def test_the_rule_refuses_bad_input(args, match):
