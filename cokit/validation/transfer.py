@@ -78,32 +78,50 @@ CANDIDATES = (
     "sparseloco-h15-k64-int2-nesterov",
     "sparseloco-h10-k16-int2",
     "dion-r1",
+    "sparseloco-h15-k64-int2-adaptk",
+    "sparseloco-h15-k64-int2-muon-adaptk",
 )
 
 
-def _sparseloco(h: int, variant: str = "") -> MethodDef:
-    """SparseLoCo at H=h, top-64 of 64x64 tiles, int2 values, with one of the issue-35 variants:
-    ``warm1`` (1% dense warm-up steps), ``muon`` (the hybrid Muon inner optimizer), ``ends``
-    (input and output layers dense) or ``nesterov`` (DiLoCo's outer Nesterov, 0.7 / 0.9)."""
-    base = (("sync_every", h), ("topk", 64), ("chunk", 64), ("payload", "int2"), ("dct", False))
-    extra, family, about = {
-        "": ((), "sparseloco", ""),
-        "warm1": ((("dense_warmup_fraction", 0.01),), "sparseloco", ", after 1% of the steps dense"),
-        "muon": ((("inner", "muon"),), "sparseloco-muon", ", Muon inner optimizer (AdamW on vectors, ends)"),
-        "ends": ((("dense_ends", True),), "sparseloco", ", embeddings / first and last layers dense"),
-        "nesterov": (
-            (("outer", "nesterov"), ("outer_lr", 0.7), ("outer_momentum", 0.9)),
-            "sparseloco",
-            ", outer Nesterov (lr 0.7, momentum 0.9)",
-        ),
-    }[variant]
-    label = f"sparseloco-h{h}-k64-int2" + (f"-{variant}" if variant else "")
-    inner = "Muon" if variant == "muon" else "AdamW"
+#: the issue-35 variants of SparseLoCo the protocol compares: options, the family whose lr
+#: grid they use (None: SparseLoCo's), and their description
+VARIANTS: dict[str, tuple[tuple[tuple[str, Any], ...], str | None, str]] = {
+    "warm1": ((("dense_warmup_fraction", 0.01),), None, "after 1% of the steps dense"),
+    "muon": ((("inner", "muon"),), "sparseloco-muon", "Muon inner optimizer (AdamW on vectors, ends)"),
+    "ends": ((("dense_ends", True),), None, "embeddings / first and last layers dense"),
+    "nesterov": (
+        (("outer", "nesterov"), ("outer_lr", 0.7), ("outer_momentum", 0.9)),
+        None,
+        "outer Nesterov (lr 0.7, momentum 0.9)",
+    ),
+    "adaptk": ((("adaptive_topk", True),), None, "k per tensor by the energy its selection missed"),
+}
+
+
+def _sparseloco(h: int, *variants: str) -> MethodDef:
+    """SparseLoCo at H=h, top-64 of 64x64 tiles, int2 values, with some of :data:`VARIANTS`
+    (``warm1``: 1% dense warm-up steps; ``muon``: the hybrid Muon inner optimizer; ``ends``:
+    input and output layers dense; ``nesterov``: DiLoCo's outer Nesterov; ``adaptk``: adaptive
+    k per tensor)."""
+    options: tuple[tuple[str, Any], ...] = (
+        ("sync_every", h),
+        ("topk", 64),
+        ("chunk", 64),
+        ("payload", "int2"),
+        ("dct", False),
+    )
+    family, about = "sparseloco", ""
+    for v in variants:
+        extra, grid, what = VARIANTS[v]
+        options += extra
+        family = grid or family
+        about += f", {what}"
+    inner = "Muon" if "muon" in variants else "AdamW"
     return MethodDef(
-        label,
+        "-".join([f"sparseloco-h{h}-k64-int2", *variants]),
         family,
         "sparseloco",
-        base + extra,
+        options,
         about=f"SparseLoCo: {h} local {inner} steps, then top-64 per 64-tile of the error-fed "
         f"pseudo-gradient, int2 values{about}",
     )
@@ -118,6 +136,8 @@ def transfer_methods() -> dict[str, MethodDef]:
         _sparseloco(15, "ends"),
         _sparseloco(15, "muon"),
         _sparseloco(15, "nesterov"),
+        _sparseloco(15, "adaptk"),
+        _sparseloco(15, "muon", "adaptk"),
         MethodDef(
             "dion-r1",
             "dion",
