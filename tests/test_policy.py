@@ -34,13 +34,31 @@ def test_ladder_runs_from_dense_to_sign_at_the_smallest_k():
     ]
 
 
+_BYTES = {
+    "dense": 32000,
+    "k x1": 1000,
+    "k x0.5": 500,
+    "k x0.25": 250,
+    "k x0.25, sign": 125,
+    "k x0.125": 125,
+    "k x0.125, sign": 62,
+}
+
+
 def test_a_slow_link_walks_down_one_rung_per_patience_window_and_stops_at_the_bottom():
+    # a bandwidth-bound link (4 s per kB over 1 s of compute): every move down pays. (Before
+    # issue 35 this test fed the same 0.9 s whatever the bytes; the policy now gives back a
+    # move down that does not cut the exposure, see test_policy_no_regret.py.)
     policy = BandwidthTargetPolicy(target=0.2, min_topk_scale=0.25, patience=1)
-    seen = [policy.decide(_obs(s, exposed=0.9)).describe() for s in range(1, 10)]
+    seen, current = [], "k x1"
+    for s in range(1, 10):
+        exposed = 4.0 * _BYTES[current] / 1000
+        current = policy.decide(_obs(s, exposed, step_s=1.0 + exposed, sent=_BYTES[current])).describe()
+        seen.append(current)
     assert seen == [
         "k x0.5",
         "k x0.5",  # held for patience=1 step
-        "k x0.25",
+        "k x0.25",  # the move paid (half the exposure for half the bytes) and is still over
         "k x0.25",
         "k x0.25, sign",
         "k x0.25, sign",
@@ -50,16 +68,34 @@ def test_a_slow_link_walks_down_one_rung_per_patience_window_and_stops_at_the_bo
     ]
 
 
-def test_a_fast_link_climbs_back_up_and_goes_dense_only_when_dense_fits():
+def test_a_fast_link_climbs_back_up_on_link_bound_evidence_and_probes_dense_only_when_cheap():
+    # Before issue 35 any exposure was scaled by bytes, 0.01 s as well as 0.0001 s: a payload
+    # that rode a burst predicted that dense fits. Now only steps that loaded the link
+    # (>= target / 4 of the step) predict, and a rung with no such evidence is a probe that
+    # must fit probe_budget of the time so far.
     policy = BandwidthTargetPolicy(target=0.2, patience=0)
     policy.level = 3  # k x0.25
-    # 1% exposed at 1000 B: twice the bytes predict 2%, well under 0.7 * 20%.
-    assert policy.decide(_obs(1, 0.01, sent=1000)).describe() == "k x0.5"
-    assert policy.decide(_obs(2, 0.02, sent=2000)).describe() == "k x1"
-    # dense would send 32x the bytes: 0.04 * 16 s exposed in a ~1.6 s step is far over target
-    assert policy.decide(_obs(3, 0.04, sent=4000, dense=64000)).describe() == "k x1"
-    # a link so fast that even dense fits
-    assert policy.decide(_obs(4, 0.0001, sent=4000, dense=64000)).describe() == "dense"
+    # 6% exposed at 1000 B loads the link: twice the bytes predict ~11%, under 0.7 * 20%
+    assert policy.decide(_obs(1, 0.06, step_s=1.06, sent=1000)).describe() == "k x0.5"
+    # 12% at 2000 B: k x1 (4000 B) predicts ~19%: no, and a probe (0.24 s) does not fit 2% of 2 s
+    assert policy.decide(_obs(2, 0.12, step_s=1.12, sent=2000)).describe() == "k x0.5"
+    # ... but 1% exposed does not show a faster link: the 2000 B step that loaded it still rules
+    assert policy.decide(_obs(3, 0.01, step_s=1.01, sent=2000)).describe() == "k x0.5"
+    # on a link where k x0.5 exposes 6% (link-bound) at 2000 B, k x1 predicts ~11%: it climbs
+    policy = BandwidthTargetPolicy(target=0.2, patience=0)
+    policy.level = 2  # k x0.5
+    assert policy.decide(_obs(1, 0.06, step_s=1.06, sent=2000)).describe() == "k x1"
+    # k x1 nearly free (0.01%) says nothing about dense (16x the bytes); the k x0.5 step that
+    # loaded the link predicts 1.92 s for dense while it is fresh (memory_steps=20), then the
+    # probe is blind, charged one step (1 s): taken once that is <= 2% of the time so far
+    seen = [policy.decide(_obs(s, 0.0001, sent=4000, dense=64000)).describe() for s in range(2, 51)]
+    assert seen == ["k x1"] * 48 + ["dense"]
+    # a link so fast that even dense fits: it stays
+    assert policy.decide(_obs(51, 0.0002, sent=64000, dense=64000)).describe() == "dense"
+    # with no link-bound step at all, the probe is blind: it is charged one step (1 s), 50 s
+    blind = BandwidthTargetPolicy(target=0.2)
+    seen = [blind.decide(_obs(s, 0.0001, sent=4000, dense=64000)).describe() for s in range(1, 51)]
+    assert seen == ["k x1"] * 49 + ["dense"]
 
 
 def test_climbing_uses_the_bytes_a_rung_sent_when_it_was_last_measured():
@@ -78,8 +114,13 @@ def test_a_rung_measured_too_slow_recently_is_not_retried_until_its_memory_expir
     # bytes alone (2 x 0.01 s) would predict 2% and climb; the measurement (0.4 s) says no
     held = [policy.decide(_obs(s, 0.01, sent=5_000)).describe() for s in range(2, 12)]
     assert held == ["k x0.5"] * 10
-    # 11 steps after k x1 was measured its memory has expired: tried again from bytes
-    assert policy.decide(_obs(12, 0.01, sent=5_000)).describe() == "k x1"
+    # 11 steps after k x1 was measured its memory has expired, and 1% exposed at k x0.5 did
+    # not load the link: nothing predicts k x1, so it is a blind probe, charged one step
+    # (1 s) and taken once that is <= probe_budget (2%) of the time so far, at 50 s. (Before
+    # issue 35 it was retried from bytes at step 12.)
+    later = [policy.decide(_obs(s, 0.01, sent=5_000)).describe() for s in range(12, 50)]
+    assert later == ["k x0.5"] * 38
+    assert policy.decide(_obs(50, 0.01, sent=5_000)).describe() == "k x1"
 
 
 def test_deadline_skips_syncs_then_sends_again():
@@ -93,19 +134,36 @@ def test_deadline_skips_syncs_then_sends_again():
     assert not policy.decide(_obs(5, 0.2, step_s=1.0)).skip_sync
 
 
+def _closed_loop(
+    policy: BandwidthTargetPolicy, steps: range, decision: Decision | None = None
+) -> list[Decision]:
+    """A link that is bandwidth-bound (0.9 s per kB) 4 steps in 7 and fast otherwise: each
+    observation follows from the decision before it."""
+    out = []
+    for s in steps:
+        sent = 0 if decision is None or decision.skip_sync else _BYTES[decision.describe()]
+        exposed = 0.9 * sent / 1000 if s % 7 < 4 else 0.01
+        obs = (
+            None
+            if decision is None
+            else _obs(s, exposed, step_s=1.0, sent=sent, synced=not decision.skip_sync)
+        )
+        decision = policy.decide(obs)
+        out.append(decision)
+    return out
+
+
 def test_same_observations_give_the_same_decisions_and_state_round_trips():
-    trace = [_obs(s, exposed=(0.9 if s % 7 < 4 else 0.01), sent=1000 * (s % 3 + 1)) for s in range(1, 40)]
     a, b = BandwidthTargetPolicy(deadline_s=0.85), BandwidthTargetPolicy(deadline_s=0.85)
-    decisions_a = [a.decide(o) for o in trace]
-    assert decisions_a == [b.decide(o) for o in trace]
+    decisions_a = _closed_loop(a, range(1, 60))
+    assert decisions_a == _closed_loop(b, range(1, 60))
     assert len({d.describe() for d in decisions_a}) > 2  # it really adapted
 
     first = BandwidthTargetPolicy(deadline_s=0.85)
-    for o in trace[:20]:
-        first.decide(o)
+    head = _closed_loop(first, range(1, 30))
     resumed = BandwidthTargetPolicy(deadline_s=0.85)
     resumed.load_state_dict(copy.deepcopy(first.state_dict()))
-    assert [first.decide(o) for o in trace[20:]] == [resumed.decide(o) for o in trace[20:]]
+    assert _closed_loop(first, range(30, 60), head[-1]) == _closed_loop(resumed, range(30, 60), head[-1])
 
 
 @pytest.mark.parametrize(
@@ -138,10 +196,12 @@ def test_a_state_from_other_settings_is_rejected():
 
 
 def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
-    # the current rung hides its exposure (overlap), so bytes predict dense fits; it never does
+    # the current rung hides its exposure (overlap), so nothing says whether dense fits; it
+    # never does. Each failure (0.9 s) waits until 2**(failures - 1) x 0.9 s is <= 2% of the
+    # time since (before issue 35: only the measurement memory doubled, 8 probes in 120 steps)
     policy = BandwidthTargetPolicy(target=0.2, patience=0, memory_steps=5)
     probes = []
-    for step in range(1, 120):
+    for step in range(1, 1500):
         on_dense = policy.level == 0
         decision = policy.decide(_obs(step, 0.9 if on_dense else 0.001, sent=1000, dense=32000))
         if decision.dense:
@@ -149,6 +209,7 @@ def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
     assert all(b - a > 1 for a, b in zip(probes, probes[1:]))  # each failed probe costs one step
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(gaps) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), probes
+    assert probes[0] == 50  # blind: once one step (1 s) is <= 2% of the time so far
 
 
 def test_interval_policy_widens_while_a_sync_blocks_too_much_and_narrows_when_the_link_recovers():
@@ -201,7 +262,7 @@ def test_each_optimizer_takes_only_the_policies_it_can_follow():
     with pytest.raises(ValueError, match=r"one of \['static', 'interval'\]"):
         SparseLoCo(params, policy={"name": "bandwidth"})
     opt = SparseLoCo(params, sync_every=3, policy={"name": "interval", "max_scale": 2})
-    assert opt.policy.describe() == "IntervalPolicy(target=0.2, max_scale=2, headroom=0.7)"
+    assert opt.policy.describe() == "IntervalPolicy(target=0.2, max_scale=2, headroom=0.7, probe_budget=0.02)"
     assert opt.current_interval == 3
 
 
