@@ -57,12 +57,17 @@ import torch
 
 from cokit.compress.agreement import FOUND_INF, Round, canonical, fingerprint
 from cokit.compress.demo_step import split_like
-from cokit.compress.dtensor import is_dtensor
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, nonfinite
 from cokit.compress.inner import adamw
-from cokit.compress.named_params import check_dense_params, dense_members, param_groups
+from cokit.compress.named_params import (
+    check_dense_params,
+    check_replicated,
+    dense_members,
+    indexed_groups,
+    param_groups,
+)
 from cokit.compress.precision import LowPrecisionWarning
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
@@ -247,18 +252,7 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
         _check_group(defaults)
         groups, names = param_groups(params, _WHERE)
         model_params = [p for g in groups for p in g["params"]]
-        if not model_params:
-            raise ValueError("Dion: got an empty parameter list")
-        if len({id(p) for p in model_params}) != len(model_params):
-            raise ValueError("Dion: a parameter appears more than once")
-        for p in model_params:
-            if is_dtensor(p):
-                raise TypeError(
-                    "Dion: DTensor (FSDP) parameters are not supported; use plain data-parallel "
-                    "replicas (each rank holds the whole model)"
-                )
-            if p.dtype not in PARAM_DTYPES:
-                raise TypeError(f"Dion optimizes float32, float16 and bfloat16 parameters, got {p.dtype}")
+        check_replicated(model_params, _WHERE, PARAM_DTYPES)
         forced = dense_members(self.dense_params, model_params, names, _WHERE)
         self._names = names
         self._model_params = model_params
@@ -558,15 +552,7 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
                 state[n] = {f"momentum_buffer_rank{rank}": s["momentum_buffer"].clone(), "Q": s["Q"].clone()}
             else:
                 state[n] = {k: s[k].clone() for k in _ADAMW_KEYS}
-        groups, first = [], 0
-        for g in self.param_groups:
-            groups.append(
-                {
-                    **{k: v for k, v in g.items() if k != "params"},
-                    "params": list(range(first, first + len(g["params"]))),
-                }
-            )
-            first += len(g["params"])
+        groups = indexed_groups(self.param_groups)
         common = {
             "format": FORMAT,
             "optimizer": "Dion",

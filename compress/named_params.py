@@ -2,7 +2,8 @@
 ``dense_params``, the name substrings of the tensors an optimizer sends dense.
 
 Shared by :class:`cokit.compress.SparseLoCo` and :class:`cokit.compress.Dion`, so both accept
-the same inputs and refuse the same mistakes with the same words (``where`` names the owner).
+the same inputs and refuse the same mistakes with the same words (``where`` names the owner),
+and both save their param groups by position the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_dense_params", "dense_members", "param_groups"]
+from cokit.compress.dtensor import is_dtensor
+
+__all__ = ["check_dense_params", "check_replicated", "dense_members", "indexed_groups", "param_groups"]
 
 
 def param_groups(params: Any, where: str) -> tuple[list[dict[str, Any]], dict[int, str]]:
@@ -30,6 +33,38 @@ def param_groups(params: Any, where: str) -> tuple[list[dict[str, Any]], dict[in
             groups.append({**g, "params": _tensors(ps, names, where)})
         return groups, names
     return [{"params": _tensors(items, names, where)}], names
+
+
+def check_replicated(params: list[torch.Tensor], where: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Raise unless ``params`` is a non-empty list of distinct, plain (not DTensor) tensors of
+    ``dtypes``: these optimizers keep a whole replica of the model on every rank."""
+    if not params:
+        raise ValueError(f"{where}: got an empty parameter list")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError(f"{where}: a parameter appears more than once")
+    for p in params:
+        if is_dtensor(p):
+            raise TypeError(
+                f"{where}: DTensor (FSDP) parameters are not supported; use plain data-parallel "
+                "replicas (each rank holds the whole model)"
+            )
+        if p.dtype not in dtypes:
+            raise TypeError(f"{where} optimizes float32, float16 and bfloat16 parameters, got {p.dtype}")
+
+
+def indexed_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``groups`` as a state dict holds them: each group's settings, and its parameters as
+    positions in the flat parameter list (torch's layout)."""
+    out, first = [], 0
+    for g in groups:
+        out.append(
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": list(range(first, first + len(g["params"]))),
+            }
+        )
+        first += len(g["params"])
+    return out
 
 
 def _tensors(items: list[Any], names: dict[int, str], where: str) -> list[torch.Tensor]:

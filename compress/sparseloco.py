@@ -60,11 +60,10 @@ from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.agreement import FOUND_INF, PeerDataError, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
-from cokit.compress.dtensor import is_dtensor
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, all_finite, nonfinite
-from cokit.compress.named_params import check_dense_params, dense_members, param_groups
+from cokit.compress.named_params import check_dense_params, check_replicated, dense_members, param_groups
 from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.priority import check_comm_priority, priority_group
@@ -248,20 +247,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
 
         groups, names = param_groups(params, where)
         model_params = [p for g in groups for p in g["params"]]
-        if not model_params:
-            raise ValueError("SparseLoCo: got an empty parameter list")
-        if len({id(p) for p in model_params}) != len(model_params):
-            raise ValueError("SparseLoCo: a parameter appears more than once")
-        for p in model_params:
-            if is_dtensor(p):
-                raise TypeError(
-                    "SparseLoCo: DTensor (FSDP) parameters are not supported; use plain data-parallel "
-                    "replicas (each rank holds the whole model)"
-                )
-            if p.dtype not in VALUE_DTYPES:
-                raise TypeError(
-                    f"SparseLoCo optimizes float32, float16 and bfloat16 parameters, got {p.dtype}"
-                )
+        check_replicated(model_params, where, VALUE_DTYPES)
         self._forced_dense = dense_members(self.dense_params, model_params, names, where)
         self.topk, self.payload = topk, payload
         self.value_dtype = self.codec.resolve_value_dtype(value_dtype)

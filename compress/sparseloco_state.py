@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cokit.compress.named_params import indexed_groups
 from cokit.compress.stats import CommStats
 
 if TYPE_CHECKING:
@@ -75,15 +76,7 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
         for key, value in inner["state"].get(n, {}).items():
             entry[f"inner_rank{rank}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
         state[n] = entry
-    groups, first = [], 0
-    for g in opt.param_groups:
-        groups.append(
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": list(range(first, first + len(g["params"]))),
-            }
-        )
-        first += len(g["params"])
+    groups = indexed_groups(opt.param_groups)
     common = {
         "format": FORMAT,
         "optimizer": "SparseLoCo",

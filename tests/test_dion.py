@@ -512,7 +512,7 @@ def test_a_zero_gradient_gives_no_nan():
 
 
 def _dtensor(monkeypatch):
-    monkeypatch.setattr("cokit.compress.dion.is_dtensor", lambda t: True)
+    monkeypatch.setattr("cokit.compress.named_params.is_dtensor", lambda t: True)
     return [torch.nn.Parameter(torch.randn(4, 4))]
 
 
