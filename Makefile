@@ -32,7 +32,7 @@ run: $(STAMP)
 	out=results/demo/$$(date +%Y%m%d-%H%M%S) && $(BIN)/cokit demo --out $$out && $(BIN)/cokit dashboard $$out
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_FAST)
@@ -41,7 +41,7 @@ test-fast: $(STAMP)
 # the interpreter, the compile-only builds for sm_80/sm_90/gfx942, DeMo and the schedules.
 # The network, fault, policy, timing, telemetry and dashboard tests run no Triton code (torch
 # path, gloo, a browser), nor do the plan, calibration, docs, CPU step-path, held-out protocol
-# and Dion tests: once is enough.
+# and Dion tests, nor the policy rules: once is enough.
 TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_latency.py \
 	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py \
 	tests/test_comm_timing.py tests/test_telemetry.py tests/test_dashboard.py \
@@ -51,9 +51,10 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_validate_compression.py tests/test_reliability_matrix.py tests/test_telemetry_export.py \
 	tests/test_integrations_accelerate.py tests/test_integrations_hf.py tests/test_integrations_lightning.py \
 	tests/test_plan.py tests/test_validate_on.py tests/test_docs.py tests/test_cpu_step_paths.py \
-	tests/test_sparseloco_sync_paths.py tests/test_transfer_protocol.py tests/test_dion.py
+	tests/test_sparseloco_sync_paths.py tests/test_transfer_protocol.py tests/test_dion.py \
+	tests/test_policy.py tests/test_policy_no_regret.py
 test-triton36: $(STAMP36)
-	$(VENV36)/bin/python -m pytest -q -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
+	$(VENV36)/bin/python -m pytest -q --durations=15 -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
