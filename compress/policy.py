@@ -143,11 +143,14 @@ class BandwidthTargetPolicy(NetworkPolicy):
     """Keep exposed communication under ``target`` of the step time, and never pay for a
     change that does not pay back ("no regret").
 
-    The settings form a ladder from most to fewest bytes: dense (if ``allow_dense``), the
-    optimizer's own k, k/2, k/4, ... down to ``min_topk_scale``, then the ``sign`` payload at
-    that k (if ``allow_sign``); with ``sign_first`` the ``sign`` payload comes at the full k,
-    before any halving (k, k+sign, k/2+sign, ...: fewer bytes at every position kept). It
-    starts on the optimizer's own settings.
+    The settings form a ladder from most to fewest bytes: dense (if ``allow_dense``, off by
+    default), the optimizer's own k, k/2, k/4, ... down to ``min_topk_scale``, then the
+    ``sign`` payload at that k (if ``allow_sign``); with ``sign_first`` the ``sign`` payload
+    comes at the full k, before any halving (k, k+sign, k/2+sign, ...: fewer bytes at every
+    position kept). It starts on the optimizer's own settings. Dense is opt-in because a
+    dense DeMo step is not a better version of a compressed one: in the resilience benchmark
+    (3 seeds per profile) the dense rung paid on no profile for every seed, and three
+    one-step dense probes per 100 Mbit run cost every seed static DeMo's final loss.
 
     **Down** (fewer bytes): when the exposed fraction of the rung's last 3 steps (their
     median: one stall or retransmission does not move it) is above ``target``, it moves one
@@ -192,7 +195,7 @@ class BandwidthTargetPolicy(NetworkPolicy):
         *,
         min_topk_scale: float = 0.125,
         allow_sign: bool = True,
-        allow_dense: bool = True,
+        allow_dense: bool = False,
         sign_first: bool = False,
         headroom: float = 0.7,
         patience: int = 2,

@@ -23,7 +23,7 @@ def test_static_policy_never_changes_anything():
 
 
 def test_ladder_runs_from_dense_to_sign_at_the_smallest_k():
-    policy = BandwidthTargetPolicy(min_topk_scale=0.25)
+    policy = BandwidthTargetPolicy(min_topk_scale=0.25, allow_dense=True)
     assert [d.describe() for d in policy.ladder] == ["dense", "k x1", "k x0.5", "k x0.25", "k x0.25, sign"]
     assert policy.decide(None) == Decision()  # starts on the optimizer's own settings
     assert [d.describe() for d in BandwidthTargetPolicy(allow_dense=False, allow_sign=False).ladder] == [
@@ -73,7 +73,7 @@ def test_a_fast_link_climbs_back_up_on_link_bound_evidence_and_probes_dense_only
     # that rode a burst predicted that dense fits. Now only steps that loaded the link
     # (>= target / 4 of the step) predict, and a rung with no such evidence is a probe that
     # must fit probe_budget of the time so far.
-    policy = BandwidthTargetPolicy(target=0.2, patience=0)
+    policy = BandwidthTargetPolicy(target=0.2, patience=0, allow_dense=True)
     policy.level = 3  # k x0.25
     # 6% exposed at 1000 B loads the link: twice the bytes predict ~11%, under 0.7 * 20%
     assert policy.decide(_obs(1, 0.06, step_s=1.06, sent=1000)).describe() == "k x0.5"
@@ -82,7 +82,7 @@ def test_a_fast_link_climbs_back_up_on_link_bound_evidence_and_probes_dense_only
     # ... but 1% exposed does not show a faster link: the 2000 B step that loaded it still rules
     assert policy.decide(_obs(3, 0.01, step_s=1.01, sent=2000)).describe() == "k x0.5"
     # on a link where k x0.5 exposes 6% (link-bound) at 2000 B, k x1 predicts ~11%: it climbs
-    policy = BandwidthTargetPolicy(target=0.2, patience=0)
+    policy = BandwidthTargetPolicy(target=0.2, patience=0, allow_dense=True)
     policy.level = 2  # k x0.5
     assert policy.decide(_obs(1, 0.06, step_s=1.06, sent=2000)).describe() == "k x1"
     # k x1 nearly free (0.01%) says nothing about dense (16x the bytes); the k x0.5 step that
@@ -93,7 +93,7 @@ def test_a_fast_link_climbs_back_up_on_link_bound_evidence_and_probes_dense_only
     # a link so fast that even dense fits: it stays
     assert policy.decide(_obs(51, 0.0002, sent=64000, dense=64000)).describe() == "dense"
     # with no link-bound step at all, the probe is blind: it is charged one step (1 s), 50 s
-    blind = BandwidthTargetPolicy(target=0.2)
+    blind = BandwidthTargetPolicy(target=0.2, allow_dense=True)
     seen = [blind.decide(_obs(s, 0.0001, sent=4000, dense=64000)).describe() for s in range(1, 51)]
     assert seen == ["k x1"] * 49 + ["dense"]
 
@@ -199,7 +199,7 @@ def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
     # the current rung hides its exposure (overlap), so nothing says whether dense fits; it
     # never does. Each failure (0.9 s) waits until 2**(failures - 1) x 0.9 s is <= 2% of the
     # time since (before issue 35: only the measurement memory doubled, 8 probes in 120 steps)
-    policy = BandwidthTargetPolicy(target=0.2, patience=0, memory_steps=5)
+    policy = BandwidthTargetPolicy(target=0.2, patience=0, memory_steps=5, allow_dense=True)
     probes = []
     for step in range(1, 1500):
         on_dense = policy.level == 0
@@ -266,8 +266,17 @@ def test_each_optimizer_takes_only_the_policies_it_can_follow():
     assert opt.current_interval == 3
 
 
+def test_the_default_ladder_starts_at_the_optimizers_own_settings_without_dense():
+    # issue 35's resilience runs (DeMo, 3 seeds): with three one-step dense probes per 100 Mbit
+    # run no seed reached static DeMo's final loss, and going dense paid on no profile for
+    # all seeds; dense is opt-in
+    policy = BandwidthTargetPolicy()
+    assert policy.ladder[policy.level] == Decision() and not any(d.dense for d in policy.ladder)
+    assert "allow_dense=False" in policy.describe()
+
+
 def test_sign_first_ladder_switches_payload_before_halving_k():
-    policy = BandwidthTargetPolicy(min_topk_scale=0.25, sign_first=True)
+    policy = BandwidthTargetPolicy(min_topk_scale=0.25, sign_first=True, allow_dense=True)
     assert [d.describe() for d in policy.ladder] == [
         "dense",
         "k x1",
@@ -278,4 +287,4 @@ def test_sign_first_ladder_switches_payload_before_halving_k():
     assert "sign_first=True" in policy.describe()
     assert "sign_first" not in BandwidthTargetPolicy().describe()  # old checkpoints still match
     plain = BandwidthTargetPolicy(sign_first=True, allow_sign=False)
-    assert [d.payload for d in plain.ladder] == [None] * 5  # dense, k .. k/8: sign_first needs allow_sign
+    assert [d.payload for d in plain.ladder] == [None] * 4  # k .. k/8: sign_first needs allow_sign

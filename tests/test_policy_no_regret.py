@@ -108,7 +108,7 @@ def test_a_refused_move_down_is_tried_again_ever_more_rarely():
 
 def test_a_fast_link_reaches_dense_and_stays():
     link = Link(compute_s=0.05, bandwidth=1e11, latency_s=1e-4)
-    decisions, _, _ = _run(BandwidthTargetPolicy(), link, 1000)
+    decisions, _, _ = _run(BandwidthTargetPolicy(allow_dense=True), link, 1000)
     first = decisions.index(Decision(dense=True))
     assert first <= 60, first  # a blind probe once it costs <= 2% of the time so far
     assert all(d.dense for d in decisions[first:])
@@ -118,7 +118,7 @@ def test_a_slow_link_with_a_burst_is_probed_for_dense_at_most_once_in_a_long_whi
     # 10 Mbit with a 70 kB bucket: the 68 kB payload rides the burst nearly free, dense costs
     # ~1.3 s (27 compute times)
     link = Link(compute_s=0.05, bandwidth=1.25e6, burst=70_000)
-    policy = BandwidthTargetPolicy()
+    policy = BandwidthTargetPolicy(allow_dense=True)
     decisions, observations, total = _run(policy, link, 1000)
     probes = _probes(decisions, Decision(dense=True))
     assert len(probes) <= 1, probes
@@ -130,7 +130,7 @@ def test_a_slow_link_with_a_burst_is_probed_for_dense_at_most_once_in_a_long_whi
 
 def test_small_payloads_inside_the_burst_do_not_predict_that_dense_fits():
     link = Link(compute_s=0.05, bandwidth=1.25e7, burst=200_000)  # 100 Mbit, 200 kB burst
-    policy = BandwidthTargetPolicy()
+    policy = BandwidthTargetPolicy(allow_dense=True)
     decisions, observations, _ = _run(policy, link, 40)
     assert all(o.exposed_s < 1e-3 for o in observations)  # nearly free
     assert policy._predicted_exposure(observations[-1]) is None  # no step loaded the link
@@ -147,7 +147,7 @@ def test_small_payloads_inside_the_burst_do_not_predict_that_dense_fits():
 def test_a_bandwidth_bound_link_moves_down_to_a_rung_that_fits_and_not_to_dense():
     # 1 MB/s, no burst: k exposes 68 ms per 50 ms of compute; k/8 (8.5 kB) fits 20%
     link = Link(compute_s=0.05, bandwidth=1e6)
-    policy = BandwidthTargetPolicy()
+    policy = BandwidthTargetPolicy(allow_dense=True)
     decisions, observations, total = _run(policy, link, 1000)
     assert not any(d.dense for d in decisions)
     tail = observations[-100:]
@@ -161,7 +161,7 @@ def test_a_bandwidth_bound_link_moves_down_to_a_rung_that_fits_and_not_to_dense(
 
 def test_loss_spikes_on_a_fast_link_do_not_drive_it_off_dense_for_long():
     link = Link(compute_s=0.05, bandwidth=1e11, spike_every=97, spike_s=0.2)
-    decisions, _, _ = _run(BandwidthTargetPolicy(), link, 1000)
+    decisions, _, _ = _run(BandwidthTargetPolicy(allow_dense=True), link, 1000)
     assert sum(d.dense for d in decisions[200:]) >= 0.9 * 800
 
 
