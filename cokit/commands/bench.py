@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     r = sub.add_parser(
         "resilience",
-        help="cokit.bench.resilience: AdamW vs DeMo static vs DeMo adaptive on shaped links",
+        help="cokit.bench.resilience: each network policy against its static settings on shaped links",
         description=resilience.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
