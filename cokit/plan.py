@@ -206,7 +206,7 @@ class Methods:
     sparseloco_topk: int = 64
     sparseloco_chunk: int = 64
     sparseloco_payload: str = "int2"
-    sync_every: int = 15
+    sync_every: int = 5
     grad_itemsize: int = 4  # fp32 gradients (bf16: 2)
     bucket_cap_mb: float = 25.0
 

@@ -477,7 +477,7 @@ def test_bad_constructor_input_fails_clearly(kwargs, error, match):
 def test_single_process_defaults_schedulers_and_low_precision():
     net = _net()
     opt = SparseLoCo(net.parameters())
-    assert (opt.sync_every, opt.topk, opt.chunk, opt.dct, opt.payload) == (15, 64, 64, False, "int2")
+    assert (opt.sync_every, opt.topk, opt.chunk, opt.dct, opt.payload) == (5, 64, 64, False, "int2")
     assert (opt.error_decay, opt.outer, opt.outer_lr) == (0.95, "average", 1.0)
     assert isinstance(opt.inner, torch.optim.AdamW) and opt.param_groups is opt.inner.param_groups
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)

@@ -98,7 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default="fp32", help="gradient dtype (fp32)")
     p.add_argument("--demo-topk", type=int, default=32, help="DeMo's compression_topk (32)")
     p.add_argument("--sparseloco-topk", type=int, default=64, help="SparseLoCo's topk (64)")
-    p.add_argument("--sync-every", type=int, default=15, help="SparseLoCo's sync_every (15)")
+    p.add_argument("--sync-every", type=int, default=5, help="SparseLoCo's sync_every (5)")
     p.add_argument(
         "--methods", default=",".join(METHODS), help=f"which to plan (default {','.join(METHODS)})"
     )
