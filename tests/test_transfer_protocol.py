@@ -138,6 +138,14 @@ def test_bad_protocol_settings_fail_before_anything_runs(kwargs, match, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_a_partial_report_tells_rows_not_run_yet_from_failed_ones():
+    grids = {"adamw": [1e-3], "sparseloco": [1e-3]}
+    rows = tr.result_rows([rec("adamw", 1e-3, 0, None, status="failed")], ["adamw", "sparseloco"], 1, grids)
+    assert [transfer.loss_cell(r) for r in rows] == ["failed", "not run yet"]
+    rows = tr.result_rows([rec("adamw", 1e-3, s, 2.0 + s) for s in range(2)], ["adamw"], 2, grids)
+    assert transfer.loss_cell(rows[0]) == "2.5000 ± 0.7071"
+
+
 def test_the_full_protocol_holds_out_three_kinds_and_sizes_a_1m_parameter_lm():
     cfg = transfer.make_config("full")
     assert [w.name for w in cfg.select] == ["text", "digits", "digits-ae"]

@@ -440,6 +440,15 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}x"
 
 
+def loss_cell(row: dict[str, Any]) -> str:
+    """A held-out row's loss as the report shows it: mean ± std, or why there is none (a
+    partial report, ``--report-only`` while the study runs, has rows with no runs yet)."""
+    if row["heldout_mean"] is None:
+        return "failed" if row.get("runs", 1) else "not run yet"
+    std = row["heldout_std"]
+    return f"{row['heldout_mean']:.4f}" + ("" if std is None else f" ± {std:.4f}")
+
+
 def transfer_markdown(doc: dict[str, Any]) -> str:
     """The report: selection table, choices, held-out tables, gap against steps, targets."""
     p, m = doc["protocol"], doc["machine"]
@@ -478,9 +487,7 @@ def transfer_markdown(doc: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for r in rows:
-            loss = "failed" if r["heldout_mean"] is None else f"{r['heldout_mean']:.4f}"
-            if r["heldout_std"] is not None:
-                loss += f" ± {r['heldout_std']:.4f}"
+            loss = loss_cell(r)
             lr = "-" if r["lr"] is None else f"{r['lr']:g}" + (" (edge)" if r["lr_at_edge"] else "")
             lines.append(
                 f"| {r['method']} | {lr} | {loss} | {_pct(r['gap_vs_adamw'])} | {_ratio(r['ratio_to_dense'])} | "

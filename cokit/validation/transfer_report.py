@@ -158,6 +158,7 @@ def result_rows(
                 "lrs_tried": len(grids.get(m, [])),
                 "seeds": len(done),
                 "failed_seeds": len(at) - len(done),
+                "runs": len(mine),  # every lr and seed, finished or not (0: not run yet)
                 "heldout_mean": mean,
                 "heldout_std": std,
                 "ratio_to_dense": first.get("ratio_to_dense"),
