@@ -48,7 +48,6 @@ import copy
 import datetime
 import json
 import math
-import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -69,6 +68,7 @@ from cokit.compress.named_params import (
     param_groups,
 )
 from cokit.compress.precision import LowPrecisionWarning
+from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
@@ -82,7 +82,6 @@ PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NORM_EPS = 1e-8  # a column norm of R below this divides by it (a zero column stays zero)
 FORMAT = 1
 COMMON_KEY = "dion"
-_RANK_KEY = re.compile(r"^dion_rank(\d+)$")
 _WHERE = "Dion"
 _LOAD = "Dion.load_state_dict"
 #: per-group hyper-parameters: their type, and every rank must agree on them
@@ -578,52 +577,26 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
 
 def _load(opt: Dion, sd: object) -> None:
     """Check ``sd`` against ``opt``, then load it (see :meth:`Dion.load_state_dict`)."""
-    if not (
-        isinstance(sd, Mapping)
-        and isinstance(sd.get("state"), Mapping)
-        and isinstance(sd.get("param_groups"), list)
-        and sd["param_groups"]
-        and all(isinstance(g, Mapping) and "params" in g for g in sd["param_groups"])
-    ):
-        raise ValueError(f"{_LOAD}: this is not a Dion state_dict ({{'state': ..., 'param_groups': [...]}})")
-    groups, g0 = sd["param_groups"], sd["param_groups"][0]
-    try:
-        common = json.loads(g0[COMMON_KEY])
-        ranks = {int(m[1]): json.loads(v) for k, v in g0.items() if (m := _RANK_KEY.match(str(k)))}
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(
-            f"{_LOAD}: param group 0 has no readable 'dion' record: this is not a Dion state (or something "
-            "dropped the record, e.g. DCP with flatten_optimizer_state_dict=True)"
-        ) from None
-    if not isinstance(common, dict) or common.get("format") != FORMAT or common.get("optimizer") != "Dion":
-        raise ValueError(f"{_LOAD}: the record says {common!r}; expected Dion format {FORMAT}")
-    rank, world = opt.exchange.global_rank(), opt.comm.world_size
-    mine = ranks.get(rank)
-    if common.get("world") != world or not isinstance(mine, dict):
-        raise ValueError(
-            f"{_LOAD}: saved by rank(s) {sorted(ranks)} of a world of {common.get('world')}, loading on rank "
-            f"{rank} of {world}: the momentum buffers are per rank; load each rank's own state at the "
-            "world size it was saved at"
-        )
-    here, saved = json.loads(json.dumps(opt._settings())), common.get("settings") or {}
-    for key in here:
-        if key not in _LOOSE and here[key] != saved.get(key):
-            raise ValueError(f"{_LOAD}: setting {key!r} was {saved.get(key)!r}, is {here[key]!r} now")
+    rank = opt.exchange.global_rank()
+    rec = read_records(
+        sd,
+        key=COMMON_KEY,
+        optimizer="Dion",
+        fmt=FORMAT,
+        rank=rank,
+        world=opt.comm.world_size,
+        where=_LOAD,
+        per_rank="the momentum buffers",
+    )
+    groups, common, mine = rec.groups, rec.common, rec.mine
+    check_settings(json.loads(json.dumps(opt._settings())), common.get("settings") or {}, _LOAD, _LOOSE)
     if common.get("ranks") != opt._ranks:
         raise ValueError(
             f"{_LOAD}: the saved per-parameter ranks are {common.get('ranks')!r}, this optimizer's "
             f"{opt._ranks!r}: build the same model"
         )
-    if len(groups) != len(opt.param_groups) or any(
-        len(s["params"]) != len(g["params"]) for s, g in zip(groups, opt.param_groups)
-    ):
-        raise ValueError(
-            f"{_LOAD}: the saved param groups do not match this optimizer's (build the same model)"
-        )
-    hyper = [
-        {k: v for k, v in g.items() if not (k == "params" or k == COMMON_KEY or _RANK_KEY.match(str(k)))}
-        for g in groups
-    ]
+    check_groups(groups, opt.param_groups, _LOAD)
+    hyper = hyper_parameters(groups, COMMON_KEY)
     for index, h in enumerate(hyper):
         missing = [k for k in _GROUP_KEYS if k not in h]
         if missing:
@@ -636,7 +609,7 @@ def _load(opt: Dion, sd: object) -> None:
     keys_in_order = [k for g in groups for k in g["params"]]
     loaded: list[dict[str, torch.Tensor]] = []
     for n, (p, key_n) in enumerate(zip(opt._model_params, keys_in_order)):
-        entry = sd["state"].get(key_n)
+        entry = rec.state.get(key_n)
         if not isinstance(entry, Mapping):
             raise ValueError(f"{_LOAD}: no state for {opt._name(n)}: the file is damaged or of another model")
         r = opt._ranks[n]

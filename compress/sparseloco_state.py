@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cokit.compress.named_params import indexed_groups
+from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
 from cokit.compress.stats import CommStats
 
 if TYPE_CHECKING:
@@ -120,55 +121,25 @@ def _counters(opt: SparseLoCo) -> dict[str, Any]:
 
 def load(opt: SparseLoCo, sd: object) -> None:
     """Check ``sd`` against ``opt``, then load it (see :meth:`SparseLoCo.load_state_dict`)."""
-    if not (
-        isinstance(sd, Mapping)
-        and isinstance(sd.get("state"), Mapping)
-        and isinstance(sd.get("param_groups"), list)
-        and sd["param_groups"]
-        and all(isinstance(g, Mapping) and "params" in g for g in sd["param_groups"])
-    ):
-        if isinstance(sd, Mapping) and sd.get("type") == "SparseLoCo":
-            raise ValueError(
-                f"{_WHERE}: this state has format {sd.get('format')!r} (cokit before SparseLoCo's format "
-                f"{FORMAT}); load it with the cokit version that saved it"
-            )
+    if isinstance(sd, Mapping) and sd.get("type") == "SparseLoCo":
         raise ValueError(
-            f"{_WHERE}: this is not a SparseLoCo state_dict ({{'state': ..., 'param_groups': [...]}})"
+            f"{_WHERE}: this state has format {sd.get('format')!r} (cokit before SparseLoCo's format "
+            f"{FORMAT}); load it with the cokit version that saved it"
         )
-    groups, g0 = sd["param_groups"], sd["param_groups"][0]
-    try:
-        common = json.loads(g0[COMMON_KEY])
-        ranks = {int(m[1]): json.loads(v) for k, v in g0.items() if (m := _RANK_KEY.match(str(k)))}
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(
-            f"{_WHERE}: param group 0 has no readable 'sparseloco' record: this is not a SparseLoCo state "
-            "(or something dropped the record, e.g. DCP with flatten_optimizer_state_dict=True)"
-        ) from None
-    if (
-        not isinstance(common, dict)
-        or common.get("format") != FORMAT
-        or common.get("optimizer") != "SparseLoCo"
-    ):
-        raise ValueError(f"{_WHERE}: the record says {common!r}; expected SparseLoCo format {FORMAT}")
-    rank, world = opt.exchange.global_rank(), opt.comm.world_size
-    mine = ranks.get(rank)
-    if common.get("world") != world or not isinstance(mine, dict):
-        raise ValueError(
-            f"{_WHERE}: saved by rank(s) {sorted(ranks)} of a world of {common.get('world')}, loading on rank "
-            f"{rank} of {world}: error buffers and inner state are per rank; load each rank's own state at "
-            "the world size it was saved at (DCP keeps every rank's)"
-        )
-    here, saved = _settings(opt), common.get("settings") or {}
-    for key in [*here, *(k for k in _OPTIONAL if k not in here)]:
-        now, then = here.get(key, _OPTIONAL.get(key)), saved.get(key, _OPTIONAL.get(key))
-        if key not in _LOOSE and now != then:
-            raise ValueError(f"{_WHERE}: setting {key!r} was {then!r}, is {now!r} now")
-    if len(groups) != len(opt.param_groups) or any(
-        len(s["params"]) != len(g["params"]) for s, g in zip(groups, opt.param_groups)
-    ):
-        raise ValueError(
-            f"{_WHERE}: the saved param groups do not match this optimizer's (build the same model)"
-        )
+    rank = opt.exchange.global_rank()
+    rec = read_records(
+        sd,
+        key=COMMON_KEY,
+        optimizer="SparseLoCo",
+        fmt=FORMAT,
+        rank=rank,
+        world=opt.comm.world_size,
+        where=_WHERE,
+        per_rank="error buffers and inner state",
+    )
+    groups, common = rec.groups, rec.common
+    check_settings(_settings(opt), common.get("settings") or {}, _WHERE, _LOOSE, _OPTIONAL)
+    check_groups(groups, opt.param_groups, _WHERE)
     params = opt._model_params
     inner_state: dict[int, dict[str, Any]] = {}
     loaded: list[dict[str, torch.Tensor]] = []
@@ -177,7 +148,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     # the saved groups list each parameter's key in order (indices, or names after DCP)
     keys_in_order = [k for g in groups for k in g["params"]]
     for n, (p, key_n) in enumerate(zip(params, keys_in_order)):
-        entry = sd["state"].get(key_n, {})
+        entry = rec.state.get(key_n, {})
         if not isinstance(entry, Mapping):
             raise ValueError(f"{_WHERE}: the state of {opt._name(n)} is {type(entry).__name__}, not a dict")
         ours: dict[str, torch.Tensor] = {}
@@ -212,11 +183,11 @@ def load(opt: SparseLoCo, sd: object) -> None:
         copy.deepcopy(opt._driver).load_state_dict(policy, owner="SparseLoCo")  # raises if it does not load
     topks = _saved_topks(opt, common) if opt.adaptive_topk else None
     try:
-        stats = CommStats.from_dict(ranks[rank].get("comm_stats", {}))
+        stats = CommStats.from_dict(rec.mine.get("comm_stats", {}))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{_WHERE}: the saved comm_stats do not load ({exc}); the file is damaged") from None
     # everything checked: the inner optimizer first (it validates its own state), then ours
-    hyper = [{k: v for k, v in g.items() if not (k == COMMON_KEY or _RANK_KEY.match(str(k)))} for g in groups]
+    hyper = hyper_parameters(groups, COMMON_KEY)
     inner_groups = opt.inner.state_dict()["param_groups"]
     opt.inner.load_state_dict(
         {
@@ -225,7 +196,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
         }
     )
     for g, h in zip(opt.param_groups, hyper):
-        g.update({k: v for k, v in h.items() if k != "params"})
+        g.update(h)
     for n, p in enumerate(params):
         ours = loaded[n]
         master, local = ours.pop("master", None), ours.pop("local", None)
