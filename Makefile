@@ -38,10 +38,12 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_FAST)
 
 # The suite (all but the notebooks) on triton 3.6, the GPU image's version: the kernels under
-# the interpreter, the compile-only builds for sm_80/sm_90/gfx942, DeMo and the schedules.
-# The network, fault, policy, timing, telemetry and dashboard tests run no Triton code (torch
-# path, gloo, a browser), nor do the plan, calibration, docs, CPU step-path, held-out protocol
-# and Dion tests, nor the policy rules: once is enough.
+# the interpreter, the compile-only builds for sm_80/sm_90/gfx942, and the front ends that run
+# them (DeMo, SparseLoCo, the DDP hook, the overlap schedules and streams, the CLI).
+# TRITON_FREE run no Triton code (torch path, gloo, a browser) or only what the files above
+# already run under 3.6: network, faults, policies, timing, telemetry, dashboard, plan,
+# calibration, docs, packaging, layering, launch, settings and peer checks, the tuner and
+# sweeps, the SparseLoCo options and Dion. Once, on the main suite's triton, is enough.
 TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_latency.py \
 	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py \
 	tests/test_comm_timing.py tests/test_telemetry.py tests/test_dashboard.py \
@@ -52,7 +54,12 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_integrations_accelerate.py tests/test_integrations_hf.py tests/test_integrations_lightning.py \
 	tests/test_plan.py tests/test_validate_on.py tests/test_docs.py tests/test_cpu_step_paths.py \
 	tests/test_sparseloco_sync_paths.py tests/test_transfer_protocol.py tests/test_dion.py \
-	tests/test_policy.py tests/test_policy_no_regret.py
+	tests/test_policy.py tests/test_policy_no_regret.py tests/test_comm_priority.py \
+	tests/test_demo_baseline.py tests/test_doc_citations.py tests/test_grad_scaler.py \
+	tests/test_hook_nonfinite.py tests/test_launch.py tests/test_layering.py tests/test_packaging.py \
+	tests/test_overlap_metrics.py tests/test_overlap_sweep.py tests/test_overlap_training.py \
+	tests/test_overlap_tuner.py tests/test_peer_check.py tests/test_settings_check.py \
+	tests/test_sparseloco_adaptive_k.py tests/test_sparseloco_options.py tests/test_write_failures.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q --durations=15 -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 
