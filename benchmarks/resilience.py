@@ -75,7 +75,7 @@ def method_specs(
     target: float,
     timeout_s: float,
     sign_first: bool = False,
-    sparseloco_lr: float = 1e-2,
+    sparseloco_lr: float = 1e-3,
 ) -> dict[str, MethodSpec]:
     """The methods compared. DeMo's settings are ``cokit demo``'s defaults, and the adaptive
     one's ladder tries the sign payload at full k first with ``sign_first``; SparseLoCo's are
@@ -381,8 +381,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sparseloco-lr",
         type=float,
-        default=1e-2,
-        help="SparseLoCo's inner lr (default 1e-2: the held-out protocol's pick on this corpus at H=5)",
+        default=1e-3,
+        help="SparseLoCo's inner lr (default 1e-3, `cokit demo`'s on this workload)",
     )
     p.add_argument(
         "--policy-target",
