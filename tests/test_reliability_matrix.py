@@ -5,8 +5,10 @@ buckets; overlapped with backward), SparseLoCo and the DDP hook. Faults, brought
 (SIGSTOP), a dead peer (SIGKILL), a setting that differs from the start or changes mid-run, a
 NaN gradient under nonfinite="error" and "skip", a GradScaler's inf, a malformed payload (a
 codec of another wire length, an index outside its tile, a NaN value) and a permanent
-partition (network namespaces, links cut). Each rank is a process of its own, started like
-torchrun starts ranks. In every cell:
+partition (network namespaces, links cut). Each rank is a process of its own, forked from one
+that imported torch and the front ends once (tests/matrix_rank.py ``--zygote``: a fresh
+interpreter per rank cost 3 s of imports, and the matrix 400 s), and ends through the
+interpreter's own exit. In every cell:
 
 - every live rank raises an exception that names the cause, or (skip cells) every rank skips
   and the replicas stay bit-identical and train on;
