@@ -56,6 +56,7 @@ import torch
 
 from cokit.compress.agreement import FOUND_INF, Round, canonical, fingerprint
 from cokit.compress.demo_step import split_like
+from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, nonfinite
@@ -327,7 +328,7 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
 
     # Eager even inside torch.compile (docs/design.md §3): collectives and the status agreement
     # cannot be traced.
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One synchronized step over every parameter that has a gradient."""

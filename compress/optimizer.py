@@ -33,6 +33,7 @@ from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Pending
 from cokit.compress.demo_step import BucketInput, split_like
 from cokit.compress.dtensor import local, mesh_plan
+from cokit.compress.eager import eager
 from cokit.compress.exchange import ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, StepGuards, nonfinite, sync_decay
@@ -410,7 +411,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
 
     # Eager even inside torch.compile (docs/design.md §3): collectives, the status agreement and
     # the timing cannot be traced, and the per-tensor math already runs in cokit's kernels.
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One synchronized step over every parameter that has a gradient."""

@@ -60,6 +60,7 @@ from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.agreement import FOUND_INF, PeerDataError, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
+from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, all_finite, nonfinite
@@ -405,7 +406,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
 
     # Eager even inside torch.compile (docs/design.md §3): collectives, the status agreement and
     # the timing cannot be traced, and the per-tensor math already runs in cokit's kernels.
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One local step of the inner optimizer; every ``current_interval``-th step, a sync."""
