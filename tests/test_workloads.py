@@ -310,3 +310,21 @@ def test_cnn_workload_shares_the_digits_batches_and_split_with_a_seeded_conv_mod
         DigitsCNNWorkloadConfig(channels=(4, 0))
     with pytest.raises(ValueError, match="batch_size"):
         DigitsCNNWorkloadConfig(batch_size=0)
+
+
+def test_the_digits_are_scikit_learns_read_without_importing_it():
+    import subprocess
+    import sys
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from cokit.workloads.digits import load_digits_arrays
+
+    x, y = load_digits_arrays()
+    data = load_digits()
+    assert np.array_equal(x, (data.data.astype(np.float32) / 8.0) - 1.0) and x.dtype == np.float32
+    assert np.array_equal(y, data.target) and y.dtype == np.int64
+    probe = "import sys; from cokit.workloads.digits import load_digits_arrays as f; f(); print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
