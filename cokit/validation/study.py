@@ -638,7 +638,10 @@ def _execute(cfg: Any, wl: WorkloadDef, jobs: list, phase: str, run: bool = True
             cfg.verbose,
             world_size=cfg.world_size,
             device="cpu",
-            timeout=600.0 + 300.0 * len(todo),
+            # a guard against a hang only (each run's collectives time out on their own): 2 s a
+            # step, 5 min at least, per run; 300 s a run failed a batch of 750-step runs of a
+            # 1.28M-parameter model on a loaded 2-core machine (about 500 s each there)
+            timeout=600.0 + len(todo) * max(300.0, 2.0 * wl.steps),
         )
     docs = [doc if doc is not None else load_run(j.path, j.key) for j, doc in zip(jobs, docs)]
     return [doc for doc in docs if doc is not None]
