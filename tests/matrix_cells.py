@@ -52,7 +52,7 @@ class Zygote:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self.started: queue.Queue[int] = queue.Queue()
-        self.exits: dict[int, tuple[int, float]] = {}
+        self.exits: dict[int, int] = {}  # pid: exit code, as Popen.returncode
 
     def start(self, argv: list[str], log: Path, env: dict[str, str], netns: str | None) -> ForkedRank:
         """Fork a rank running tests/matrix_rank.py ``argv`` (output to ``log``, ``env`` added,
@@ -82,7 +82,7 @@ class Zygote:
             if kind == "pid":
                 self.started.put(int(pid))
             else:
-                self.exits[int(pid)] = (int(rest[0]), float(rest[1]))
+                self.exits[int(pid)] = int(rest[0])
 
 
 class ForkedRank:
@@ -91,13 +91,8 @@ class ForkedRank:
     def __init__(self, zygote: Zygote, pid: int) -> None:
         self.zygote, self.pid = zygote, pid
 
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
     def poll(self) -> int | None:
-        done = self.zygote.exits.get(self.pid)
-        return None if done is None else done[0]
+        return self.zygote.exits.get(self.pid)
 
     def kill(self) -> None:
         if self.poll() is None:
@@ -150,7 +145,7 @@ def run_cell(tmp: Path, front: str, fault: str, world: int, bed: netbed.Testbed 
         record = json.loads(path.read_text()) if path.exists() else None
         out["ranks"][r] = {
             "record": record,
-            "returncode": procs[r].returncode,
+            "returncode": procs[r].poll(),
             "exited": exits.get(r),
             "load": loads.get(r),
             "log": (where / f"rank{r}.log").read_text(errors="replace")[-4000:],

@@ -287,7 +287,7 @@ def zygote() -> dict:
 
     Requests come on stdin, a JSON object per line: ``{"argv": [...], "log": path, "env": {...},
     "netns": name or null}``.
-    This process answers ``pid <pid>`` on stdout for each start, and ``exit <pid> <code> <time>``
+    This process answers ``pid <pid>`` on stdout for each start, and ``exit <pid> <code>``
     when a rank ends (``code`` as ``Popen.returncode``: minus the signal). In the forked child
     this returns the request; the rank then runs :func:`main` and ends like a process of its own,
     through the interpreter's exit. At the end of stdin, ranks still there are killed."""
@@ -323,7 +323,7 @@ def zygote() -> dict:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 children.discard(pid)
-                print(f"exit {pid} {os.waitstatus_to_exitcode(status)} {time.time()}", flush=True)
+                print(f"exit {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
 
 
 def become_rank(request: dict) -> None:
