@@ -42,6 +42,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -302,7 +303,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(runs: list[dict[str, Any]], path: str) -> None:
-    """Held-out loss vs wall time, one panel per profile (the first seed of each)."""
+    """Held-out loss vs wall time, one panel per profile (the first seed of each); dotted: each
+    static baseline's target, in its colour."""
     from cokit.display import pyplot
 
     plt = pyplot()
@@ -327,10 +329,13 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
             xs = [wall[e["step"]] for e in r["evals"]]
             ys = [e["heldout_loss"] for e in r["evals"]]
             ax.plot(xs, ys, color=colors.get(r["method"]), label=r["method"], lw=1.5)
-        target = next((r["target_loss"] for r in recs if r["seed"] == seed), math.nan)
-        if math.isfinite(target):
-            ax.axhline(target, color="0.6", ls=":", lw=1)
-        ax.set_title(PROFILES[profile].describe(), fontsize=8)
+        for baseline in dict.fromkeys(BASELINE[r["method"]] for r in recs):  # each baseline's target
+            target = next(
+                (r["target_loss"] for r in recs if r["seed"] == seed and r["method"] == baseline), None
+            )
+            if target is not None and math.isfinite(target):
+                ax.axhline(target, color=colors.get(baseline), ls=":", lw=1)
+        ax.set_title(textwrap.fill(PROFILES[profile].describe(), 70), fontsize=7)
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel("held-out loss")
         ax.legend(fontsize=7)
