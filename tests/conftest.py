@@ -35,6 +35,22 @@ def _seeded():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _interpreter_setting_kept():
+    """A test that changes ``TRITON_INTERPRET`` in this process fails, and the setting is put
+    back: the kernel tests after it (in any order, on any pytest-xdist worker) would otherwise
+    take the torch path. Rank functions set it in their own processes; tests use monkeypatch."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    after = os.environ.get("TRITON_INTERPRET")
+    if after != before:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+        pytest.fail(f"the test changed TRITON_INTERPRET in the test process ({before!r} -> {after!r})")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped when no GPU is visible."""
     if GPU:

@@ -28,7 +28,8 @@ SETTINGS = dict(lr=LR, compression_decay=BETA, compression_topk=K, compression_c
 
 
 def _torch_path() -> None:
-    os.environ["TRITON_INTERPRET"] = "0"  # kernels take the torch path in these workers
+    """In rank processes only: kernels take the torch path (tests use monkeypatch)."""
+    os.environ["TRITON_INTERPRET"] = "0"
 
 
 def _params(dtype=torch.float32) -> list[torch.nn.Parameter]:
@@ -318,8 +319,8 @@ def test_bf16_master_tracks_fp32_stochastic_keeps_replicas_identical_and_nearest
     assert min(lost) > 0.2, lost  # nearest: many weights miss where the fp32 run went
 
 
-def test_master_copy_moves_bf16_weights_that_nearest_rounding_leaves_stuck():
-    _torch_path()
+def test_master_copy_moves_bf16_weights_that_nearest_rounding_leaves_stuck(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path, for this test only
     for precision in ("nearest", "master", "stochastic"):
         w = torch.nn.Parameter(torch.full((8, 16), 1.0, dtype=torch.bfloat16))
         with warnings.catch_warnings():
@@ -337,8 +338,8 @@ def test_master_copy_moves_bf16_weights_that_nearest_rounding_leaves_stuck():
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_bf16_gradients_work_with_every_rule_and_precision(rule):
-    _torch_path()
+def test_bf16_gradients_work_with_every_rule_and_precision(rule, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path, for this test only
     for precision in ("nearest", "master", "stochastic"):
         params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()]
         start = [p.detach().clone() for p in params]
@@ -354,8 +355,8 @@ def test_bf16_gradients_work_with_every_rule_and_precision(rule):
             assert not torch.equal(p, p0), (rule, precision, tuple(p.shape))
 
 
-def test_damaged_rule_state_in_a_checkpoint_is_rejected_before_anything_changes():
-    _torch_path()
+def test_damaged_rule_state_in_a_checkpoint_is_rejected_before_anything_changes(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path, for this test only
     params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()]
     opt = DeMo(params, **SETTINGS, update_rule="adam", precision="master")
     for step in range(2):
