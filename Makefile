@@ -8,6 +8,10 @@ STAMP := $(VENV)/.cokit-installed
 VENV36 := .venv36
 STAMP36 := $(VENV36)/.cokit-installed
 PYTEST_FAST := -m "not slow and not notebook"
+# The suites run on JOBS pytest workers (pytest-xdist), each test file on one worker (its module
+# fixtures run once). Much of the suite waits on spawned ranks, timeouts and subprocesses.
+JOBS ?= 2
+PYTEST_PAR := -n $(JOBS) --dist loadfile
 
 .PHONY: run test test-fast test-triton36 lint format typecheck docs info clean
 
@@ -38,10 +42,10 @@ run: $(STAMP)
 	out=results/demo/$$(date +%Y%m%d-%H%M%S) && $(BIN)/cokit demo --out $$out && $(BIN)/cokit dashboard $$out
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_PAR)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_FAST)
+	$(BIN)/python -m pytest -q $(PYTEST_PAR) $(PYTEST_FAST)
 
 # The suite (all but the notebooks) on triton 3.6, the GPU image's version: the kernels under
 # the interpreter, the compile-only builds for sm_80/sm_90/gfx942, and the front ends that run
@@ -67,7 +71,7 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_overlap_tuner.py tests/test_peer_check.py tests/test_settings_check.py \
 	tests/test_sparseloco_adaptive_k.py tests/test_sparseloco_options.py tests/test_write_failures.py
 test-triton36: $(STAMP36)
-	$(VENV36)/bin/python -m pytest -q --durations=15 -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
+	$(VENV36)/bin/python -m pytest -q --durations=15 $(PYTEST_PAR) -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
