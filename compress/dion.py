@@ -54,12 +54,13 @@ from typing import Any
 
 import torch
 
-from cokit.compress.agreement import FOUND_INF, Round, canonical, fingerprint
+from cokit.compress.agreement import canonical, fingerprint
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
-from cokit.compress.exchange import Exchange, ExchangeOwner
+from cokit.compress.exchange import Exchange
+from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, plain
 from cokit.compress.groups import check_process_group
-from cokit.compress.guards import Amp, nonfinite
+from cokit.compress.guards import Amp
 from cokit.compress.inner import adamw
 from cokit.compress.named_params import (
     check_dense_params,
@@ -71,14 +72,13 @@ from cokit.compress.named_params import (
 from cokit.compress.precision import LowPrecisionWarning
 from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
-from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
+from cokit.triton_kernels._checks import check_flag, check_int, check_number
 
 __all__ = ["Dion", "Mean", "dion_step", "orthonormalize"]
 
 #: ``mean(tensors, phase)``: each tensor's mean over the ranks (``phase`` is ``"P"``, then
 #: ``"R"``: the last exchange of a step, after which every result is in)
 Mean = Callable[[list[torch.Tensor], str], list[torch.Tensor]]
-NONFINITE = ("error", "skip")
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NORM_EPS = 1e-8  # a column norm of R below this divides by it (a zero column stays zero)
 FORMAT = 1
@@ -165,7 +165,7 @@ def dion_step(
 # ---------------------------------------------------------------------------- optimizer
 
 
-class Dion(ExchangeOwner, torch.optim.Optimizer):
+class Dion(FrontEnd, torch.optim.Optimizer):
     """Data-parallel Dion: low-rank orthonormalized updates with error feedback (module docstring).
 
     Args:
@@ -208,6 +208,7 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() on every rank
+    owner = _WHERE
 
     def __init__(
         self,
@@ -236,7 +237,7 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
             "rank_fraction", rank_fraction, 0.0, 1.0, low_open=True, where=_WHERE
         )
         self.dense_params = check_dense_params(dense_params, _WHERE)
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE, where=_WHERE)
+        self.nonfinite = check_nonfinite_mode(_WHERE, nonfinite)
         self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, where=_WHERE)
         self.seed = check_int("seed", seed, 0, where=_WHERE)
         check_flag("validate_payload", validate_payload, where=_WHERE)
@@ -354,44 +355,19 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
         """The status round; the parameters that step (positions), or None when every rank
         skips; raises on every rank otherwise."""
         params = self._model_params
-        amp = Amp.of(self)
-        has_grad = []
-        for n, p in enumerate(params):
-            g = p.grad
-            if g is not None and (g.is_sparse or g.shape != p.shape):
-                raise ValueError(
-                    f"Dion: the gradient of {self._name(n)} is "
-                    f"{'sparse' if g.is_sparse else f'of shape {tuple(g.shape)}'}; Dion needs dense "
-                    "gradients shaped like their parameters"
-                )
-            has_grad.append(g is not None)
-        where = [n for n, has in enumerate(has_grad) if has]
-        grads = [params[n].grad for n in where]
-        bad = [where[j] for j in nonfinite(grads, amp.inv_scale)]  # and unscaled, in one pass
-        rnd: Round = self.exchange.agree(
-            self._fingerprints(),
-            self.exchange.report(
-                bad, grads=fingerprint(bytes(has_grad)), events=FOUND_INF if amp.found_inf else 0
-            ),
-            self._describe,
+        has_grad = check_gradients(_WHERE, params, self._name)
+        rnd = self.open_round(
+            [p.grad for p in params],
+            Amp.of(self),
+            fingerprints=self._fingerprints(),
+            describe=self._describe,
+            name=self._name,
             device=params[0].device,
-            has_grad=lambda: has_grad,
-            names=self._name,
         )
-        if rnd.any_event(FOUND_INF):
+        if not self.skip_or_raise(rnd, self._name, when=f"step {self._steps + 1}"):
             self.skipped_steps += 1
             return None
-        if rnd.bad:
-            what = f"non-finite gradient in {rnd.where_bad(self._name)} at step {self._steps + 1}"
-            if self.nonfinite == "error":
-                raise FloatingPointError(
-                    f"Dion: {what}; no parameter and no buffer changed. Lower the lr / fix the data, "
-                    "or pass nonfinite='skip' to skip such steps on every rank"
-                )
-            self.skipped_steps += 1
-            warnings.warn(f"Dion: skipped a step on every rank: {what}; nothing changed", stacklevel=4)
-            return None
-        return where
+        return [n for n, has in enumerate(has_grad) if has]
 
     def _step(self, active: list[int]) -> int:
         """Exchange and update the ``active`` parameters; returns what a dense all-reduce of
@@ -503,7 +479,7 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
     def _describe(self, globally: bool = False) -> dict[str, Any]:
         return {
             "settings": self._settings(),
-            "groups": [{k: _plain(g[k]) for k in _GROUP_KEYS} for g in self.param_groups],
+            "groups": [{k: plain(g[k]) for k in _GROUP_KEYS} for g in self.param_groups],
             "layout": [
                 [self._name(n), f"{tuple(p.shape)} {p.dtype} " + (f"r={r}" if r else "adamw")]
                 for n, (p, r) in enumerate(zip(self._model_params, self._ranks))
@@ -516,17 +492,8 @@ class Dion(ExchangeOwner, torch.optim.Optimizer):
         return fp, fp
 
     def _check_start(self) -> None:
-        """First step: the parameters' values (sums in float64) are compared across ranks before
-        any change: replicas must start identical."""
-        params = self._model_params
-        sums = torch.stack([p.detach().double().sum() for p in params]).to(params[0].device)
-        seen = self.exchange.wait(self.comm.all_gather(sums, "parameter check")).cpu()
-        differ = (seen != seen[:1]).any(dim=0).nonzero().flatten().tolist()
-        if differ:
-            raise ValueError(
-                f"Dion: parameter {self._name(differ[0])} differs between the ranks at the first step; "
-                "every rank must start from the same weights (seed the model alike or broadcast rank 0's)"
-            )
+        """First step: the replicas must start identical (checked before any change)."""
+        self.check_replicas(self._model_params, self._name, when="at the first step")
         self._checked = True
 
     def _name(self, n: int) -> str:
@@ -668,13 +635,3 @@ def _check_group(group: Mapping[str, Any], index: int | None = None) -> None:
     for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas):
         check_number(name, b, 0.0, 1.0, high_open=True, where=where)
     check_number("adamw_eps", group["adamw_eps"], 0.0, low_open=True, where=where)
-
-
-def _plain(v: object) -> object:
-    if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
-    if isinstance(v, (tuple, list)):
-        return [_plain(x) for x in v]
-    if isinstance(v, int) and not isinstance(v, bool):
-        return float(v)
-    return v

@@ -19,6 +19,7 @@ order, so parameters stay bit-identical across ranks.
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -28,26 +29,25 @@ import torch
 
 from cokit.compress import checkpoint, rules
 from cokit.compress.adaptation import PolicyDriver, make_policy
-from cokit.compress.agreement import FOUND_INF, Round, canonical, fingerprint
+from cokit.compress.agreement import Round, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Pending
 from cokit.compress.demo_step import BucketInput, split_like
 from cokit.compress.dtensor import local, mesh_plan
 from cokit.compress.eager import eager
-from cokit.compress.exchange import ExchangeOwner
+from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, check_value_dtype, plain
 from cokit.compress.groups import check_process_group
-from cokit.compress.guards import Amp, StepGuards, nonfinite, sync_decay
+from cokit.compress.guards import Amp, StepGuards, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.precision import check_precision, rounding_generator, warn_if_unmastered
 from cokit.compress.priority import check_comm_priority
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.compress.strategies import make_strategy
-from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
+from cokit.triton_kernels._checks import check_flag, check_int, check_number
 
 __all__ = ["DeMo"]
 
-NONFINITE = ("error", "skip")
 # Per-group settings that change what is sent or how the update is computed (checked across ranks).
 _GROUP_SETTINGS = {
     "lr": float,
@@ -64,7 +64,7 @@ _GROUP_SETTINGS = {
 }
 
 
-class DeMo(ExchangeOwner, torch.optim.Optimizer):
+class DeMo(FrontEnd, torch.optim.Optimizer):
     """Decoupled-momentum optimizer that sends only a top-k DCT selection per tile.
 
     Args:
@@ -195,6 +195,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() on every rank (guards.Amp)
+    owner = "DeMo"
 
     def __init__(
         self,
@@ -242,10 +243,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
                 f"DeMo: policy {self.policy.describe()} decides each step before its buckets are "
                 "sent, but overlap_backward=True sends them during backward; use one or the other"
             )
-        if value_dtype not in VALUE_DTYPES:
-            raise TypeError(
-                f"DeMo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}"
-            )
+        check_value_dtype(where, value_dtype)
         self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, where=where)
         self.validate_payload = check_flag("validate_payload", validate_payload, where=where)
         self.overlap_backward = check_flag("overlap_backward", overlap_backward, where=where)
@@ -254,7 +252,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
         check_process_group(where, process_group)
         if full_sync_every is not None:
             check_int("full_sync_every", full_sync_every, 1, where=where, more="or None")
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE, where=where)
+        self.nonfinite = check_nonfinite_mode(where, nonfinite)
         defaults = dict(
             lr=lr,
             compression_decay=compression_decay,
@@ -450,62 +448,43 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
     def _agree(self, entries: list, amp: Amp) -> list | None:
         """Agree with every rank on which parameters step: the active entries; None when the
         step is skipped on every rank; an error raised on every rank otherwise."""
-        has_grad = []
-        for gi, i, p in entries:
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise TypeError(
-                        f"DeMo: parameter {self._name(gi, i, p)} has a sparse gradient; DeMo needs dense gradients"
-                    )
-                if p.grad.shape != p.shape:
-                    raise ValueError(
-                        f"DeMo: gradient of {self._name(gi, i, p)} has shape {tuple(p.grad.shape)}"
-                    )
-            has_grad.append(p.grad is not None)
+        has_grad = check_gradients("DeMo", [p for _, _, p in entries], lambda n: self._entry_name(n, entries))
         active = [e for e, has in zip(entries, has_grad) if has]
-        grads = [local(p.grad) for _, _, p in active]
-        where = [n for n, has in enumerate(has_grad) if has]
-        bad = [where[j] for j in nonfinite(grads, amp.inv_scale)]  # and unscaled, in one pass
-        rnd = self._agree_settings(events=FOUND_INF if amp.found_inf else 0, bad=bad, has_grad=has_grad)
+        rnd = self.open_round(
+            [local(p.grad) if has else None for (_, _, p), has in zip(entries, has_grad)],
+            amp,
+            fingerprints=self._fingerprints(),
+            describe=self._describe,
+            name=lambda n: self._entry_name(n),
+            device=self._device(),
+            extra=self._driver.measurement(torch.device("cpu")),
+        )
         if self._skip_or_raise(rnd, entries) is None:
             return None
         self._driver.decide(rnd.extras if self.policy.observes else None, self._steps + 1)
         return active
 
-    def _agree_settings(
-        self, events: int = 0, bad: list[int] | None = None, has_grad: list[bool] | None = None
-    ) -> Round:
-        """The round's status rows: fingerprints, gradient set, non-finite report, events and
-        the policy's measurement (raises on every rank when anything disagrees)."""
-        report = self.exchange.report(
-            bad or [], grads=fingerprint(bytes(has_grad)) if has_grad is not None else 0, events=events
-        )
+    def _agree_settings(self, events: int = 0, bad: list[int] | None = None) -> Round:
+        """The status round of the overlapped strategy, whose buckets left during backward:
+        fingerprints, non-finite report, events and the policy's measurement (raises on every
+        rank when anything disagrees)."""
         return self.exchange.agree(
             self._fingerprints(),
-            report,
+            self.exchange.report(bad or [], events=events),
             self._describe,
             extra=self._driver.measurement(torch.device("cpu")),
             device=self._device(),
-            has_grad=(lambda: has_grad) if has_grad is not None else None,
             names=lambda n: self._entry_name(n),
         )
 
     def _skip_or_raise(self, rnd: Round, entries: list) -> bool | None:
-        """True to go on; None when every rank skips (a GradScaler's inf, or non-finite
-        gradients with nonfinite='skip'); raises FloatingPointError on every rank otherwise."""
-        if rnd.any_event(FOUND_INF):
-            self.skipped_steps += 1
-            return None
-        if not rnd.bad:
+        """True to go on; None when every rank skips (counted in ``skipped_steps``); raises on
+        every rank otherwise (:meth:`FrontEnd.skip_or_raise`)."""
+        name = functools.partial(self._entry_name, entries=entries)
+        if self.skip_or_raise(rnd, name, when=f"step {self._steps + 1}"):
             return True
-        if self.nonfinite == "skip":
-            self.skipped_steps += 1
-            return None
-        where = rnd.where_bad(lambda n: self._entry_name(n, entries))
-        raise FloatingPointError(
-            f"DeMo: non-finite gradient in {where}; no parameter and no buffer changed. Fix the loss "
-            "scale / data, or pass nonfinite='skip' to skip such steps on every rank"
-        )
+        self.skipped_steps += 1
+        return None
 
     def _device(self) -> torch.device:
         first = next((p for g in self.param_groups for p in g["params"]), None)
@@ -676,8 +655,7 @@ class DeMo(ExchangeOwner, torch.optim.Optimizer):
 
 
 def _plain(value: object, kind: type) -> object:
-    """A group setting as a plain ``kind`` (tensor learning rates included), so equal values
-    compare and print equal on every rank (lr=1 and lr=1.0 agree)."""
-    if isinstance(value, torch.Tensor):
-        value = value.item()
+    """A group setting as a plain ``kind`` (:func:`~cokit.compress.frontend.plain`, then cast:
+    ``compression_topk`` stays an int)."""
+    value = plain(value)
     return kind(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value

@@ -48,7 +48,6 @@ import contextlib
 import datetime
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -57,11 +56,12 @@ import torch
 from cokit.compress import precision as lowp
 from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
-from cokit.compress.agreement import FOUND_INF, PeerDataError, canonical, fingerprint
+from cokit.compress.agreement import PeerDataError, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
-from cokit.compress.exchange import Exchange, ExchangeOwner
+from cokit.compress.exchange import Exchange
+from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, check_value_dtype, plain
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, all_finite, nonfinite
 from cokit.compress.named_params import check_dense_params, check_replicated, dense_members, param_groups
@@ -80,7 +80,6 @@ OUTER = ("average", "nesterov")
 #: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
 #: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
 Mean = tuple[torch.Tensor, "torch.Tensor | None"]
-NONFINITE = ("error", "skip")
 #: ``adaptive_range`` when ``adaptive_topk`` is on and no range is given
 ADAPTIVE_RANGE = (0.25, 4.0)
 #: the smallest weight (missed energy share) :func:`redistribute_topk` gives a tensor, so that a
@@ -88,7 +87,7 @@ ADAPTIVE_RANGE = (0.25, 4.0)
 _MIN_WEIGHT = 1e-3
 
 
-class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
+class SparseLoCo(FrontEnd, torch.optim.Optimizer):
     """H local steps of an inner optimizer, then a compressed pseudo-gradient sync.
 
     Args:
@@ -184,6 +183,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() on every rank
+    owner = "SparseLoCo"
 
     def __init__(
         self,
@@ -230,17 +230,14 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         self.chunk = check_int("chunk", chunk, 1, where=where)
         self.dct = check_flag("dct", dct, where=where)
         self.codec = get_codec(payload, owner=where)
-        if value_dtype not in VALUE_DTYPES:
-            raise TypeError(
-                f"SparseLoCo: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}"
-            )
+        check_value_dtype(where, value_dtype)
         self.error_decay = check_number("error_decay", error_decay, 0.0, 1.0, where=where)
         self.outer = check_choice("outer", outer, OUTER, where=where)
         self.outer_lr = check_number("outer_lr", outer_lr, 0.0, low_open=True, where=where)
         self.outer_momentum = check_number(
             "outer_momentum", outer_momentum, 0.0, 1.0, high_open=True, where=where
         )
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE, where=where)
+        self.nonfinite = check_nonfinite_mode(where, nonfinite)
         self.precision = lowp.check_precision(where, precision)
         self.seed = check_int("seed", seed, 0, where=where)
         self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, where=where)
@@ -479,43 +476,17 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         rank alike; ``theta_global`` follows the weights. Nothing changes before every result
         is in."""
         params = self._model_params
-        amp = Amp.of(self)
-        has_grad = [p.grad is not None for p in params]
-        for n, p in enumerate(params):
-            g = p.grad
-            if g is not None and (g.is_sparse or g.shape != p.shape):
-                raise ValueError(
-                    f"SparseLoCo: the gradient of {self._name(n)} is "
-                    f"{'sparse' if g.is_sparse else f'of shape {tuple(g.shape)}'}; the dense warm-up "
-                    "all-reduces dense gradients shaped like their parameters"
-                )
-        where = [n for n, has in enumerate(has_grad) if has]
-        grads = [p.grad for p in params if p.grad is not None]
-        bad = [where[j] for j in nonfinite(grads, amp.inv_scale)]  # and unscaled, in one pass
-        rnd = self.exchange.agree(
-            self._fingerprints(),
-            self.exchange.report(
-                bad, grads=fingerprint(bytes(has_grad)), events=FOUND_INF if amp.found_inf else 0
-            ),
-            self._describe,
-            extra=self._driver.measurement(torch.device("cpu")),
+        has_grad = check_gradients("SparseLoCo", params, self._name)
+        rnd = self.open_round(
+            [p.grad for p in params],
+            Amp.of(self),
+            fingerprints=self._fingerprints(),
+            describe=self._describe,
+            name=self._name,
             device=params[0].device,
-            has_grad=lambda: has_grad,
-            names=self._name,
+            extra=self._driver.measurement(torch.device("cpu")),
         )
-        found_inf = bool(rnd.any_event(FOUND_INF))
-        if found_inf or rnd.bad:
-            if rnd.bad and not found_inf:
-                what = (
-                    f"non-finite gradient in {rnd.where_bad(self._name)} at dense warm-up step "
-                    f"{self._steps + 1}; no parameter and no buffer changed"
-                )
-                if self.nonfinite == "error":
-                    raise FloatingPointError(
-                        f"SparseLoCo: {what}. Lower the lr / fix the data, or pass nonfinite='skip' to "
-                        "skip such steps on every rank"
-                    )
-                warnings.warn(f"SparseLoCo: skipped a dense warm-up step: {what}", stacklevel=4)
+        if not self.skip_or_raise(rnd, self._name, when=f"dense warm-up step {self._steps + 1}"):
             self.skipped_steps += self.comm.world_size  # the step, skipped on every rank
             self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=False)
             return
@@ -585,24 +556,23 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
             self._follow_policy(rnd.extras if self.policy.observes else None)
         if bad:  # a NaN gradient or an overflow reached some rank's inner optimizer
             reset = self._recover(params)
-            what = (
-                f"non-finite pseudo-gradient in {rnd.where_bad(self._name)} "
-                "(a non-finite gradient or an overflow reached its inner optimizer)"
-            )
             recovered = (
                 "the sync was not applied (theta_global, error buffers and outer momentum as they were); "
                 "every rank's weights are back at the last sync's"
                 + (f", and this rank reset the inner optimizer's state of {_listing(reset)}" if reset else "")
+                + ", so training can go on"
             )
-            if self.nonfinite == "skip":
-                self.skipped_syncs += 1
-                self._driver.step_done(0, 0, synced=False)
-                warnings.warn(f"SparseLoCo: skipped a sync: {what}; {recovered}", stacklevel=3)
-                return
-            raise FloatingPointError(
-                f"SparseLoCo: {what}; {recovered}, so training can go on. Lower the inner lr / fix the "
-                "data, or pass nonfinite='skip' to skip such syncs on every rank"
+            self.skip_or_raise(
+                rnd,
+                self._name,
+                when=f"sync {self.syncs + 1}",
+                what="pseudo-gradient",
+                changed=recovered,
+                unit="sync",
             )
+            self.skipped_syncs += 1
+            self._driver.step_done(0, 0, synced=False)
+            return
         means = self._exchange(deltas)
         self.syncs += 1
         generator = self._generator(params[0].device)
@@ -928,7 +898,7 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         return {
             "settings": settings,
             "groups": [
-                {k: _plain(v) for k, v in _hyper(g).items() if _comparable(v)} for g in self.param_groups
+                {k: plain(v) for k, v in _hyper(g).items() if _comparable(v)} for g in self.param_groups
             ],
             "layout": [
                 [self._name(n), f"{tuple(p.shape)} {p.dtype}"] for n, p in enumerate(self._model_params)
@@ -942,21 +912,12 @@ class SparseLoCo(ExchangeOwner, torch.optim.Optimizer):
         return fp, fp
 
     def _check_start(self) -> None:
-        """First step: settings, layout and counters agree, then the parameters' values (sums in
-        float64) are compared before any change: replicas must start identical."""
-        params = self._model_params
+        """First step: settings, layout and counters agree, then the replicas must start
+        identical (checked before any change)."""
         self._agree(None)
-        sums = [self._local(p).double().sum() for p in params]  # 0 for empty tensors
-        seen = self.exchange.wait(
-            self.comm.all_gather(torch.stack(sums).to(params[0].device), "parameter check")
-        ).cpu()
-        differ = (seen != seen[:1]).any(dim=0).nonzero().flatten().tolist()
-        if differ:
-            raise ValueError(
-                f"SparseLoCo: parameter {self._name(differ[0])} differs between the ranks at the first "
-                "step; every rank must start from the same weights (seed the model alike or broadcast "
-                "rank 0's)"
-            )
+        self.check_replicas(
+            [self._local(p) for p in self._model_params], self._name, when="at the first step"
+        )
         self._checked = True
 
     def _name(self, n: int) -> str:
@@ -1179,11 +1140,3 @@ def _grad32(p: torch.Tensor) -> torch.Tensor:
 
 def _comparable(v: object) -> bool:
     return isinstance(v, (int, float, bool, str, tuple, torch.Tensor)) or v is None
-
-
-def _plain(v: object) -> object:
-    if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
-    if isinstance(v, int) and not isinstance(v, bool):
-        return float(v)
-    return v

@@ -336,7 +336,8 @@ def test_a_nonfinite_gradient_or_found_inf_in_the_warmup_raises_or_skips_on_ever
             assert f[f"{case} unchanged"], case  # the step is skipped on every rank
             assert f[f"{case} counts"] == (3, world, 0), case  # skipped_steps: once per rank
             assert "skip message" not in f and "found_inf message" not in f
-        assert len(f["skip warnings"]) == 1 and "skipped a dense warm-up step" in f["skip warnings"][0]
+        assert len(f["skip warnings"]) == 1 and "skipped a step on every rank" in f["skip warnings"][0]
+        assert "at dense warm-up step 2" in f["skip warnings"][0]
         assert f["found_inf warnings"] == []
         for case in ("skip", "found_inf"):
             for a, b in zip(f[f"{case} params"], res_list[0]["faults"][f"{case} params"]):

@@ -1,0 +1,188 @@
+"""The front-end base: what DeMo, SparseLoCo, Dion and the DDP hook share on the exchange core.
+
+Every front end opens its rounds the same way and fails the same way; this module is the one
+place where that is written:
+
+- :func:`check_gradients`: gradients exist where they should, dense and shaped like their
+  parameters (raised before anything is sent);
+- :meth:`FrontEnd.open_round`: the round prologue: which parameters have a gradient, which
+  gradients are non-finite (a GradScaler's scale taken off in the same pass), this rank's
+  ``found_inf``, and the exchange core's agreement (:meth:`Exchange.agree`) over all of it;
+- :meth:`FrontEnd.skip_or_raise`: the one skip-or-raise path after a round that found a
+  GradScaler's inf or non-finite values, with one message (:func:`nonfinite_message`);
+- :meth:`FrontEnd.check_replicas`: the replicas start identical (float64 sums compared);
+- :func:`check_value_dtype` and :func:`plain`: the value-dtype check and the plain form of a
+  hyper-parameter that every fingerprint and mismatch report uses.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from cokit.compress.agreement import FOUND_INF, Round, fingerprint
+from cokit.compress.exchange import ExchangeOwner
+from cokit.compress.guards import Amp, nonfinite
+from cokit.compress.payload import VALUE_DTYPES
+from cokit.triton_kernels._checks import check_choice
+
+__all__ = [
+    "NONFINITE",
+    "NOTHING_CHANGED",
+    "FrontEnd",
+    "check_gradients",
+    "check_nonfinite_mode",
+    "check_value_dtype",
+    "nonfinite_message",
+    "plain",
+]
+
+#: what a non-finite value found by a round does: raise on every rank, or skip on every rank
+NONFINITE = ("error", "skip")
+#: what a round that stopped before its exchange changed
+NOTHING_CHANGED = "no parameter and no buffer changed"
+
+Namer = Callable[[int], str]
+
+
+def check_nonfinite_mode(where: str, value: object) -> str:
+    """``nonfinite=`` as one of :data:`NONFINITE`."""
+    return check_choice("nonfinite", value, NONFINITE, where=where)
+
+
+def check_value_dtype(where: str, value_dtype: object) -> torch.dtype:
+    """``value_dtype=`` as one of the payload value dtypes (fp16, bf16, fp32)."""
+    if value_dtype not in VALUE_DTYPES:
+        raise TypeError(f"{where}: value_dtype must be torch.float16, bfloat16 or float32, got {value_dtype}")
+    assert isinstance(value_dtype, torch.dtype)
+    return value_dtype
+
+
+def plain(value: object) -> object:
+    """A hyper-parameter as plain JSON-able Python, so equal values compare and print equal on
+    every rank: tensors as their number (or a tuple of numbers), ints as floats (lr=1 and
+    lr=1.0 agree), sequences element-wise; bools and strings as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else tuple(value.flatten().tolist())
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def nonfinite_message(
+    owner: str, where: str, *, what: str = "gradient", changed: str = NOTHING_CHANGED
+) -> str:
+    """The error of a round that found a non-finite value: where it is (tensor, rank, step),
+    what changed, and what to do."""
+    return (
+        f"{owner}: non-finite {what} in {where}; {changed}. Lower the lr, fix the data or the loss "
+        "scale, or pass nonfinite='skip' to skip such steps on every rank"
+    )
+
+
+def check_gradients(owner: str, params: Sequence[torch.Tensor], name: Namer) -> list[bool]:
+    """Which of ``params`` have a gradient; raises unless each gradient is dense (``TypeError``)
+    and shaped like its parameter (``ValueError``); ``params`` may be DTensor parameters."""
+    has_grad = []
+    for n, p in enumerate(params):
+        g = p.grad
+        if g is not None and g.is_sparse:
+            raise TypeError(f"{owner}: {name(n)} has a sparse gradient; {owner} needs dense gradients")
+        if g is not None and g.shape != p.shape:
+            raise ValueError(
+                f"{owner}: the gradient of {name(n)} has shape {tuple(g.shape)}; {owner} needs "
+                "gradients shaped like their parameters"
+            )
+        has_grad.append(g is not None)
+    return has_grad
+
+
+class FrontEnd(ExchangeOwner):
+    """A front end on the exchange core (module docstring). Subclasses set ``owner`` (the name
+    in messages) and ``nonfinite``."""
+
+    owner: str
+    nonfinite: str
+
+    def open_round(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        amp: Amp,
+        *,
+        fingerprints: tuple[int, int],
+        describe: Callable[[bool], dict[str, Any]],
+        name: Namer,
+        device: torch.device,
+        extra: torch.Tensor | None = None,
+        events: int = 0,
+    ) -> Round:
+        """The round prologue over ``grads`` (None where a parameter has no gradient, already
+        checked by :func:`check_gradients`): the non-finite ones are found (and unscaled by the
+        GradScaler's scale in the same pass), then every rank agrees on settings, the set of
+        gradients, non-finite reports and events (``found_inf`` added). Raises on every rank
+        when anything disagrees; nothing has changed by then."""
+        has_grad = [g is not None for g in grads]
+        where = [n for n, has in enumerate(has_grad) if has]
+        present = [g for g in grads if g is not None]
+        bad = [where[j] for j in nonfinite(present, amp.inv_scale)]
+        report = self.exchange.report(
+            bad, grads=fingerprint(bytes(has_grad)), events=events | (FOUND_INF if amp.found_inf else 0)
+        )
+        return self.exchange.agree(
+            fingerprints,
+            report,
+            describe,
+            extra=extra,
+            device=device,
+            has_grad=lambda: has_grad,
+            names=name,
+        )
+
+    def skip_or_raise(
+        self,
+        rnd: Round,
+        name: Namer,
+        *,
+        when: str,
+        what: str = "gradient",
+        changed: str = NOTHING_CHANGED,
+        unit: str = "step",
+    ) -> bool:
+        """True to go on with the round; False when every rank skips it (the caller counts it):
+        a GradScaler found inf on some rank (silently: the scaler lowers its scale), or some rank
+        found a non-finite ``what`` under ``nonfinite='skip'`` (with a warning). Raises
+        ``FloatingPointError`` on every rank under ``nonfinite='error'``. ``when`` says which
+        step, ``changed`` what changed by now, ``unit`` what is skipped."""
+        if rnd.any_event(FOUND_INF):
+            return False
+        if not rnd.bad:
+            return True
+        where = f"{rnd.where_bad(name)} at {when}"
+        if self.nonfinite == "error":
+            raise FloatingPointError(nonfinite_message(self.owner, where, what=what, changed=changed))
+        warnings.warn(
+            f"{self.owner}: skipped a {unit} on every rank: non-finite {what} in {where}; {changed}",
+            stacklevel=4,
+        )
+        return False
+
+    def check_replicas(
+        self, tensors: Sequence[torch.Tensor], name: Namer, *, when: str, what: str = "parameter"
+    ) -> None:
+        """Raise ``ValueError`` on every rank unless every rank holds the same ``tensors`` (their
+        float64 sums compared; 0 for empty ones), naming the first that differs."""
+        if not tensors:
+            return
+        sums = torch.stack([t.detach().double().sum() for t in tensors]).to(tensors[0].device)
+        seen = self.exchange.wait(self.comm.all_gather(sums, f"{what} check")).cpu()
+        differ = (seen != seen[:1]).any(dim=0).nonzero().flatten().tolist()
+        if differ:
+            raise ValueError(
+                f"{self.owner}: {what} {name(differ[0])} differs between the ranks {when}; every rank "
+                "must start from the same weights (seed the model alike or broadcast rank 0's)"
+            )
