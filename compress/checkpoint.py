@@ -37,6 +37,21 @@ from cokit.compress import rules
 from cokit.compress.dtensor import local
 from cokit.compress.stats import CommStats
 
+#: DeMo's per-group settings that change what is sent or how the update is computed (checked across ranks).
+GROUP_SETTINGS = {
+    "lr": float,
+    "weight_decay": float,
+    "compression_decay": float,
+    "compression_topk": int,
+    "compression_chunk": int,
+    "alpha": float,
+    "update_rule": str,
+    "rule_beta2": float,
+    "rule_eps": float,
+    "ns_steps": int,
+    "rule_fallback": str,
+}
+
 if TYPE_CHECKING:
     from cokit.compress.optimizer import DeMo
 
@@ -271,19 +286,13 @@ def _check_groups(opt: DeMo, saved: list[Mapping[str, Any]]) -> list[dict[str, A
             )
         # saved before the update rules existed: those ran DeMo's sign rule
         s = {**rules.RULE_DEFAULTS, **s} if "update_rule" not in s else s
-        missing = sorted(set(_group_settings()) - set(s))
+        missing = sorted(set(GROUP_SETTINGS) - set(s))
         if missing:
             raise ValueError(f"{_WHERE}: saved param group {gi} lacks DeMo's settings {missing}")
         group = {k: v for k, v in s.items() if not (k == COMMON_KEY or _RANK_KEY.match(str(k)))}
         opt._check_group({**group, "params": []}, gi)
         out.append(group)
     return out
-
-
-def _group_settings() -> tuple[str, ...]:
-    from cokit.compress.optimizer import _GROUP_SETTINGS  # here: optimizer imports this module
-
-    return tuple(_GROUP_SETTINGS)
 
 
 def _parse_records(

@@ -48,21 +48,6 @@ from cokit.triton_kernels._checks import check_flag, check_int, check_number
 
 __all__ = ["DeMo"]
 
-# Per-group settings that change what is sent or how the update is computed (checked across ranks).
-_GROUP_SETTINGS = {
-    "lr": float,
-    "weight_decay": float,
-    "compression_decay": float,
-    "compression_topk": int,
-    "compression_chunk": int,
-    "alpha": float,
-    "update_rule": str,
-    "rule_beta2": float,
-    "rule_eps": float,
-    "ns_steps": int,
-    "rule_fallback": str,
-}
-
 
 class DeMo(FrontEnd, torch.optim.Optimizer):
     """Decoupled-momentum optimizer that sends only a top-k DCT selection per tile.
@@ -564,7 +549,8 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
             "precision": self.precision,
             "seed": self.seed,
             "groups": [
-                {k: _plain(g[k], kind) for k, kind in _GROUP_SETTINGS.items()} for g in self.param_groups
+                {k: _plain(g[k], kind) for k, kind in checkpoint.GROUP_SETTINGS.items()}
+                for g in self.param_groups
             ],
         }
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -56,7 +55,12 @@ import torch
 from cokit.compress import precision as lowp
 from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
-from cokit.compress.agreement import PeerDataError, canonical, fingerprint
+from cokit.compress.adaptive_topk import (
+    average_shares,
+    check_adaptive_range,
+    redistribute_topk,
+)
+from cokit.compress.agreement import canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
@@ -68,23 +72,14 @@ from cokit.compress.named_params import check_dense_params, check_replicated, de
 from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.priority import check_comm_priority, priority_group
+from cokit.compress.sparseloco_step import Mean, Receive, launch_bucket
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
-from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
-from cokit.triton_kernels.topk import chunk_topk
 
 __all__ = ["SparseLoCo", "redistribute_topk"]
 
 OUTER = ("average", "nesterov")
-#: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
-#: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
-Mean = tuple[torch.Tensor, "torch.Tensor | None"]
-#: ``adaptive_range`` when ``adaptive_topk`` is on and no range is given
-ADAPTIVE_RANGE = (0.25, 4.0)
-#: the smallest weight (missed energy share) :func:`redistribute_topk` gives a tensor, so that a
-#: tensor whose selection captured everything still takes part in the normalization
-_MIN_WEIGHT = 1e-3
 
 
 class SparseLoCo(FrontEnd, torch.optim.Optimizer):
@@ -218,7 +213,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
     ):
         where = "SparseLoCo"
         self.adaptive_topk = check_flag("adaptive_topk", adaptive_topk, where=where)
-        self.adaptive_range = _check_adaptive_range(adaptive_range, self.adaptive_topk, topk, where)
+        self.adaptive_range = check_adaptive_range(adaptive_range, self.adaptive_topk, topk, where)
         self.dense_warmup = check_int(
             "dense_warmup", dense_warmup, 0, where=where, more="(steps of data-parallel warm-up; 0: none)"
         )
@@ -695,19 +690,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
     def _adapted(self, pending: Any, order: list[int]) -> tuple[dict[int, float], dict[int, int]]:
         """Every rank's captured-energy shares (checked: finite, in [0, 1]), averaged in rank
         order, and the k's they give for the next sync (parameter index -> each)."""
-        gathered = self.exchange.wait(pending).cpu()
-        ok = (torch.isfinite(gathered) & (gathered >= 0) & (gathered <= 1)).all(dim=1)
-        if not bool(ok.all()):
-            r = int((~ok).nonzero()[0, 0])
-            raise PeerDataError(
-                f"{self.exchange.owner}: rank {self.comm.global_rank(r)} sent captured-energy shares "
-                "outside [0, 1] (adaptive_topk): its process runs other code, or its memory is corrupt"
-            )
-        rows = gathered.double().tolist()
-        shares = [0.0] * len(order)
-        for row in rows:  # rank order: the same float sums on every rank
-            shares = [s + x for s, x in zip(shares, row)]
-        shares = [s / len(rows) for s in shares]
+        shares = average_shares(self.exchange.wait(pending), self.exchange.owner, self.comm.global_rank)
         tilings = self._tilings()
         assert self.topk is not None and self.adaptive_range is not None
         in_force = self._topks()
@@ -720,6 +703,34 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             [in_force[i] for i in order],
         )
         return dict(zip(order, shares)), dict(zip(order, ks))
+
+    def _launch(
+        self, b: int, bucket: Bucket, deltas: list[torch.Tensor], captured: dict[int, torch.Tensor] | None
+    ) -> Receive:
+        """Start bucket ``b`` (:func:`~cokit.compress.sparseloco_step.launch_bucket`) with its
+        compressed tensors' error buffers (made at their first sync)."""
+        errors = []  # dense buckets have none (no error feedback)
+        for i in [] if bucket.dense else bucket.members:
+            state = self.state[self._model_params[i]]
+            if "error" not in state:  # (not setdefault: that would zero a fresh buffer every sync)
+                state["error"] = torch.zeros_like(deltas[i])
+            errors.append(state["error"])
+        at_positions = self.outer == "average" and all(
+            self.state[self._model_params[i]]["global"].is_contiguous() for i in bucket.members
+        )
+        return launch_bucket(
+            b,
+            bucket,
+            deltas,
+            errors,
+            self.exchange,
+            chunk=self.chunk,
+            dct=self.dct,
+            error_decay=self.error_decay,
+            names=[self._name(i) for i in bucket.members],
+            at_positions=at_positions,
+            captured=captured,
+        )
 
     def _exchange(self, deltas: list[torch.Tensor]) -> list[Mean | None]:
         """Encode every bucket (updating the error buffers), launch all collectives, check every
@@ -743,117 +754,6 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             if topks != self._k:
                 self._k, self._buckets = topks, None  # the next sync's buckets
         return means
-
-    def _launch(
-        self,
-        b: int,
-        bucket: Bucket,
-        deltas: list[torch.Tensor],
-        captured: dict[int, torch.Tensor] | None = None,
-    ) -> Callable[[], Callable[[], list[Mean]]]:
-        """Start bucket ``b``'s collectives; returns its receive (wait and check), which returns
-        its decode. ``captured`` (``adaptive_topk``) receives, per compressed tensor, the share
-        of its error buffer's energy that its selection captured (a 0-d float64 tensor)."""
-        members = bucket.members
-        label = f"bucket {b}"
-        if bucket.dense:
-            flat = torch.cat([deltas[i].reshape(-1) for i in members])
-            pending = self.comm.all_reduce_mean(flat, "pseudo-gradient all-reduce")
-
-            def receive_dense() -> Callable[[], list[Mean]]:
-                mean = self.exchange.dense(pending, f"{label} (dense)")
-                return lambda: [(m, None) for m in split_like(mean, [deltas[i] for i in members])]
-
-            return receive_dense
-
-        codec, k, chunk = bucket.codec, bucket.topk, self.chunk
-        assert codec is not None and k is not None and bucket.plan is not None
-        plan = bucket.plan
-        errors = []
-        for i in members:
-            state = self.state[self._model_params[i]]
-            if "error" not in state:  # (not setdefault: that would zero a fresh buffer every sync)
-                state["error"] = torch.zeros_like(deltas[i])
-            e = state["error"]
-            errors.append(e.mul_(self.error_decay).add_(deltas[i]))
-        tilings = plan.tilings
-        # in place: the tile matrices of contiguous error buffers go into the pseudo-gradients'
-        # buffers (dead once added to the error buffers)
-        in_place = not self.dct and all(e.is_contiguous() for e in errors)
-        if self.dct:
-            coeffs = dct_encode_multi(errors, chunk)
-        elif in_place:
-            coeffs = [_tiles_into(deltas[i], e, t) for i, e, t in zip(members, errors, tilings)]
-        else:
-            coeffs = [_to_tiles(e, t) for e, t in zip(errors, tilings)]
-        picks = [chunk_topk(c, k) for c in coeffs]
-        if captured is not None:  # before the coefficient matrices are reused below
-            for i, c, (_, v) in zip(members, coeffs, picks):
-                captured[i] = _captured_share(c, v)
-        idx = torch.cat([ix.reshape(-1).to(plan.index_dtype) for ix, _ in picks])
-        vals = torch.cat([v.reshape(-1) for _, v in picks]).to(codec.encode_dtype)
-        wires = codec.to_wire(idx, vals)
-        pendings = self.exchange.gather(codec, wires)
-        # what the other ranks will decode from this rank leaves the error buffer
-        _, sent = codec.from_wire([w.reshape(1, -1) for w in wires])
-        spans = [t.n_tiles * t.k_eff(k) for t in tilings]
-        if in_place:
-            # ``e -= sparse(sent)`` at the picked positions only: everywhere else it subtracts
-            # zero, which leaves every value (and the sign of a zero) as it was
-            for e, (ix, _), part, t in zip(errors, picks, sent[0].split(spans), tilings):
-                flat, pos = e.view(-1), _positions(ix, t)
-                flat.index_put_((pos,), flat[pos] - part.view(ix.shape).float().view(-1))
-            sparse = coeffs  # dead once picked: the decode's sums
-        else:
-            # the coefficient matrices are dead once picked: they hold the sparse matrices (a
-            # fresh buffer only where a tile matrix is a view of its error buffer)
-            sparse = [
-                (torch.zeros_like(c) if _aliases(c, e) else c.zero_()).scatter_(
-                    1, ix.long(), part.view(ix.shape).float()
-                )
-                for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans))
-            ]
-            for e, s in zip(errors, self._from_coeffs(sparse, errors, tilings)):
-                e.sub_(s)
-        names = [self._name(i) for i in members]
-        # the "average" outer step needs the mean only where some rank sent a value
-        at_positions = in_place and self.outer == "average"
-        at_positions = at_positions and all(
-            self.state[self._model_params[i]]["global"].is_contiguous() for i in members
-        )
-
-        def receive() -> Callable[[], list[Mean]]:
-            indices, values = self.exchange.selection(codec, pendings, label, names)
-
-            def decode() -> list[Mean]:
-                world = indices.shape[0]
-                if at_positions:
-                    return [
-                        _mean_at_positions(s, ix, v, t, world)
-                        for s, ix, v, t in zip(
-                            sparse, indices.split(spans, 1), values.split(spans, 1), tilings
-                        )
-                    ]
-                sums = [s.zero_() for s in sparse]  # dead since the launch: reused
-                for r in range(world):  # rank order, one add per position per rank: deterministic
-                    for s, ix_r, v_r, t in zip(
-                        sums, indices[r].split(spans), values[r].split(spans), tilings
-                    ):
-                        s.scatter_add_(1, ix_r.long().view(t.n_tiles, -1), v_r.float().view(t.n_tiles, -1))
-                if world > 1:  # x / 1 == x
-                    for s in sums:
-                        s.div_(world)
-                return [(m, None) for m in self._from_coeffs(sums, errors, tilings)]
-
-            return decode
-
-        return receive
-
-    def _from_coeffs(self, mats: list[torch.Tensor], like: list[torch.Tensor], tilings) -> list[torch.Tensor]:
-        """Tile matrices (DCT coefficients when ``dct``) -> tensors shaped like ``like``."""
-        if self.dct:
-            return dct_decode_multi(mats, [list(x.shape) for x in like], self.chunk)
-        return [_from_tiles(m, t) for m, t in zip(mats, tilings)]
 
     # ------------------------------------------------------------------ agreement
     def _settings(self) -> dict[str, Any]:
@@ -944,124 +844,6 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _check_adaptive_range(
-    value: object, adaptive: bool, topk: object, where: str
-) -> tuple[float, float] | None:
-    """``adaptive_range`` as two floats ``0 < low <= 1 <= high`` (None when the option is off)."""
-    if not adaptive:
-        if value is not None:
-            raise ValueError(f"{where}: adaptive_range={value!r} needs adaptive_topk=True")
-        return None
-    if topk is None:
-        raise ValueError(
-            f"{where}: adaptive_topk=True redistributes the top-k budget; it needs topk (not None, DiLoCo)"
-        )
-    if value is None:
-        return ADAPTIVE_RANGE
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{where}: adaptive_range must be a pair (low, high), got {value!r}")
-    low = check_number("adaptive_range[0]", value[0], 0.0, 1.0, low_open=True, where=where)
-    high = check_number("adaptive_range[1]", value[1], 1.0, where=where)
-    return low, high
-
-
-def _k_limits(topk: int, tile_numel: int, k_range: tuple[float, float]) -> tuple[int, int]:
-    """The smallest and largest k of a tensor whose tiles hold ``tile_numel`` values."""
-    low = min(tile_numel, max(1, math.ceil(k_range[0] * topk - 1e-9)))
-    return low, min(tile_numel, max(low, math.floor(k_range[1] * topk + 1e-9)))
-
-
-def redistribute_topk(
-    captured: list[float],
-    tiles: list[int],
-    tile_numels: list[int],
-    topk: int,
-    k_range: tuple[float, float] = ADAPTIVE_RANGE,
-    current: list[int] | None = None,
-) -> list[int]:
-    """``adaptive_topk``'s rule: the k of each compressed tensor for the next sync.
-
-    Tensor ``i`` has ``tiles[i]`` tiles of ``tile_numels[i]`` values, and its last selection,
-    of ``current[i]`` values per tile (default ``topk``), captured the share ``captured[i]`` of
-    its error buffer's energy (averaged over the ranks). The budget is the static one,
-    ``B = sum_i tiles[i] * min(topk, tile_numels[i])`` values. Each tensor gets a real target
-    ``x_i = clamp(lam * w_i, low_i, high_i)``, with the weight
-    ``w_i = current[i] * max(1 - captured[i], 1e-3)``: the energy it missed, times the k it
-    missed it with. Without that factor the rule swings (more k captures more, so the next
-    sync gives less); with it, a tensor whose missed share falls like ``1 / k`` keeps its
-    weight wherever its k is, so the allocation settles. ``lam`` is the one for which
-    ``sum_i tiles[i] * x_i = B`` (found by bisection, to the last bit); ``low_i, high_i`` are
-    ``ceil(low * topk), floor(high * topk)`` of ``k_range``, within ``[1, tile_numels[i]]``.
-    Then ``k_i = floor(x_i)``, and what is left of ``B`` goes as ``+1`` steps to the tensors of
-    largest fractional part first (ties: larger weight, then lower index), repeated while a step
-    fits below ``high_i`` and within ``B``. So ``sum_i tiles[i] * k_i <= B`` always; of two
-    tensors with the same limits, the one that missed more energy never gets the smaller target;
-    and the result depends only on the arguments (plain float arithmetic, alike on every rank).
-    """
-    n = len(captured)
-    if not (len(tiles) == len(tile_numels) == n):
-        raise ValueError(
-            f"redistribute_topk: captured, tiles and tile_numels have {n}, {len(tiles)} and "
-            f"{len(tile_numels)} entries; give one of each per tensor"
-        )
-    if not all(isinstance(t, int) and t >= 1 for t in (*tiles, *tile_numels, topk)):
-        raise ValueError("redistribute_topk: tiles, tile_numels and topk must be positive integers")
-    if not all(isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in captured):
-        raise ValueError(f"redistribute_topk: every captured share must be in [0, 1], got {captured!r}")
-    if not 0.0 < k_range[0] <= 1.0 <= k_range[1]:
-        raise ValueError(
-            f"redistribute_topk: k_range must be (low, high), 0 < low <= 1 <= high, got {k_range!r}"
-        )
-    ks_now = [topk] * n if current is None else list(current)
-    if len(ks_now) != n or not all(isinstance(k, int) and k >= 1 for k in ks_now):
-        raise ValueError(
-            f"redistribute_topk: current must be one positive integer k per tensor, got {current!r}"
-        )
-    if n == 0:
-        return []
-    limits = [_k_limits(topk, size, k_range) for size in tile_numels]
-    budget = sum(t * min(topk, size) for t, size in zip(tiles, tile_numels))
-    weights = [k * max(1.0 - float(f), _MIN_WEIGHT) for k, f in zip(ks_now, captured)]
-
-    def targets(lam: float) -> list[float]:
-        return [min(max(lam * w, float(lo)), float(hi)) for w, (lo, hi) in zip(weights, limits)]
-
-    def total(xs: list[float]) -> float:
-        return sum(t * x for t, x in zip(tiles, xs))
-
-    # total(targets(lam)) grows with lam, from sum tiles * low <= B to sum tiles * high >= B
-    below, above = 0.0, max(hi / w for w, (_, hi) in zip(weights, limits))
-    for _ in range(200):
-        mid = (below + above) / 2
-        if mid in (below, above):
-            break
-        if total(targets(mid)) <= budget:
-            below = mid
-        else:
-            above = mid
-    xs = targets(below)
-    ks = [max(lo, min(hi, math.floor(x))) for x, (lo, hi) in zip(xs, limits)]
-    left = budget - sum(t * k for t, k in zip(tiles, ks))
-    order = sorted(range(n), key=lambda i: (-(xs[i] - math.floor(xs[i])), -weights[i], i))
-    grown = True
-    while grown and left > 0:
-        grown = False
-        for i in order:
-            if ks[i] < limits[i][1] and tiles[i] <= left:
-                ks[i] += 1
-                left -= tiles[i]
-                grown = True
-    return ks
-
-
-def _captured_share(coeffs: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    """The share of ``coeffs``' energy (sum of squares, float64) in ``picked`` (1 when there is
-    no energy at all: nothing was missed), as a 0-d float64 tensor in [0, 1]."""
-    whole = torch.linalg.vector_norm(coeffs.reshape(-1), dtype=torch.float64) ** 2
-    got = torch.linalg.vector_norm(picked.reshape(-1), dtype=torch.float64) ** 2
-    return (got / whole).nan_to_num(1.0).clamp(0.0, 1.0)
-
-
 def _listing(names: list[str], shown: int = 4) -> str:
     more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
@@ -1070,65 +852,6 @@ def _listing(names: list[str], shown: int = 4) -> str:
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyper-parameters (everything but its parameters)."""
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _to_tiles(x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
-    """A tensor -> its ``(n_tiles, tile_numel)`` tile matrix (the DCT's tile order)."""
-    m = x.reshape(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
-    return m.reshape(t.n_tiles, t.tile_numel)
-
-
-def _tiles_into(buf: torch.Tensor, x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
-    """:func:`_to_tiles` of a contiguous ``x``, written into the contiguous fp32 ``buf``."""
-    m = buf.view(t.n_tiles, t.tile_numel)
-    m.view(t.rows // t.h, t.cols // t.w, t.h, t.w).copy_(_tile_view(x, t))
-    return m
-
-
-def _mean_at_positions(
-    s: torch.Tensor, ix: torch.Tensor, v: torch.Tensor, t: tiling.TensorTiling, world: int
-) -> Mean:
-    """Every rank's selection ``ix``, ``v`` ``(world, n_tiles * k)`` of one tensor -> the mean
-    over ranks (zeros elsewhere) at the flat positions the ranks sent, with those positions.
-
-    The values are the dense decode's: the tile matrix ``s`` (scratch) is zeroed where any
-    rank sent, each rank's values are added in rank order (``scatter_add_``), then divided
-    by ``world``; the rest of ``s`` is neither written nor read.
-    """
-    ix = ix.long().view(world, t.n_tiles, -1)
-    slots = (ix + torch.arange(t.n_tiles, device=ix.device).unsqueeze(1) * t.tile_numel).view(-1)
-    flat = s.view(-1)
-    flat.index_fill_(0, slots, 0.0)
-    for r in range(world):  # rank order, one add per position per rank: deterministic
-        s.scatter_add_(1, ix[r], v[r].float().view(t.n_tiles, -1))
-    mean = flat[slots]
-    if world > 1:  # x / 1 == x
-        mean.div_(world)
-    return mean, _positions(ix, t)
-
-
-def _positions(ix: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
-    """Flat positions in the tensor (row-major) of the tile positions ``ix`` ``(..., n_tiles, k)``."""
-    tiles = torch.arange(t.n_tiles, device=ix.device).unsqueeze(1)
-    ty, tx = tiles // (t.cols // t.w), tiles % (t.cols // t.w)
-    ix = ix.long()
-    r, c = ix // t.w, ix % t.w
-    return ((ty * t.h + r) * t.cols + tx * t.w + c).view(-1)
-
-
-def _tile_view(x: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
-    """A contiguous ``x`` as an ``(tiles_y, tiles_x, h, w)`` view (the tile order)."""
-    return x.view(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _from_tiles(m: torch.Tensor, t: tiling.TensorTiling) -> torch.Tensor:
-    """Inverse of :func:`_to_tiles`."""
-    x = m.reshape(t.rows // t.h, t.cols // t.w, t.h, t.w).transpose(1, 2)
-    return x.reshape(t.shape)
 
 
 def _grad32(p: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cokit.compress.adaptive_topk import k_limits
 from cokit.compress.named_params import indexed_groups
 from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
 from cokit.compress.stats import CommStats
@@ -222,8 +223,6 @@ def load(opt: SparseLoCo, sd: object) -> None:
 def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:
     """The saved k's of ``adaptive_topk``: one per tensor the static plan compresses, each within
     its limits, the total within the static budget; else the file is damaged."""
-    from cokit.compress.sparseloco import _k_limits
-
     saved = common.get("topk_per_tensor")
     tilings = opt._tilings()
     topk, k_range = opt.topk, opt.adaptive_range
@@ -236,7 +235,7 @@ def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:
     topks = {e[0]: e[1] for e in entries} if ok else {}
     ok = ok and len(topks) == len(entries) and sorted(topks) == sorted(tilings)
     ok = ok and all(
-        _k_limits(topk, t.tile_numel, k_range)[0] <= topks[i] <= _k_limits(topk, t.tile_numel, k_range)[1]
+        k_limits(topk, t.tile_numel, k_range)[0] <= topks[i] <= k_limits(topk, t.tile_numel, k_range)[1]
         for i, t in tilings.items()
     )
     budget = sum(t.n_tiles * t.k_eff(topk) for t in tilings.values())

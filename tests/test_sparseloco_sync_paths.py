@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from cokit.compress import payload as payload_mod
-from cokit.compress.sparseloco import _from_tiles, _mean_at_positions, _positions, _tiles_into, _to_tiles
+from cokit.compress.sparseloco_step import mean_at_positions
 from cokit.triton_kernels import tiling
+from cokit.triton_kernels.tiling import flat_positions, from_tiles, tiles_into, to_tiles
 
 SHAPES = [(128, 192), (96, 64), (256,), (3, 40), (64, 1)]
 
@@ -24,10 +25,10 @@ def test_tiles_into_and_positions_match_the_tile_matrix(shape):
     t = tiling.tile_plan([shape], 64, 8).tilings[0]
     x = torch.randn(shape, generator=gen)
     buf = torch.empty(shape)
-    assert torch.equal(_tiles_into(buf, x, t), _to_tiles(x, t))
+    assert torch.equal(tiles_into(buf, x, t), to_tiles(x, t))
     k = min(8, t.tile_numel)
     ix = _selection(t, k, gen)
-    assert torch.equal(x.view(-1)[_positions(ix, t)], _to_tiles(x, t).gather(1, ix).view(-1))
+    assert torch.equal(x.view(-1)[flat_positions(ix, t)], to_tiles(x, t).gather(1, ix).view(-1))
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -45,9 +46,9 @@ def test_mean_at_positions_is_the_dense_mean(shape, world):
     for r in range(world):
         dense.scatter_add_(1, ix[r].view(t.n_tiles, -1), v[r].float().view(t.n_tiles, -1))
     dense.div_(world)
-    expect = _from_tiles(dense, t)
+    expect = from_tiles(dense, t)
     scratch = torch.randn(t.n_tiles, t.tile_numel, generator=gen)  # garbage outside the positions
-    mean, pos = _mean_at_positions(scratch, ix.to(torch.int16), v, t, world)
+    mean, pos = mean_at_positions(scratch, ix.to(torch.int16), v, t, world)
     assert pos is not None
     assert torch.equal(mean, expect.view(-1)[pos])
     off = torch.ones(expect.numel(), dtype=torch.bool)

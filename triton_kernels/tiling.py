@@ -38,11 +38,16 @@ __all__ = [
     "chunk_side",
     "compile_blocks",
     "empty_output",
+    "flat_positions",
+    "from_tiles",
     "geometry_signature",
     "next_pow2",
     "payload_shape",
     "pointer_table",
     "tile_plan",
+    "tile_view",
+    "tiles_into",
+    "to_tiles",
 ]
 
 # Columns of a geometry row, one row per kernel program.
@@ -123,6 +128,44 @@ class TensorTiling:
         if self.one_d:
             return max(MIN_BLOCK, ONE_D_ELEMENTS // bw), bw
         return max(MIN_BLOCK, next_pow2(self.h)), bw
+
+
+# ---------------------------------------------------------------- tile matrices in torch
+# The raw-domain view of the kernels' tile layout (no DCT): a tensor as its (n_tiles,
+# tile_numel) matrix and back, and the flat positions of tile coordinates.
+
+
+def to_tiles(x: torch.Tensor, t: TensorTiling) -> torch.Tensor:
+    """A tensor -> its ``(n_tiles, tile_numel)`` tile matrix (the DCT's tile order)."""
+    m = x.reshape(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
+    return m.reshape(t.n_tiles, t.tile_numel)
+
+
+def tiles_into(buf: torch.Tensor, x: torch.Tensor, t: TensorTiling) -> torch.Tensor:
+    """:func:`to_tiles` of a contiguous ``x``, written into the contiguous fp32 ``buf``."""
+    m = buf.view(t.n_tiles, t.tile_numel)
+    m.view(t.rows // t.h, t.cols // t.w, t.h, t.w).copy_(tile_view(x, t))
+    return m
+
+
+def flat_positions(ix: torch.Tensor, t: TensorTiling) -> torch.Tensor:
+    """Flat positions in the tensor (row-major) of the tile positions ``ix`` ``(..., n_tiles, k)``."""
+    tiles = torch.arange(t.n_tiles, device=ix.device).unsqueeze(1)
+    ty, tx = tiles // (t.cols // t.w), tiles % (t.cols // t.w)
+    ix = ix.long()
+    r, c = ix // t.w, ix % t.w
+    return ((ty * t.h + r) * t.cols + tx * t.w + c).view(-1)
+
+
+def tile_view(x: torch.Tensor, t: TensorTiling) -> torch.Tensor:
+    """A contiguous ``x`` as an ``(tiles_y, tiles_x, h, w)`` view (the tile order)."""
+    return x.view(t.rows // t.h, t.h, t.cols // t.w, t.w).transpose(1, 2)
+
+
+def from_tiles(m: torch.Tensor, t: TensorTiling) -> torch.Tensor:
+    """Inverse of :func:`to_tiles`."""
+    x = m.reshape(t.rows // t.h, t.cols // t.w, t.h, t.w).transpose(1, 2)
+    return x.reshape(t.shape)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,172 @@
+"""SparseLoCo's sync as functions over tensors and an exchange, as ``dion_step`` is to Dion.
+
+:func:`launch_bucket` encodes one bucket of pseudo-gradients into its error buffers
+(``e = error_decay * e + delta``; top-k per tile of ``e``, raw or in the DCT domain; what the
+codec sends leaves ``e``) and starts its collectives; it returns the bucket's *receive*, which
+waits for every rank's bytes and checks them, and which returns its *decode*: the mean over the
+ranks of what they sent, per tensor (:data:`Mean`). Launching every bucket before the first
+receive lets encoding bucket i+1 overlap bucket i's transfer; decoding after every receive
+means nothing changes unless every rank's bytes are good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cokit.compress.adaptive_topk import captured_share
+from cokit.compress.buckets import Bucket
+from cokit.compress.demo_step import split_like
+from cokit.compress.exchange import Exchange
+from cokit.triton_kernels import tiling
+from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
+from cokit.triton_kernels.topk import chunk_topk
+
+__all__ = ["Mean", "Receive", "from_coeffs", "launch_bucket", "mean_at_positions"]
+
+#: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
+#: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
+Mean = tuple[torch.Tensor, "torch.Tensor | None"]
+#: a launched bucket's receive (wait and check), which returns its decode
+Receive = Callable[[], Callable[[], list[Mean]]]
+
+
+def launch_bucket(
+    b: int,
+    bucket: Bucket,
+    deltas: list[torch.Tensor],
+    errors: list[torch.Tensor],
+    exchange: Exchange,
+    *,
+    chunk: int,
+    dct: bool,
+    error_decay: float,
+    names: list[str],
+    at_positions: bool,
+    captured: dict[int, torch.Tensor] | None = None,
+) -> Receive:
+    """Start bucket ``b``'s collectives; returns its receive (wait and check), which returns
+    its decode. ``captured`` (``adaptive_topk``) receives, per compressed tensor, the share
+    of its error buffer's energy that its selection captured (a 0-d float64 tensor)."""
+    members = bucket.members
+    label = f"bucket {b}"
+    if bucket.dense:
+        flat = torch.cat([deltas[i].reshape(-1) for i in members])
+        pending = exchange.comm.all_reduce_mean(flat, "pseudo-gradient all-reduce")
+
+        def receive_dense() -> Callable[[], list[Mean]]:
+            mean = exchange.dense(pending, f"{label} (dense)")
+            return lambda: [(m, None) for m in split_like(mean, [deltas[i] for i in members])]
+
+        return receive_dense
+
+    codec, k = bucket.codec, bucket.topk
+    assert codec is not None and k is not None and bucket.plan is not None
+    plan = bucket.plan
+    for e, i in zip(errors, members):
+        e.mul_(error_decay).add_(deltas[i])
+    tilings = plan.tilings
+    # in place: the tile matrices of contiguous error buffers go into the pseudo-gradients'
+    # buffers (dead once added to the error buffers)
+    in_place = not dct and all(e.is_contiguous() for e in errors)
+    if dct:
+        coeffs = dct_encode_multi(errors, chunk)
+    elif in_place:
+        coeffs = [tiling.tiles_into(deltas[i], e, t) for i, e, t in zip(members, errors, tilings)]
+    else:
+        coeffs = [tiling.to_tiles(e, t) for e, t in zip(errors, tilings)]
+    picks = [chunk_topk(c, k) for c in coeffs]
+    if captured is not None:  # before the coefficient matrices are reused below
+        for i, c, (_, v) in zip(members, coeffs, picks):
+            captured[i] = captured_share(c, v)
+    idx = torch.cat([ix.reshape(-1).to(plan.index_dtype) for ix, _ in picks])
+    vals = torch.cat([v.reshape(-1) for _, v in picks]).to(codec.encode_dtype)
+    wires = codec.to_wire(idx, vals)
+    pendings = exchange.gather(codec, wires)
+    # what the other ranks will decode from this rank leaves the error buffer
+    _, sent = codec.from_wire([w.reshape(1, -1) for w in wires])
+    spans = [t.n_tiles * t.k_eff(k) for t in tilings]
+    if in_place:
+        # ``e -= sparse(sent)`` at the picked positions only: everywhere else it subtracts
+        # zero, which leaves every value (and the sign of a zero) as it was
+        for e, (ix, _), part, t in zip(errors, picks, sent[0].split(spans), tilings):
+            flat, pos = e.view(-1), tiling.flat_positions(ix, t)
+            flat.index_put_((pos,), flat[pos] - part.view(ix.shape).float().view(-1))
+        sparse = coeffs  # dead once picked: the decode's sums
+    else:
+        # the coefficient matrices are dead once picked: they hold the sparse matrices (a
+        # fresh buffer only where a tile matrix is a view of its error buffer)
+        sparse = [
+            (torch.zeros_like(c) if aliases(c, e) else c.zero_()).scatter_(
+                1, ix.long(), part.view(ix.shape).float()
+            )
+            for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans))
+        ]
+        for e, s in zip(errors, from_coeffs(sparse, errors, tilings, chunk=chunk, dct=dct)):
+            e.sub_(s)
+    # the "average" outer step needs the mean only where some rank sent a value
+    at_positions = in_place and at_positions
+
+    def receive() -> Callable[[], list[Mean]]:
+        indices, values = exchange.selection(codec, pendings, label, names)
+
+        def decode() -> list[Mean]:
+            world = indices.shape[0]
+            if at_positions:
+                return [
+                    mean_at_positions(s, ix, v, t, world)
+                    for s, ix, v, t in zip(sparse, indices.split(spans, 1), values.split(spans, 1), tilings)
+                ]
+            sums = [s.zero_() for s in sparse]  # dead since the launch: reused
+            for r in range(world):  # rank order, one add per position per rank: deterministic
+                for s, ix_r, v_r, t in zip(sums, indices[r].split(spans), values[r].split(spans), tilings):
+                    s.scatter_add_(1, ix_r.long().view(t.n_tiles, -1), v_r.float().view(t.n_tiles, -1))
+            if world > 1:  # x / 1 == x
+                for s in sums:
+                    s.div_(world)
+            return [(m, None) for m in from_coeffs(sums, errors, tilings, chunk=chunk, dct=dct)]
+
+        return decode
+
+    return receive
+
+
+def from_coeffs(
+    mats: list[torch.Tensor],
+    like: list[torch.Tensor],
+    tilings: list[tiling.TensorTiling],
+    *,
+    chunk: int,
+    dct: bool,
+) -> list[torch.Tensor]:
+    """Tile matrices (DCT coefficients when ``dct``) -> tensors shaped like ``like``."""
+    if dct:
+        return dct_decode_multi(mats, [list(x.shape) for x in like], chunk)
+    return [tiling.from_tiles(m, t) for m, t in zip(mats, tilings)]
+
+
+def mean_at_positions(
+    s: torch.Tensor, ix: torch.Tensor, v: torch.Tensor, t: tiling.TensorTiling, world: int
+) -> Mean:
+    """Every rank's selection ``ix``, ``v`` ``(world, n_tiles * k)`` of one tensor -> the mean
+    over ranks (zeros elsewhere) at the flat positions the ranks sent, with those positions.
+
+    The values are the dense decode's: the tile matrix ``s`` (scratch) is zeroed where any
+    rank sent, each rank's values are added in rank order (``scatter_add_``), then divided
+    by ``world``; the rest of ``s`` is neither written nor read.
+    """
+    ix = ix.long().view(world, t.n_tiles, -1)
+    slots = (ix + torch.arange(t.n_tiles, device=ix.device).unsqueeze(1) * t.tile_numel).view(-1)
+    flat = s.view(-1)
+    flat.index_fill_(0, slots, 0.0)
+    for r in range(world):  # rank order, one add per position per rank: deterministic
+        s.scatter_add_(1, ix[r], v[r].float().view(t.n_tiles, -1))
+    mean = flat[slots]
+    if world > 1:  # x / 1 == x
+        mean.div_(world)
+    return mean, tiling.flat_positions(ix, t)
+
+
+def aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
