@@ -51,8 +51,8 @@ def run(sizes: list[str], ranks: list[int], rounds: int) -> list[dict[str, Any]]
         step = {v: statistics.median(t) for v, t in times.items()}
         # the check alone, on the payload of every compressed bucket as W ranks would send it
         opt = opts[True]
-        entries = opt._entries()
-        buckets = [b for b in opt._buckets(entries) if not b.dense]
+        entries = opt.plan.entries()
+        buckets = [b for b in opt.plan.buckets(entries) if not b.dense]
         payloads, members = [], []
         for b in buckets:
             assert b.codec is not None

@@ -393,7 +393,9 @@ def _check_deltas(
     """``(param, fp32 buffer copy)`` for every error buffer that loads, and ``(param, {key:
     copy})`` of the shared buffers (:data:`SHARED_KEYS`)."""
     names = {
-        id(p): opt._name(gi, i, p) for gi, g in enumerate(opt.param_groups) for i, p in enumerate(g["params"])
+        id(p): opt.plan.name(gi, i, p)
+        for gi, g in enumerate(opt.param_groups)
+        for i, p in enumerate(g["params"])
     }
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     shared: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []

@@ -11,12 +11,18 @@ place where that is written:
 - :meth:`FrontEnd.skip_or_raise`: the one skip-or-raise path after a round that found a
   GradScaler's inf or non-finite values, with one message (:func:`nonfinite_message`);
 - :meth:`FrontEnd.check_replicas`: the replicas start identical (float64 sums compared);
+- :class:`ExchangeOptions`: the exchange settings every front end takes (process group,
+  timeout, validation of peer bytes, clock, priority), checked once, and the
+  :class:`~cokit.compress.exchange.Exchange` they build;
 - :func:`check_value_dtype` and :func:`plain`: the value-dtype check and the plain form of a
   hyper-parameter that every fingerprint and mismatch report uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,14 +30,17 @@ from typing import Any
 import torch
 
 from cokit.compress.agreement import FOUND_INF, Round, fingerprint
-from cokit.compress.exchange import ExchangeOwner
+from cokit.compress.exchange import Exchange, ExchangeOwner
+from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, nonfinite
 from cokit.compress.payload import VALUE_DTYPES
-from cokit.triton_kernels._checks import check_choice
+from cokit.compress.priority import check_comm_priority, priority_group
+from cokit.triton_kernels._checks import check_choice, check_flag
 
 __all__ = [
     "NONFINITE",
     "NOTHING_CHANGED",
+    "ExchangeOptions",
     "FrontEnd",
     "check_gradients",
     "check_nonfinite_mode",
@@ -46,6 +55,54 @@ NONFINITE = ("error", "skip")
 NOTHING_CHANGED = "no parameter and no buffer changed"
 
 Namer = Callable[[int], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeOptions:
+    """The exchange settings every front end takes: the group it exchanges over (None: the
+    world), the timeout of each collective (None or inf: the group's own), whether peers' bytes
+    are checked before use, the clock of its timing (tests inject one) and the priority of its
+    collectives (:mod:`cokit.compress.priority`). :meth:`checked` validates them once."""
+
+    process_group: Any = None
+    timeout: float | datetime.timedelta | None = None
+    validate: bool = True
+    clock: Callable[[], float] = time.perf_counter
+    comm_priority: str | int = "normal"
+
+    @classmethod
+    def checked(cls, where: str, *, comm_guard: Any = None, **options: Any) -> ExchangeOptions:
+        """The options, each checked (``comm_guard`` may refuse the priority), or an error
+        naming ``where`` and the option."""
+        out = cls(**options)
+        check_process_group(where, out.process_group)
+        check_flag("validate_payload", out.validate, where=where)
+        check_comm_priority(where, out.comm_priority, comm_guard)
+        return out
+
+    def exchange(
+        self,
+        where: str,
+        *,
+        group: Any = None,
+        agree_groups: Sequence[Any] = (),
+        local: bool = False,
+        on_blocked: Callable[[float], None] | None = None,
+    ) -> Exchange:
+        """The exchange core over ``group`` (default: ``process_group``) for the front end
+        ``where``, its collectives on the group made for ``comm_priority``."""
+        group = self.process_group if group is None else group
+        return Exchange(
+            f"{where}.step",
+            group,
+            self.timeout,
+            agree_groups=agree_groups,
+            local=local,
+            validate=self.validate,
+            clock=self.clock,
+            on_blocked=on_blocked,
+            priority=priority_group(group, self.comm_priority, local=local, where=where),
+        )
 
 
 def check_nonfinite_mode(where: str, value: object) -> str:

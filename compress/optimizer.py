@@ -30,18 +30,23 @@ import torch
 from cokit.compress import checkpoint, rules
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.agreement import Round, canonical, fingerprint
-from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.comm import Pending
-from cokit.compress.demo_step import BucketInput, split_like
+from cokit.compress.demo_plan import DemoPlan, Entry, StepContext
+from cokit.compress.demo_step import split_like
 from cokit.compress.dtensor import local, mesh_plan
 from cokit.compress.eager import eager
-from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, check_value_dtype, plain
-from cokit.compress.groups import check_process_group
+from cokit.compress.frontend import (
+    ExchangeOptions,
+    FrontEnd,
+    check_gradients,
+    check_nonfinite_mode,
+    check_value_dtype,
+    plain,
+)
 from cokit.compress.guards import Amp, StepGuards, sync_decay
-from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
+from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.policy import Decision, NetworkPolicy
 from cokit.compress.precision import check_precision, rounding_generator, warn_if_unmastered
-from cokit.compress.priority import check_comm_priority
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.compress.strategies import make_strategy
 from cokit.triton_kernels._checks import check_flag, check_int, check_number
@@ -216,7 +221,16 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         comm_guard: Any = None,
     ):
         where = "DeMo"
-        self.comm_priority = check_comm_priority(where, comm_priority, comm_guard)
+        options = ExchangeOptions.checked(
+            where,
+            process_group=process_group,
+            timeout=timeout,
+            validate=validate_payload,
+            clock=clock,
+            comm_priority=comm_priority,
+            comm_guard=comm_guard,
+        )
+        self.comm_priority, self.validate_payload = comm_priority, validate_payload
         self.codec = get_codec(payload, owner=where)
         self.precision = check_precision(where, precision)
         check_int("seed", seed, 0, where=where)
@@ -230,11 +244,9 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
             )
         check_value_dtype(where, value_dtype)
         self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, where=where)
-        self.validate_payload = check_flag("validate_payload", validate_payload, where=where)
         self.overlap_backward = check_flag("overlap_backward", overlap_backward, where=where)
         if dense_fallback is not None:
             check_flag("dense_fallback", dense_fallback, where=where)
-        check_process_group(where, process_group)
         if full_sync_every is not None:
             check_int("full_sync_every", full_sync_every, 1, where=where, more="or None")
         self.nonfinite = check_nonfinite_mode(where, nonfinite)
@@ -264,18 +276,26 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         self._driver = PolicyDriver(self.policy, clock)
         self._precision_checked = False  # warn_if_unmastered runs at the first step
         self._generators: dict[torch.device, torch.Generator] = {}  # this step's rounding draws
-        self._bucket_cache: dict[tuple, list[Bucket]] = {}
-        self._layouts: dict[bool, tuple[dict[str, Any], str]] = {}  # by globally: layout, its JSON
+        self.plan = DemoPlan(self)  # entries, names, buckets, inputs and layout
         self._guards = StepGuards()  # momentum alias sync, DDP double-sync warning
         self.strategy: Any = None
         super().__init__(params, defaults)
         sync_decay(self.param_groups, compression_decay)  # a group that set only one of the two
         self._mesh = mesh_plan([p for g in self.param_groups for p in g["params"]])
-        self.strategy = make_strategy(self, process_group, timeout, hierarchy, self._mesh)
+        self.strategy = make_strategy(
+            self.plan,
+            options,
+            hierarchy,
+            self._mesh,
+            on_blocked=self._driver.blocked,
+            policy=self.policy,
+            overlap_backward=self.overlap_backward,
+            open_round=self._open_backward_round,
+        )
         self.exchange = self.strategy.exchange
         for gi, group in enumerate(self.param_groups):
             self._check_plain_parallel(group, gi)
-        self.strategy.install(self, [p for g in self.param_groups for p in g["params"]])
+        self.strategy.install([p for g in self.param_groups for p in g["params"]])
 
     def _check_plain_parallel(self, group: dict[str, Any], index: int) -> None:
         """The update rules and precision modes keep state that must be identical on every
@@ -305,11 +325,11 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._changed_layout()
         if self.strategy is not None:
-            self.strategy.install(self, self.param_groups[-1]["params"])
+            self.strategy.install(self.param_groups[-1]["params"])
 
     def _changed_layout(self) -> None:
-        self._bucket_cache.clear()
-        self._layouts.clear()
+        if hasattr(self, "plan"):  # (torch's __init__ adds the first groups before the plan exists)
+            self.plan.forget()
         if self.strategy is not None:
             self.strategy.forget_layout()
 
@@ -403,12 +423,25 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._guards.before_step(self.param_groups, self.defaults["compression_decay"])
-        entries = self._entries()
+        entries = self.plan.entries()
         if not self._precision_checked:
             warn_if_unmastered("DeMo", [p for _, _, p in entries], self.precision)
             self._precision_checked = True
         self._generators = {}
-        active = self.strategy.step(self, entries, Amp.of(self))
+        amp = Amp.of(self)
+        active = self.strategy.step(
+            StepContext(
+                entries=entries,
+                amp=amp,
+                agree=lambda: self._agree(entries, amp),
+                status=self._status_round,
+                go_on=lambda rnd: self._skip_or_raise(rnd, entries),
+                decision=lambda: self._driver.decision or Decision(),
+                skipped_sync=self._skipped_sync,
+                precision=self.precision,
+                generator=self._generator,
+            )
+        )
         if active is None:  # skipped consistently on every rank
             self._record(dense=0, synced=False)
             return loss
@@ -426,30 +459,31 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         sent = self.exchange.record(self.comm_stats, dense)
         self._driver.step_done(sent, dense, synced)
 
-    def _entries(self) -> list[tuple[int, int, torch.Tensor]]:
-        return [(gi, i, p) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+    def _skipped_sync(self) -> None:
+        self.skipped_syncs += 1
 
     # ------------------------------------------------------------------ agreement (the core's rows)
     def _agree(self, entries: list, amp: Amp) -> list | None:
         """Agree with every rank on which parameters step: the active entries; None when the
         step is skipped on every rank; an error raised on every rank otherwise."""
-        has_grad = check_gradients("DeMo", [p for _, _, p in entries], lambda n: self._entry_name(n, entries))
+        name = functools.partial(self.plan.entry_name, entries=entries)
+        has_grad = check_gradients("DeMo", [p for _, _, p in entries], name)
         active = [e for e, has in zip(entries, has_grad) if has]
         rnd = self.open_round(
             [local(p.grad) if has else None for (_, _, p), has in zip(entries, has_grad)],
             amp,
             fingerprints=self._fingerprints(),
             describe=self._describe,
-            name=lambda n: self._entry_name(n),
-            device=self._device(),
+            name=self.plan.entry_name,
+            device=self.plan.device(),
             extra=self._driver.measurement(torch.device("cpu")),
         )
-        if self._skip_or_raise(rnd, entries) is None:
+        if not self._skip_or_raise(rnd, entries):
             return None
         self._driver.decide(rnd.extras if self.policy.observes else None, self._steps + 1)
         return active
 
-    def _agree_settings(self, events: int = 0, bad: list[int] | None = None) -> Round:
+    def _status_round(self, events: int = 0, bad: list[int] | None = None) -> Round:
         """The status round of the overlapped strategy, whose buckets left during backward:
         fingerprints, non-finite report, events and the policy's measurement (raises on every
         rank when anything disagrees)."""
@@ -458,35 +492,37 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
             self.exchange.report(bad or [], events=events),
             self._describe,
             extra=self._driver.measurement(torch.device("cpu")),
-            device=self._device(),
-            names=lambda n: self._entry_name(n),
+            device=self.plan.device(),
+            names=self.plan.entry_name,
         )
 
-    def _skip_or_raise(self, rnd: Round, entries: list) -> bool | None:
-        """True to go on; None when every rank skips (counted in ``skipped_steps``); raises on
+    def _open_backward_round(self) -> None:
+        """The overlapped strategy's round at the first hook of a step: buckets use the decay,
+        so the two aliases are reconciled first."""
+        sync_decay(self.param_groups, self.defaults["compression_decay"])
+        self._status_round()
+
+    def _skip_or_raise(self, rnd: Round, entries: list[Entry]) -> bool:
+        """True to go on; False when every rank skips (counted in ``skipped_steps``); raises on
         every rank otherwise (:meth:`FrontEnd.skip_or_raise`)."""
-        name = functools.partial(self._entry_name, entries=entries)
+        name = functools.partial(self.plan.entry_name, entries=entries)
         if self.skip_or_raise(rnd, name, when=f"step {self._steps + 1}"):
             return True
         self.skipped_steps += 1
-        return None
-
-    def _device(self) -> torch.device:
-        first = next((p for g in self.param_groups for p in g["params"]), None)
-        return local(first).device if first is not None else torch.device("cpu")
+        return False
 
     def _fingerprints(self) -> tuple[int, int]:
         """(exchange group, agreement groups) fingerprints of settings, layout and counters."""
         settings, counters = canonical(self._settings()), canonical(self._counters())
-        local_fp = fingerprint(settings, self._layout(False)[1], counters)
+        local_fp = fingerprint(settings, self.plan.layout(False)[1], counters)
         if not self.exchange.agree_comms:  # no agreement group: no global layout to compare
             return local_fp, local_fp
-        return local_fp, fingerprint(settings, self._layout(True)[1], counters)
+        return local_fp, fingerprint(settings, self.plan.layout(True)[1], counters)
 
     def _describe(self, globally: bool) -> dict[str, Any]:
         """What the fingerprint covers, as JSON (the mismatch report)."""
         settings = self._settings()
-        layout = self._layout(globally)[0]
+        layout = self.plan.layout(globally)[0]
         return {
             "settings": {k: v for k, v in settings.items() if k != "groups"},
             "groups": settings["groups"],
@@ -501,37 +537,6 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
             "skipped_syncs": self.skipped_syncs,
         }
-
-    def _layout(self, globally: bool) -> tuple[dict[str, Any], str]:
-        """The parameters (local shard shapes, or global shapes and placements for agreement
-        groups whose ranks hold other shards) and the payload wire sizes, and their JSON (cached
-        until the param groups change)."""
-        cached = self._layouts.get(globally)
-        if cached is None:
-            entries = self._entries()
-            params = [
-                [
-                    self._label(gi, i),
-                    f"{tuple(p.shape)} {p.dtype} {tuple(p.placements)}"
-                    if globally and hasattr(p, "placements")
-                    else f"{tuple(local(p).shape)} {p.dtype}",
-                ]
-                for gi, i, p in entries
-            ]
-            layout = {"params": params, "wire": wire_sizes(b.codec for b in self._buckets(entries))}
-            cached = self._layouts[globally] = (layout, canonical(layout))
-        return cached
-
-    def _label(self, gi: int, i: int) -> str:
-        names = self.param_groups[gi].get("param_names")
-        return f"'{names[i]}'" if names else f"group {gi} param {i}"
-
-    def _name(self, gi: int, i: int, p: torch.Tensor) -> str:
-        return f"{self._label(gi, i)} {tuple(p.shape)}"
-
-    def _entry_name(self, n: int, entries: list | None = None) -> str:
-        entries = entries if entries is not None else self._entries()
-        return self._name(*entries[n]) if 0 <= n < len(entries) else f"entry {n}"
 
     def _settings(self) -> dict[str, Any]:
         """Every setting that changes what is sent or how the update is computed (all ranks
@@ -553,69 +558,6 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
                 for g in self.param_groups
             ],
         }
-
-    # ------------------------------------------------------------------ buckets and buffers
-    def _buckets(self, active: list, decision: Decision | None = None) -> list[Bucket]:
-        """The buckets of ``active`` under ``decision`` (default: the optimizer's settings)."""
-        decision = decision or Decision()
-        groups = tuple((g["compression_chunk"], g["compression_topk"]) for g in self.param_groups)
-        key = (tuple((gi, i) for gi, i, _ in active), decision, groups)
-        buckets = self._bucket_cache.get(key)
-        if buckets is None:
-            codec, value_dtype = self.codec, self.value_dtype
-            if decision.payload is not None:
-                codec = get_codec(decision.payload, owner="DeMo policy")
-                value_dtype = codec.resolve_value_dtype(self.requested_value_dtype)
-            settings = [
-                {"compression_chunk": chunk, "compression_topk": max(1, round(k * decision.topk_scale))}
-                for chunk, k in groups
-            ]
-            buckets = make_buckets(
-                [gi for gi, _, _ in active],
-                [tuple(local(p).shape) for _, _, p in active],
-                settings,
-                codec,
-                value_dtype,
-                self.bucket_cap_bytes,
-                self.dense_fallback,
-                self.comm.world_size,
-                all_dense=decision.dense,
-                dense_itemsizes=[local(p).element_size() for _, _, p in active],
-            )
-            self._bucket_cache[key] = buckets
-        return buckets
-
-    def _delta(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        if "delta" not in state:
-            state["delta"] = torch.zeros_like(
-                local(p), dtype=torch.float32, memory_format=torch.contiguous_format
-            )
-        return state["delta"]
-
-    def _input(
-        self,
-        b: int,
-        bucket: Bucket,
-        active: list,
-        *,
-        grads: list[torch.Tensor] | None = None,
-        deltas: list[torch.Tensor] | None = None,
-    ) -> BucketInput:
-        """Bucket ``b`` of ``active`` as the functional step's input (``grads`` default: the
-        parameters' own; ``deltas``: their error buffers)."""
-        entries = [active[i] for i in bucket.members]
-        params = [p for _, _, p in entries]
-        return BucketInput(
-            index=b,
-            bucket=bucket,
-            group=self.param_groups[bucket.group],
-            params=[local(p) for p in params],  # DTensor parameters are updated through their shard
-            grads=grads if grads is not None else [local(p.grad) for p in params],
-            deltas=deltas if deltas is not None else [self._delta(p) for p in params],
-            states=[self.state[p] for p in params],
-            names=[self._name(gi, i, p) for gi, i, p in entries],
-        )
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This step's stochastic-rounding generator on ``device`` (seeded by seed and step,

@@ -25,14 +25,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from cokit.compress.agreement import EDITED, FOUND_INF, SCALED
 from cokit.compress.buckets import Bucket
 from cokit.compress.comm import Communicator
+from cokit.compress.demo_plan import DemoPlan, Entry, StepContext
 from cokit.compress.demo_step import (
     BucketInput,
     Launched,
@@ -44,14 +45,9 @@ from cokit.compress.demo_step import (
     split_like,
 )
 from cokit.compress.dtensor import MeshPlan, check_exchange_group, local
-from cokit.compress.exchange import Exchange
+from cokit.compress.frontend import ExchangeOptions
 from cokit.compress.groups import NodeGroups
-from cokit.compress.guards import Amp, GradMarks, all_finite, edited_message, sync_decay
-from cokit.compress.policy import Decision
-from cokit.compress.priority import priority_group
-
-if TYPE_CHECKING:
-    from cokit.compress.optimizer import DeMo
+from cokit.compress.guards import GradMarks, all_finite, edited_message
 
 __all__ = ["Flat", "Hierarchical", "Overlapped", "ShardLocal", "Strategy", "make_strategy"]
 
@@ -64,20 +60,20 @@ class Strategy:
     name = "flat"
 
     def __init__(
-        self, opt: DeMo, process_group: Any, timeout: Timeout, agree: tuple = (), local: bool = False
+        self,
+        plan: DemoPlan,
+        options: ExchangeOptions,
+        on_blocked: Callable[[float], None],
+        *,
+        group: Any = None,
+        agree: tuple = (),
+        local: bool = False,
     ):
-        self.exchange = Exchange(
-            "DeMo.step",
-            process_group,
-            timeout,
-            agree_groups=agree,
-            local=local,
-            validate=opt.validate_payload,
-            clock=opt.clock,
-            on_blocked=opt._driver.blocked,
-            priority=priority_group(process_group, opt.comm_priority, local=local, where="DeMo"),
+        self.plan = plan
+        self.exchange = options.exchange(
+            "DeMo", group=group, agree_groups=agree, local=local, on_blocked=on_blocked
         )
-        self.timeout = timeout
+        self.timeout = options.timeout
         self.checked = False  # first_round ran
 
     @property
@@ -96,32 +92,32 @@ class Strategy:
     def forget_layout(self) -> None:
         """The param groups changed (added, loaded): drop what was planned from them."""
 
-    def install(self, opt: DeMo, params: list[torch.Tensor]) -> None:
+    def install(self, params: list[torch.Tensor]) -> None:
         """Called for every parameter the optimizer gets (the overlapped strategy hooks them)."""
 
-    def step(self, opt: DeMo, entries: list, amp: Amp) -> list | None:
+    def step(self, ctx: StepContext) -> list[Entry] | None:
         """One round: agree, then exchange every bucket; the active entries, None if skipped."""
         self._first_round_once()
         with self.exchange.guarded():
-            active = opt._agree(entries, amp)
+            active = ctx.agree()
             if active is None:
                 return None
-            decision = opt._driver.decision or Decision()
-            buckets = opt._buckets(active, decision)
-            inputs = self.prepare(opt, buckets, active)
+            decision = ctx.decision()
+            buckets = self.plan.buckets(active, decision)
+            inputs = self.prepare(buckets, active)
             if decision.skip_sync:
                 accumulate(inputs)
-                opt.skipped_syncs += 1
+                ctx.skipped_sync()
                 return active
-            demo_step(inputs, self.exchange, precision=opt.precision, generator=opt._generator)
+            demo_step(inputs, self.exchange, precision=ctx.precision, generator=ctx.generator)
             self.share(buckets, active)
         return active
 
-    def prepare(self, opt: DeMo, buckets: list[Bucket], active: list) -> list[BucketInput]:
+    def prepare(self, buckets: list[Bucket], active: list[Entry]) -> list[BucketInput]:
         """The buckets this rank encodes, with their gradients."""
-        return [opt._input(b, bucket, active) for b, bucket in enumerate(buckets)]
+        return [self.plan.bucket_input(b, bucket, active) for b, bucket in enumerate(buckets)]
 
-    def share(self, buckets: list[Bucket], active: list) -> None:
+    def share(self, buckets: list[Bucket], active: list[Entry]) -> None:
         """After the update: what other ranks of the node need (hierarchical)."""
 
 
@@ -134,9 +130,14 @@ class ShardLocal(Strategy):
 
     name = "shard-local"
 
-    def __init__(self, opt: DeMo, mesh: MeshPlan, process_group: Any, timeout: Timeout):
+    def __init__(
+        self, plan: DemoPlan, mesh: MeshPlan, options: ExchangeOptions, on_blocked: Callable[[float], None]
+    ):
+        process_group = options.process_group
         check_exchange_group(mesh, process_group)
-        super().__init__(opt, process_group, timeout, agree=mesh.agree, local=process_group is None)
+        super().__init__(
+            plan, options, on_blocked, group=process_group, agree=mesh.agree, local=process_group is None
+        )
         # HSDP: the replicate group and the (one) sharded dimension must tile the world
         self.tiling = None
         if process_group is not None and len(mesh.agree) == 1:
@@ -152,8 +153,14 @@ class Hierarchical(Strategy):
 
     name = "hierarchical"
 
-    def __init__(self, opt: DeMo, hierarchy: NodeGroups, timeout: Timeout):
-        super().__init__(opt, hierarchy.inter, timeout, agree=(hierarchy.intra,))
+    def __init__(
+        self,
+        plan: DemoPlan,
+        hierarchy: NodeGroups,
+        options: ExchangeOptions,
+        on_blocked: Callable[[float], None],
+    ):
+        super().__init__(plan, options, on_blocked, group=hierarchy.inter, agree=(hierarchy.intra,))
         self.hierarchy = hierarchy
         self.intra: Communicator = self.exchange.agree_comms[0]
 
@@ -167,7 +174,7 @@ class Hierarchical(Strategy):
     def _owner(self, b: int) -> int:
         return b % self.intra.world_size
 
-    def prepare(self, opt: DeMo, buckets: list[Bucket], active: list) -> list[BucketInput]:
+    def prepare(self, buckets: list[Bucket], active: list[Entry]) -> list[BucketInput]:
         """Average every bucket's gradients inside the node (all launched before the first wait,
         so bucket i+1's average runs while bucket i is encoded); keep the buckets this rank owns."""
         averages = [
@@ -182,10 +189,10 @@ class Hierarchical(Strategy):
             mean = self.exchange.dense(pending, f"the node average of bucket {b}")
             if self._owner(b) == self.intra.rank:
                 params = [local(active[i][2]) for i in bucket.members]
-                owned.append(opt._input(b, bucket, active, grads=split_like(mean, params)))
+                owned.append(self.plan.bucket_input(b, bucket, active, grads=split_like(mean, params)))
         return owned
 
-    def share(self, buckets: list[Bucket], active: list) -> None:
+    def share(self, buckets: list[Bucket], active: list[Entry]) -> None:
         """Every bucket's owner broadcasts its updated parameters inside the node."""
         pending = []
         for b, bucket in enumerate(buckets):
@@ -219,12 +226,18 @@ class Overlapped(Strategy):
 
     name = "overlapped"
 
-    def __init__(self, opt: DeMo, process_group: Any, timeout: Timeout):
-        super().__init__(opt, process_group, timeout)
-        self.opt = opt
+    def __init__(
+        self,
+        plan: DemoPlan,
+        options: ExchangeOptions,
+        on_blocked: Callable[[float], None],
+        open_round: Callable[[], Any],
+    ):
+        super().__init__(plan, options, on_blocked, group=options.process_group)
+        self.open_round = open_round  # the step's status round, at its first hook
         self.hooks: list = []
         # entries, buckets and the bucket of each id(p), planned at the first hook of a layout
-        self.plan: tuple[list, list[Bucket], dict[int, int]] | None = None
+        self.planned: tuple[list[Entry], list[Bucket], dict[int, int]] | None = None
         self.inflight: dict[int, _Inflight] = {}  # by bucket
         self._reset()
 
@@ -236,36 +249,34 @@ class Overlapped(Strategy):
         self.opened = False  # this step's opening agreement ran
         return inflight
 
-    def install(self, opt: DeMo, params: list[torch.Tensor]) -> None:
+    def install(self, params: list[torch.Tensor]) -> None:
         self.hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self.forget_layout()
 
     def forget_layout(self) -> None:
-        self.plan = None
+        self.planned = None
 
-    def _open(self, opt: DeMo) -> None:
+    def _open(self) -> None:
         """The step's first collective: agree on settings, layout and counters before any bucket
         (whose sizes follow from them) is sent."""
         if self.opened:
             return
         self._first_round_once()
-        sync_decay(opt.param_groups, opt.defaults["compression_decay"])  # buckets use the decay
-        opt._agree_settings()
+        self.open_round()
         self.opened = True
 
     @torch.no_grad()
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: launch the buckets whose gradients are all ready, in order
         (every rank launches them in the same order)."""
-        opt = self.opt
         with self.exchange.guarded(), self._resets_on_error():
-            self._open(opt)
-            if self.plan is None:
-                entries = opt._entries()
-                buckets = opt._buckets(entries)
+            self._open()
+            if self.planned is None:
+                entries = self.plan.entries()
+                buckets = self.plan.buckets(entries)
                 where = {id(entries[i][2]): b for b, bucket in enumerate(buckets) for i in bucket.members}
-                self.plan = (entries, buckets, where)
-            entries, buckets, bucket_of = self.plan
+                self.planned = (entries, buckets, where)
+            entries, buckets, bucket_of = self.planned
             b = bucket_of.get(id(p))
             if b is None:  # an empty parameter: in no bucket, nothing to send
                 return
@@ -279,17 +290,17 @@ class Overlapped(Strategy):
             while self.next < len(buckets) and all(
                 id(entries[i][2]) in self.ready for i in buckets[self.next].members
             ):
-                self._launch(opt, self.next, buckets[self.next], entries)
+                self._launch(self.next, buckets[self.next], entries)
                 self.next += 1
 
-    def _launch(self, opt: DeMo, b: int, bucket: Bucket, entries: list) -> None:
+    def _launch(self, b: int, bucket: Bucket, entries: list[Entry]) -> None:
         """Encode into copies of the buffers and send; mark the gradients so that step() can
         tell whether they changed after the launch."""
         params = [entries[i][2] for i in bucket.members]
         marks = GradMarks(params)
         finite = torch.stack([all_finite(local(p.grad)) for p in params])
-        work = [opt._delta(p).clone() for p in params]
-        item = opt._input(b, bucket, entries, deltas=work)
+        work = [self.plan.error_buffer(p).clone() for p in params]
+        item = self.plan.bucket_input(b, bucket, entries, deltas=work)
         self.inflight[b] = _Inflight(
             launch(item, self.exchange), list(bucket.members), work, params, marks, finite
         )
@@ -304,25 +315,26 @@ class Overlapped(Strategy):
             self._reset()
             raise
 
-    def step(self, opt: DeMo, entries: list, amp: Amp) -> list | None:
+    def step(self, ctx: StepContext) -> list[Entry] | None:
         with self.exchange.guarded(), self._resets_on_error():
-            runs = self._close(opt, entries, amp)
+            runs = self._close(ctx)
             if runs is None:
                 return None
             for run in runs:
                 receive(run.launched, self.exchange)
             for run in runs:
-                apply(run.launched, precision=opt.precision, generator=opt._generator)
+                apply(run.launched, precision=ctx.precision, generator=ctx.generator)
                 for p, delta in zip(run.params, run.work):
-                    opt.state[p]["delta"] = delta
-        return entries
+                    self.plan.set_error_buffer(p, delta)
+        return ctx.entries
 
-    def _close(self, opt: DeMo, entries: list, amp: Amp) -> list[_Inflight] | None:
+    def _close(self, ctx: StepContext) -> list[_Inflight] | None:
         """Agree on what happened since the buckets were sent (edits, non-finite gradients, a
         GradScaler); then launch the buckets whose hooks did not fire (gradients set by hand).
         The buckets to finish, in order; None when the step is skipped on every rank."""
-        self._open(opt)
-        buckets = opt._buckets(entries)
+        self._open()
+        entries, amp = ctx.entries, ctx.amp
+        buckets = self.plan.buckets(entries)
         inflight = self._reset()
         missing = [b for b in range(len(buckets)) if b not in inflight]
         for b in missing:
@@ -331,7 +343,7 @@ class Overlapped(Strategy):
                 if grad is None or grad.is_sparse:
                     raise RuntimeError(
                         "DeMo(overlap_backward=True): every parameter needs a dense gradient each step; "
-                        f"{opt._entry_name(i, entries)} has {'none' if grad is None else 'a sparse one'}"
+                        f"{self.plan.entry_name(i, entries)} has {'none' if grad is None else 'a sparse one'}"
                     )
         edited = [
             run.members[j]
@@ -346,7 +358,7 @@ class Overlapped(Strategy):
         ok = torch.cat(finite).cpu().tolist() if finite else []
         bad = sorted(m for m, fine in zip(members, ok) if not fine)
         events = (EDITED if edited else 0) | (SCALED if amp.scale is not None else 0)
-        rnd = opt._agree_settings(events=events | (FOUND_INF if amp.found_inf else 0), bad=bad)
+        rnd = ctx.status(events | (FOUND_INF if amp.found_inf else 0), bad)
         if rnd.any_event(SCALED):
             raise RuntimeError(
                 "DeMo(overlap_backward=True): the gradients carry a GradScaler's scale. Buckets are "
@@ -356,20 +368,29 @@ class Overlapped(Strategy):
             )
         if rnd.any_event(EDITED):
             ranks = [self.exchange.global_rank(r) for r in rnd.any_event(EDITED)]
-            name = opt._entry_name(min(edited), entries) if edited else None
+            name = self.plan.entry_name(min(edited), entries) if edited else None
             raise RuntimeError(edited_message(ranks, self.exchange.global_rank(), name))
-        if opt._skip_or_raise(rnd, entries) is None:
+        if not ctx.go_on(rnd):
             return None
         for b in missing:
-            self._launch(opt, b, buckets[b], entries)
+            self._launch(b, buckets[b], entries)
         runs, self.inflight = {**inflight, **self.inflight}, {}
         return [runs[b] for b in sorted(runs)]
 
 
 def make_strategy(
-    opt: DeMo, process_group: Any, timeout: Timeout, hierarchy: Any, mesh: MeshPlan | None
+    plan: DemoPlan,
+    options: ExchangeOptions,
+    hierarchy: Any,
+    mesh: MeshPlan | None,
+    *,
+    on_blocked: Callable[[float], None],
+    policy: Any,
+    overlap_backward: bool,
+    open_round: Callable[[], Any],
 ) -> Strategy:
-    """The strategy for DeMo's layout (DTensor parameters, hierarchy=, overlap_backward=)."""
+    """The strategy for DeMo's layout (DTensor parameters, hierarchy=, overlap_backward=);
+    ``open_round`` is the overlapped strategy's status round at the first hook of a step."""
     if hierarchy is not None:
         if not isinstance(hierarchy, NodeGroups):
             raise TypeError(
@@ -381,23 +402,23 @@ def make_strategy(
                 "DeMo: hierarchy= is for plain data parallel; with DTensor (FSDP2) parameters, "
                 "FSDP's mesh is the node level: pass the replicate group as process_group"
             )
-        if process_group is not None:
+        if options.process_group is not None:
             raise ValueError("DeMo: pass either process_group= or hierarchy=, not both")
     layered = hierarchy is not None or mesh is not None
-    if layered and opt._driver.policy.observes:
+    if layered and policy.observes:
         raise ValueError(
-            f"DeMo: policy {opt.policy.describe()} measures the exchange group only; with DTensor "
+            f"DeMo: policy {policy.describe()} measures the exchange group only; with DTensor "
             "parameters or hierarchy= the ranks of a node could decide differently: use the static policy"
         )
-    if layered and opt.overlap_backward:
+    if layered and overlap_backward:
         raise ValueError(
             "DeMo: overlap_backward=True works with plain data parallel only (not with DTensor "
             "parameters or hierarchy=); FSDP overlaps its own reduce-scatter"
         )
     if hierarchy is not None:
-        return Hierarchical(opt, hierarchy, timeout)
+        return Hierarchical(plan, hierarchy, options, on_blocked)
     if mesh is not None:
-        return ShardLocal(opt, mesh, process_group, timeout)
-    if opt.overlap_backward:
-        return Overlapped(opt, process_group, timeout)
-    return Flat(opt, process_group, timeout)
+        return ShardLocal(plan, mesh, options, on_blocked)
+    if overlap_backward:
+        return Overlapped(plan, options, on_blocked, open_round)
+    return Flat(plan, options, on_blocked, group=options.process_group)

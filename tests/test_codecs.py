@@ -389,7 +389,7 @@ def _demo_int2_run(rank: int, world: int):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    buckets = opt._buckets([(0, i, p) for i, p in enumerate(model.parameters())])
+    buckets = opt.plan.buckets([(0, i, p) for i, p in enumerate(model.parameters())])
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "losses": losses,

@@ -493,7 +493,7 @@ def _overlap_backward(rank: int, world: int):
     unchanged = all(torch.equal(a, b) for a, b in zip(params, model_params)) and all(
         torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model_params)
     )
-    n_buckets = len(opt._buckets(opt._entries()))
+    n_buckets = len(opt.plan.buckets(opt.plan.entries()))
     return runs[False][0], runs[False][1], params, deltas, unchanged, opt.skipped_steps, n_buckets
 
 

@@ -213,7 +213,7 @@ def _fixed(rank: int, world: int, decision: Decision):
     deltas = None
     for step in range(1, 4):
         if decision.skip_sync:
-            deltas = [opt._delta(p).clone() for p in model.parameters()]
+            deltas = [opt.plan.error_buffer(p).clone() for p in model.parameters()]
             before = [p.detach().clone() for p in model.parameters()]
         _one_step(model, opt, rank, step)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -225,7 +225,7 @@ def _fixed(rank: int, world: int, decision: Decision):
         probe.load_state_dict(model.state_dict())
         torch.nn.functional.mse_loss(probe(x), y).backward()
         grads = [p.grad for p in probe.parameters()]
-    new_deltas = [opt._delta(p).clone() for p in model.parameters()]
+    new_deltas = [opt.plan.error_buffer(p).clone() for p in model.parameters()]
     return (
         flat,
         byte_counts(opt.comm_stats.as_dict()),

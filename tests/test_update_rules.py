@@ -72,9 +72,9 @@ def _rule_steps(rank: int, world: int):
             for p, g in zip(params, _grads(rank, step)):
                 p.grad = g
             opt.step()
-        entries = opt._entries()
+        entries = opt.plan.entries()
         dense = [False] * len(entries)
-        for b in opt._buckets(entries):
+        for b in opt.plan.buckets(entries):
             for i in b.members:
                 dense[i] = b.dense
         out[rule] = {
