@@ -17,13 +17,13 @@ budget is spent stops adding work and is marked BUDGET):
                    n_regs/n_spills and the launch config it chose (tuned on the GPU)
   optimizer        DeMo step (Triton kernels, world size 1) vs fused AdamW
   gemm.*           correctness, occupancy vs the driver, TFLOP/s vs torch.matmul, occupancy sweep
-  linear           cokit.nn.Linear TFLOP/s vs torch.nn.functional.linear, bf16 LLM shapes
-  linear.compile   cokit.nn.Linear in torch.compile(fullgraph=True): its GEMM kernel inside
+  linear           cokit.overlap.Linear TFLOP/s vs torch.nn.functional.linear, bf16 LLM shapes
+  linear.compile   cokit.overlap.Linear in torch.compile(fullgraph=True): its GEMM kernel inside
                    Inductor's code, vs eager and vs compiled nn.Linear, dynamic shapes
   overlap          one-GPU study: GEMM next to an EMULATED communication kernel
-  train_step_overlap  a small transformer's training step with cokit.nn.Linear next to an
+  train_step_overlap  a small transformer's training step with cokit.overlap.Linear next to an
                    EMULATED communication kernel: sequential, overlapped, shaped + high
-                   priority, and the configs cokit.nn.apply_overlap's tuner locked
+                   priority, and the configs cokit.overlap.apply_overlap's tuner locked
   tp_layers        Column/RowParallelLinear MLP at world 1, collectives EMULATED, vs F.linear
 
 Needs a visible GPU and TRITON_INTERPRET unset (else exits 2 with one line); ``--allow-cpu``
@@ -362,7 +362,7 @@ def _time_row(
     return row
 
 
-#: cokit.nn.Linear's target: at least this fraction of F.linear's (and compiled nn.Linear's) speed
+#: cokit.overlap.Linear's target: at least this fraction of F.linear's (and compiled nn.Linear's) speed
 LINEAR_TARGET = 0.9
 #: the issue's targets on an H200: % of device copy bandwidth per compression kernel
 COPY_TARGETS = {"dct_encode": 70.0, "dct_decode": 70.0, "ef_encode": 60.0, "ef_decode": 60.0}
@@ -656,13 +656,13 @@ LINEAR_SHAPES = [(4096, 4096, 4096), (8192, 8192, 1024)]
 
 
 def phase_linear(ctx: Context) -> dict:
-    """``cokit.nn.Linear`` (bf16, tuned GEMM) vs ``torch.nn.functional.linear``: error against
+    """``cokit.overlap.Linear`` (bf16, tuned GEMM) vs ``torch.nn.functional.linear``: error against
     a float64 reference, then TFLOP/s of both and their ratio (target: >= 0.9)."""
     import torch
     import torch.nn.functional as F
 
     from cokit.bench.timing import median_ms
-    from cokit.nn import Linear
+    from cokit.overlap.layers import Linear
 
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
     shapes = LINEAR_SHAPES if ctx.on_gpu else [(64, 48, 40)]
@@ -714,7 +714,7 @@ MLP_SHAPES = {"gpu": (8192, 4096), "gpu_quick": (4096, 4096), "cpu": (64, 48)}
 
 
 def phase_linear_compile(ctx: Context) -> dict:
-    """``cokit.nn.Linear`` inside ``torch.compile(fullgraph=True)``: an MLP block. On a GPU,
+    """``cokit.overlap.Linear`` inside ``torch.compile(fullgraph=True)``: an MLP block. On a GPU,
     Inductor must compile cokit's GEMM kernel into its own code (the ``cokit::linear``
     ``triton_op``), not call an opaque op; the compiled block must equal the eager one, and
     its time is set beside eager cokit and the same block on ``nn.Linear``, compiled. A
@@ -724,7 +724,7 @@ def phase_linear_compile(ctx: Context) -> dict:
     from torch import nn
 
     from cokit.bench.timing import median_ms
-    from cokit.nn import Linear
+    from cokit.overlap.layers import Linear
 
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
     tokens, width = MLP_SHAPES["cpu" if not ctx.on_gpu else "gpu_quick" if ctx.quick else "gpu"]
@@ -827,7 +827,7 @@ def default_phases() -> list[Phase]:
         Phase(
             "gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep", in_quick=False
         ),
-        Phase("linear", phase_linear, 20, 45, what="cokit.nn.Linear vs F.linear (bf16)"),
+        Phase("linear", phase_linear, 20, 45, what="cokit.overlap.Linear vs F.linear (bf16)"),
         Phase("linear.compile", phase_linear_compile, 40, 70, what="Linear in torch.compile (Inductor)"),
         Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
         Phase(
