@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from cokit.bench.gpu_rows import fmt, print_rows, rel_err
 from cokit.bench.gpu_tp_phase import phase_tp_layers
 from cokit.bench.gpu_train_step_phase import phase_train_step_overlap
 
@@ -100,27 +101,6 @@ class PhaseFailure(Exception):
 
 
 # ---------------------------------------------------------------------- helpers
-def rel_err(out: Any, ref: Any) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        if v != v:
-            return "nan"
-        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.0f}"
-    return "-" if v is None else str(v)
-
-
-def print_rows(rows: list[dict], cols: list[str]) -> None:
-    """A left-aligned table of ``cols`` ('-' for missing cells)."""
-    table = [cols] + [[_fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
-    for t in table:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)))
-
-
 def _sync(ctx: Context) -> None:
     if ctx.on_gpu:
         import torch
@@ -411,7 +391,7 @@ def _judge(row: dict, limits: dict[str, float]) -> list[str]:
             continue
         bad = v < limit if "agreement" in key else not (v <= limit)
         if bad:
-            problems.append(f"{row['kernel']}: {key}={_fmt(v)} (limit {limit})")
+            problems.append(f"{row['kernel']}: {key}={fmt(v)} (limit {limit})")
     return problems
 
 
@@ -695,7 +675,7 @@ def phase_linear(ctx: Context) -> dict:
         row["torch_TFLOPs"] = flop / row["torch_ms"] / 1e9
         row["vs_torch"] = row["cokit_TFLOPs"] / row["torch_TFLOPs"]
         if not err <= 2e-2:
-            problems.append(f"{row['shape']}: rel_err={_fmt(err)} (limit 0.02)")
+            problems.append(f"{row['shape']}: rel_err={fmt(err)} (limit 0.02)")
         rows.append(row)
     print_rows(
         rows,
@@ -753,7 +733,7 @@ def phase_linear_compile(ctx: Context) -> dict:
             out, in_graph = compiled(x), None
         err = rel_err(out, eager)
         if not err <= 2e-2:
-            problems.append(f"compiled vs eager rel_err={_fmt(err)} (limit 0.02)")
+            problems.append(f"compiled vs eager rel_err={fmt(err)} (limit 0.02)")
         row: dict[str, Any] = {
             "shape": f"{tokens}x{width}->{4 * width}->{width}",
             "dtype": str(dtype).replace("torch.", ""),
@@ -796,7 +776,7 @@ def phase_overlap(ctx: Context) -> dict:
     if summary.get("noise_points"):
         key += f" ({summary['noise_points']} beyond the physical bounds: noise, never best)"
     if best:
-        key += f", best speedup {_fmt(best.get('speedup'))} ({_fmt(best.get('pct_of_ideal'))}% of ideal)"
+        key += f", best speedup {fmt(best.get('speedup'))} ({fmt(best.get('pct_of_ideal'))}% of ideal)"
     elif summary.get("points"):
         key += ", none within the physical bounds"
     problems = [str(r.get("error")) for r in rows if r.get("error")][:20]

@@ -35,7 +35,7 @@ def phase_train_step_overlap(ctx: Any) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from cokit.bench.gpu_check import _fmt, print_rows
+    from cokit.bench.gpu_rows import fmt, print_rows
     from cokit.bench.timing import median_ms
     from cokit.overlap import CommStream, EmulatedComm
     from cokit.overlap.streams import wait_handle
@@ -136,8 +136,8 @@ def phase_train_step_overlap(ctx: Any) -> dict:
     for r in rows:
         r["vs_sequential"] = r["step_ms"] / seq_ms
     print(
-        f"EMULATED communication: {comm.label}; compute step {_fmt(compute_ms)} ms, communication alone "
-        f"{_fmt(comm_ms)} ms ({'about equal' if 0.7 <= comm_ms / compute_ms <= 1.4 else 'NOT equal'})"
+        f"EMULATED communication: {comm.label}; compute step {fmt(compute_ms)} ms, communication alone "
+        f"{fmt(comm_ms)} ms ({'about equal' if 0.7 <= comm_ms / compute_ms <= 1.4 else 'NOT equal'})"
     )
     print_rows(rows, ["case", "step_ms", "vs_sequential", "note"])
     overlapped_rows = [r for r in rows if r["case"] != "sequential"]
