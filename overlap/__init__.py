@@ -13,7 +13,7 @@ streams, so that collectives hide behind compute on NVIDIA and AMD alike.
 * :mod:`cokit.overlap.layers`    -- ``Linear``, a drop-in for ``torch.nn.Linear`` on the Triton GEMM
 * :mod:`cokit.overlap.training`  -- ``apply_overlap``: a model's linear layers on it, configs tuned while training
 * :mod:`cokit.overlap.emulate`   -- one-GPU emulated communication (labelled as such)
-* :mod:`cokit.overlap.sweep`     -- sweep grids and their measurement (records and plots: :mod:`cokit.sweeps`)
+* :mod:`cokit.overlap.sweep`     -- sweep grids, their measurement, progress and records (ranks, files, plots: :mod:`cokit.sweeps`)
 * :mod:`cokit.overlap.tuner`     -- online tuner for training loops
 """
 
