@@ -17,13 +17,13 @@ budget is spent stops adding work and is marked BUDGET):
                    n_regs/n_spills and the launch config it chose (tuned on the GPU)
   optimizer        DeMo step (Triton kernels, world size 1) vs fused AdamW
   gemm.*           correctness, occupancy vs the driver, TFLOP/s vs torch.matmul, occupancy sweep
-  linear           cokit.nn.Linear TFLOP/s vs torch.nn.functional.linear, bf16 LLM shapes
-  linear.compile   cokit.nn.Linear in torch.compile(fullgraph=True): its GEMM kernel inside
+  linear           cokit.overlap.Linear TFLOP/s vs torch.nn.functional.linear, bf16 LLM shapes
+  linear.compile   cokit.overlap.Linear in torch.compile(fullgraph=True): its GEMM kernel inside
                    Inductor's code, vs eager and vs compiled nn.Linear, dynamic shapes
   overlap          one-GPU study: GEMM next to an EMULATED communication kernel
-  train_step_overlap  a small transformer's training step with cokit.nn.Linear next to an
+  train_step_overlap  a small transformer's training step with cokit.overlap.Linear next to an
                    EMULATED communication kernel: sequential, overlapped, shaped + high
-                   priority, and the configs cokit.nn.apply_overlap's tuner locked
+                   priority, and the configs cokit.overlap.apply_overlap's tuner locked
   tp_layers        Column/RowParallelLinear MLP at world 1, collectives EMULATED, vs F.linear
 
 Needs a visible GPU and TRITON_INTERPRET unset (else exits 2 with one line); ``--allow-cpu``
@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from cokit.bench.gpu_rows import fmt, print_rows, rel_err
 from cokit.bench.gpu_tp_phase import phase_tp_layers
 from cokit.bench.gpu_train_step_phase import phase_train_step_overlap
 
@@ -100,27 +101,6 @@ class PhaseFailure(Exception):
 
 
 # ---------------------------------------------------------------------- helpers
-def rel_err(out: Any, ref: Any) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        if v != v:
-            return "nan"
-        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.0f}"
-    return "-" if v is None else str(v)
-
-
-def print_rows(rows: list[dict], cols: list[str]) -> None:
-    """A left-aligned table of ``cols`` ('-' for missing cells)."""
-    table = [cols] + [[_fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
-    for t in table:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)))
-
-
 def _sync(ctx: Context) -> None:
     if ctx.on_gpu:
         import torch
@@ -362,7 +342,7 @@ def _time_row(
     return row
 
 
-#: cokit.nn.Linear's target: at least this fraction of F.linear's (and compiled nn.Linear's) speed
+#: cokit.overlap.Linear's target: at least this fraction of F.linear's (and compiled nn.Linear's) speed
 LINEAR_TARGET = 0.9
 #: the issue's targets on an H200: % of device copy bandwidth per compression kernel
 COPY_TARGETS = {"dct_encode": 70.0, "dct_decode": 70.0, "ef_encode": 60.0, "ef_decode": 60.0}
@@ -411,7 +391,7 @@ def _judge(row: dict, limits: dict[str, float]) -> list[str]:
             continue
         bad = v < limit if "agreement" in key else not (v <= limit)
         if bad:
-            problems.append(f"{row['kernel']}: {key}={_fmt(v)} (limit {limit})")
+            problems.append(f"{row['kernel']}: {key}={fmt(v)} (limit {limit})")
     return problems
 
 
@@ -656,13 +636,13 @@ LINEAR_SHAPES = [(4096, 4096, 4096), (8192, 8192, 1024)]
 
 
 def phase_linear(ctx: Context) -> dict:
-    """``cokit.nn.Linear`` (bf16, tuned GEMM) vs ``torch.nn.functional.linear``: error against
+    """``cokit.overlap.Linear`` (bf16, tuned GEMM) vs ``torch.nn.functional.linear``: error against
     a float64 reference, then TFLOP/s of both and their ratio (target: >= 0.9)."""
     import torch
     import torch.nn.functional as F
 
     from cokit.bench.timing import median_ms
-    from cokit.nn import Linear
+    from cokit.overlap.layers import Linear
 
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
     shapes = LINEAR_SHAPES if ctx.on_gpu else [(64, 48, 40)]
@@ -695,7 +675,7 @@ def phase_linear(ctx: Context) -> dict:
         row["torch_TFLOPs"] = flop / row["torch_ms"] / 1e9
         row["vs_torch"] = row["cokit_TFLOPs"] / row["torch_TFLOPs"]
         if not err <= 2e-2:
-            problems.append(f"{row['shape']}: rel_err={_fmt(err)} (limit 0.02)")
+            problems.append(f"{row['shape']}: rel_err={fmt(err)} (limit 0.02)")
         rows.append(row)
     print_rows(
         rows,
@@ -714,7 +694,7 @@ MLP_SHAPES = {"gpu": (8192, 4096), "gpu_quick": (4096, 4096), "cpu": (64, 48)}
 
 
 def phase_linear_compile(ctx: Context) -> dict:
-    """``cokit.nn.Linear`` inside ``torch.compile(fullgraph=True)``: an MLP block. On a GPU,
+    """``cokit.overlap.Linear`` inside ``torch.compile(fullgraph=True)``: an MLP block. On a GPU,
     Inductor must compile cokit's GEMM kernel into its own code (the ``cokit::linear``
     ``triton_op``), not call an opaque op; the compiled block must equal the eager one, and
     its time is set beside eager cokit and the same block on ``nn.Linear``, compiled. A
@@ -724,7 +704,7 @@ def phase_linear_compile(ctx: Context) -> dict:
     from torch import nn
 
     from cokit.bench.timing import median_ms
-    from cokit.nn import Linear
+    from cokit.overlap.layers import Linear
 
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
     tokens, width = MLP_SHAPES["cpu" if not ctx.on_gpu else "gpu_quick" if ctx.quick else "gpu"]
@@ -753,7 +733,7 @@ def phase_linear_compile(ctx: Context) -> dict:
             out, in_graph = compiled(x), None
         err = rel_err(out, eager)
         if not err <= 2e-2:
-            problems.append(f"compiled vs eager rel_err={_fmt(err)} (limit 0.02)")
+            problems.append(f"compiled vs eager rel_err={fmt(err)} (limit 0.02)")
         row: dict[str, Any] = {
             "shape": f"{tokens}x{width}->{4 * width}->{width}",
             "dtype": str(dtype).replace("torch.", ""),
@@ -796,7 +776,7 @@ def phase_overlap(ctx: Context) -> dict:
     if summary.get("noise_points"):
         key += f" ({summary['noise_points']} beyond the physical bounds: noise, never best)"
     if best:
-        key += f", best speedup {_fmt(best.get('speedup'))} ({_fmt(best.get('pct_of_ideal'))}% of ideal)"
+        key += f", best speedup {fmt(best.get('speedup'))} ({fmt(best.get('pct_of_ideal'))}% of ideal)"
     elif summary.get("points"):
         key += ", none within the physical bounds"
     problems = [str(r.get("error")) for r in rows if r.get("error")][:20]
@@ -827,7 +807,7 @@ def default_phases() -> list[Phase]:
         Phase(
             "gemm.sweep", _gemm_phase("sweep"), 15, 60, needs_gpu=True, what="occupancy sweep", in_quick=False
         ),
-        Phase("linear", phase_linear, 20, 45, what="cokit.nn.Linear vs F.linear (bf16)"),
+        Phase("linear", phase_linear, 20, 45, what="cokit.overlap.Linear vs F.linear (bf16)"),
         Phase("linear.compile", phase_linear_compile, 40, 70, what="Linear in torch.compile (Inductor)"),
         Phase("overlap", phase_overlap, 25, 90, what="GEMM + EMULATED comm on one GPU"),
         Phase(

@@ -57,7 +57,7 @@ def phase_tp_layers(ctx: Any) -> dict:
     import torch.nn.functional as F
     from torch import nn
 
-    from cokit.bench.gpu_check import _fmt, print_rows, rel_err
+    from cokit.bench.gpu_rows import fmt, print_rows, rel_err
     from cokit.bench.timing import median_ms
     from cokit.compress.stats import ring_allreduce_bytes
     from cokit.overlap.emulate import EmulatedComm
@@ -126,7 +126,7 @@ def phase_tp_layers(ctx: Any) -> dict:
             )
             for k, v in errs.items():
                 if not v <= limit:
-                    problems.append(f"{'sp ' if sp else ''}{k}={_fmt(v)} (limit {limit})")
+                    problems.append(f"{'sp ' if sp else ''}{k}={fmt(v)} (limit {limit})")
         print_rows(rows, ["what", "shape", "max_rel_err"])
         fc1.zero_grad(set_to_none=True)
         fc2.zero_grad(set_to_none=True)
@@ -190,7 +190,7 @@ def phase_tp_layers(ctx: Any) -> dict:
         if own_group:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-    key = f"max rel_err {_fmt(max(r['max_rel_err'] for r in rows if 'max_rel_err' in r))}"
+    key = f"max rel_err {fmt(max(r['max_rel_err'] for r in rows if 'max_rel_err' in r))}"
     t = rows[-1]
     if "tp_vs_dense" in t:
         key += f"; x{t['tp_vs_dense']:.2f} vs dense F.linear"

@@ -1,5 +1,5 @@
 """GPU-check phase ``train_step_overlap``: a small transformer's training step on one GPU with
-``cokit.nn.Linear`` layers, next to an EMULATED communication side.
+``cokit.overlap.Linear`` layers, next to an EMULATED communication side.
 
 The communication the DeMo/DDP collectives would do during backward is emulated by
 :class:`cokit.overlap.EmulatedComm` (a persistent copy kernel on ``comm_sms`` SMs), sized so
@@ -11,7 +11,7 @@ ratio to the sequential one:
   starts; the layers run each shape class's default config;
 * ``shaped+high``: the same on a high-priority stream, with every class on its persistent GEMM
   leaving ``comm_sms`` SMs to the communication;
-* ``tuner``: the configs :func:`cokit.nn.apply_overlap`'s tuner locked while training with the
+* ``tuner``: the configs :func:`cokit.overlap.training.apply_overlap`'s tuner locked while training with the
   high-priority overlap (CUDA-event step times).
 
 Target (docs/design.md §1.2): the best overlapped case at least 20% below sequential. On CPU
@@ -35,11 +35,11 @@ def phase_train_step_overlap(ctx: Any) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from cokit.bench.gpu_check import _fmt, print_rows
+    from cokit.bench.gpu_rows import fmt, print_rows
     from cokit.bench.timing import median_ms
-    from cokit.nn import apply_overlap
     from cokit.overlap import CommStream, EmulatedComm
     from cokit.overlap.streams import wait_handle
+    from cokit.overlap.training import apply_overlap
     from cokit.workloads.model import CharTransformer, ModelConfig
 
     d, layers, heads, seq, batch = ctx.pick(SIZES["gpu_quick"], SIZES["gpu"], SIZES["cpu"])
@@ -136,8 +136,8 @@ def phase_train_step_overlap(ctx: Any) -> dict:
     for r in rows:
         r["vs_sequential"] = r["step_ms"] / seq_ms
     print(
-        f"EMULATED communication: {comm.label}; compute step {_fmt(compute_ms)} ms, communication alone "
-        f"{_fmt(comm_ms)} ms ({'about equal' if 0.7 <= comm_ms / compute_ms <= 1.4 else 'NOT equal'})"
+        f"EMULATED communication: {comm.label}; compute step {fmt(compute_ms)} ms, communication alone "
+        f"{fmt(comm_ms)} ms ({'about equal' if 0.7 <= comm_ms / compute_ms <= 1.4 else 'NOT equal'})"
     )
     print_rows(rows, ["case", "step_ms", "vs_sequential", "note"])
     overlapped_rows = [r for r in rows if r["case"] != "sequential"]

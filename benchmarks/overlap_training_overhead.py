@@ -4,7 +4,7 @@
 
 Runs the ``cokit demo`` training step (the character transformer, ``tiny`` preset, 16
 sequences per rank, DeMo with the demo's settings) on 2 spawned gloo ranks, on a model that
-:func:`cokit.nn.apply_overlap` put on ``cokit.nn.Linear`` layers. In every run,
+:func:`cokit.overlap.training.apply_overlap` put on ``cokit.overlap.Linear`` layers. In every run,
 ``OverlapTuning.step()`` (time the step, agree on it with the other rank through the exchange
 core's status row, feed the tuner, switch configs) is called on every other step: the steps
 with and without it are paired within the run (odd steps in one repetition, even ones in
@@ -62,7 +62,7 @@ def _spec(priority: str) -> Any:
 
 def _loop(workload: Any, priority: str, steps: int, seed: int, phase: int) -> dict:
     """One run of ``steps`` steps calling the tuner on the steps ``s`` with ``s % 2 == phase``."""
-    from cokit.nn import apply_overlap
+    from cokit.overlap.training import apply_overlap
     from cokit.train import build_method
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,11 +1,14 @@
-"""The application side of overlap sweeps (``cokit sweep``, notebook 01).
+"""The application side of overlap sweeps (``cokit sweep``, notebook 01): ranks, files,
+telemetry and plots. The grid, the measurement, the progress lines, the records' text and the
+printed table are the library's (:mod:`cokit.overlap.sweep`).
 
 :func:`sweep_main` runs :func:`cokit.overlap.sweep.run_sweep` on local ranks (spawned) or on
-torchrun's ranks, printing a progress line per point (:class:`SweepProgress`, rank 0);
-:func:`write_csv` / :func:`write_json` record the rows (atomically); the plots are speedup
-heatmaps (:func:`plot_heatmap`: over num_warps x smem_bytes, reserved SMs x message size,
-chunks x message size; each cell shows the median and the IQR over repeats) and a
-timeline-style bar chart of one point (:func:`plot_timeline`). Rows flagged as noise (they
+torchrun's ranks, printing a progress line per point
+(:class:`~cokit.overlap.sweep.SweepProgress`, rank 0) and writing each rank's telemetry
+(:class:`SweepTelemetry`); :func:`write_csv` / :func:`write_json` record the rows
+(atomically); the plots are speedup heatmaps (:func:`plot_heatmap`: over num_warps x
+smem_bytes, reserved SMs x message size, chunks x message size; each cell shows the median and
+the IQR over repeats) and a timeline-style bar chart of one point (:func:`plot_timeline`). Rows flagged as noise (they
 break the physical bounds of overlap, see :func:`cokit.overlap.sweep.bound_violations`) are
 marked in every plot and never drawn as the best point. Figures are drawn on
 :class:`matplotlib.figure.Figure` objects, so writing them never touches pyplot's backend
@@ -14,110 +17,39 @@ marked in every plot and never drawn as the best point. Figures are drawn on
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import os
 import statistics
-import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from cokit.files import atomic_savefig, atomic_write_text
-from cokit.overlap.sweep import SweepPoint, best_row, bound_violations, run_sweep
-from cokit.triton_kernels.gemm_config import GemmConfig
+from cokit.overlap.sweep import (
+    SweepPoint,
+    SweepProgress,
+    best_row,
+    bound_violations,
+    rows_csv,
+    rows_json,
+    run_sweep,
+)
 
 #: the files ``cokit sweep`` writes into its folder (names and glob patterns): a folder
 #: holding any of them holds an earlier sweep's results
 OUTPUTS = ("sweep.csv", "sweep.json", "heatmap_*.png", "timeline_best.png")
 
 
-#: what the ``noise`` column means (written into sweep.json's metadata)
-NOISE_RULE = (
-    "a row is flagged as noise (column 'noise' holds the reasons) when its median overlapped time "
-    "T_ovl is below compute alone or communication alone, i.e. its speedup exceeds the ideal bound "
-    "(T_comp + T_comm) / max(T_comp, T_comm); flagged rows are never chosen as best"
-)
-
-
-# ---------------------------------------------------------------------- progress
-def describe_point(row: dict[str, Any]) -> str:
-    """A short name of a row's setting: collective, size, chunks and the config knobs."""
-    knobs = " ".join(
-        f"{k}={'none' if row.get(k) is None else row.get(k)}"
-        for k in ("num_warps", "smem_bytes", "num_sms")
-        if k in row
-    )
-    extra = f" comm_sms={row['comm_sms']}" if row.get("comm_sms") is not None else ""
-    return (
-        f"{row.get('collective')} size={row.get('size')} chunks={row.get('chunks')} {knobs} "
-        f"prio={row.get('priority')}{extra}"
-    )
-
-
-class SweepProgress:
-    """The ``progress`` callback of :func:`cokit.overlap.sweep.run_sweep`: one line per
-    finished point, ``[n/N] <setting> ... x.xx ms (eta 12 s)``, flushed at once.
-
-    The time is the point's median overlapped time and its speedup; a point flagged as noise
-    or failed says so on its line. ``clock`` (seconds, monotonic) is injectable for tests.
-    """
-
-    def __init__(
-        self, total: int, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        if total < 1:
-            raise ValueError(f"total={total!r} is invalid; allowed: an integer >= 1")
-        self.total = total
-        self.stream = stream
-        self.clock = clock
-        self.start = clock()
-
-    def line(self, i: int, row: dict[str, Any]) -> str:
-        """The progress line of point ``i`` (from 0) that just finished."""
-        n = i + 1
-        elapsed = self.clock() - self.start
-        if row.get("error"):
-            result = f"error: {row['error']}"
-        else:
-            t = row.get("overlapped_ms")
-            result = "-" if t is None else f"{float(t):.2f} ms"
-            if row.get("speedup") is not None:
-                result += f", speedup {float(row['speedup']):.3f}"
-            if row.get("noise"):
-                result += f" [NOISE: {row['noise']}]"
-        left = self.total - n
-        when = f"eta {elapsed / n * left:.0f} s" if left else f"total {elapsed:.0f} s"
-        return f"[{n}/{self.total}] {describe_point(row)} ... {result} ({when})"
-
-    def __call__(self, i: int, row: dict[str, Any]) -> None:
-        stream = self.stream if self.stream is not None else sys.stdout
-        print(self.line(i, row), file=stream, flush=True)
-
-
 # ---------------------------------------------------------------------- records
 def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Rows to CSV (the union of their keys as columns, first-seen order)."""
-    cols: list[str] = []
-    for r in rows:
-        cols.extend(k for k in r if k not in cols)
-    buf = io.StringIO(newline="")
-    w = csv.DictWriter(buf, fieldnames=cols)
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
-    return atomic_write_text(path, buf.getvalue())
+    """Rows to CSV (:func:`~cokit.overlap.sweep.rows_csv`), written atomically."""
+    return atomic_write_text(path, rows_csv(rows))
 
 
 def write_json(
     rows: Sequence[dict[str, Any]], path: str | os.PathLike, meta: dict[str, Any] | None = None
 ) -> Path:
-    """``{"meta": ..., "rows": [...]}`` as JSON."""
-    return atomic_write_text(
-        path, json.dumps({"meta": meta or {}, "rows": list(rows)}, indent=1, default=str)
-    )
+    """``{"meta": ..., "rows": [...]}`` (:func:`~cokit.overlap.sweep.rows_json`), written atomically."""
+    return atomic_write_text(path, rows_json(rows, meta))
 
 
 # ---------------------------------------------------------------------- plots
@@ -368,17 +300,7 @@ def _sweep_worker(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str,
     from cokit.launch import local_device
 
     device = local_device(spec["device"])
-    points = [
-        SweepPoint(
-            p["collective"],
-            p["size"],
-            p["chunks"],
-            GemmConfig.from_dict(p["config"]),
-            p["priority"],
-            p["comm_sms"],
-        )
-        for p in spec["points"]
-    ]
+    points = [SweepPoint.from_dict(p) for p in spec["points"]]
     return run_sweep(
         points,
         device=device,
@@ -461,17 +383,7 @@ def sweep_main(
         "warmup": warmup,
         "progress": progress,
         "telemetry_dir": telemetry_dir,
-        "points": [
-            {
-                "collective": p.collective,
-                "size": p.size,
-                "chunks": p.chunks,
-                "config": p.config.to_dict(),
-                "priority": p.priority,
-                "comm_sms": p.comm_sms,
-            }
-            for p in points
-        ],
+        "points": [p.to_dict() for p in points],
     }
     if world_size == 1 and not in_torchrun():
         return run_sweep(

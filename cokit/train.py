@@ -496,7 +496,7 @@ def run_method(
     ``telemetry_run``, default the method's display name; evaluations are left out of its
     step times) to ``telemetry_sinks`` (sink names, default ``["jsonl"]``). ``overlap``: the
     model's linear layers run on cokit's GEMM with the configs an online tuner picks while
-    training (:func:`cokit.nn.apply_overlap`; its configs and decisions go to the telemetry).
+    training (:func:`cokit.overlap.training.apply_overlap`; its configs and decisions go to the telemetry).
     The result is complete on every rank.
     """
     if steps < 1 or eval_every < 1:
@@ -560,7 +560,7 @@ def run_method(
         )
     tuning = None
     if overlap:
-        from cokit.nn import apply_overlap
+        from cokit.overlap.training import apply_overlap
 
         tuning = apply_overlap(model, process_group=group, monitor=monitor, timeout=spec.timeout)
     try:
@@ -665,7 +665,7 @@ def run_methods(
 ) -> list[RunResult]:
     """Worker body: build the workload on this rank's device and run each spec in turn
     (with telemetry in ``telemetry_dir``, runs named ``telemetry_runs``, one per spec, to
-    ``telemetry_sinks``; with ``overlap``, on tuned cokit.nn.Linear layers)."""
+    ``telemetry_sinks``; with ``overlap``, on tuned cokit.overlap.Linear layers)."""
     if telemetry_runs is not None and len(telemetry_runs) != len(specs):
         raise ValueError(f"telemetry_runs names {len(telemetry_runs)} runs for {len(specs)} specs")
     workload = factory.build(local_device(device))

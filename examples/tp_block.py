@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cokit.nn import ColumnParallelLinear, RowParallelLinear
+from cokit.overlap import ColumnParallelLinear, RowParallelLinear
 
 
 class Block(nn.Module):

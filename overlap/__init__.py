@@ -10,13 +10,16 @@ streams, so that collectives hide behind compute on NVIDIA and AMD alike.
 * :mod:`cokit.overlap.measure`   -- alone / sequential / overlapped timing with repeats
 * :mod:`cokit.overlap.schedules` -- GEMM + all-reduce/reduce-scatter, all-gather + GEMM, generic Overlap
 * :mod:`cokit.overlap.tensor_parallel` -- Megatron-style column/row-parallel Linear layers on these schedules
+* :mod:`cokit.overlap.layers`    -- ``Linear``, a drop-in for ``torch.nn.Linear`` on the Triton GEMM
+* :mod:`cokit.overlap.training`  -- ``apply_overlap``: a model's linear layers on it, configs tuned while training
 * :mod:`cokit.overlap.emulate`   -- one-GPU emulated communication (labelled as such)
-* :mod:`cokit.overlap.sweep`     -- sweep grids and their measurement (records and plots: :mod:`cokit.sweeps`)
+* :mod:`cokit.overlap.sweep`     -- sweep grids, their measurement, progress and records (ranks, files, plots: :mod:`cokit.sweeps`)
 * :mod:`cokit.overlap.tuner`     -- online tuner for training loops
 """
 
 from .emulate import EmulatedComm
 from .guard import GuardViolation, StarvationGuard
+from .layers import Linear
 from .measure import OverlapResult, measure
 from .metrics import OverlapMetrics, compute_metrics
 from .schedules import (
@@ -30,6 +33,7 @@ from .schedules import (
 )
 from .streams import CommStream, high_priority_group
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .training import OverlapTuning, apply_overlap
 from .tuner import OnlineTuner
 
 __all__ = [
@@ -39,14 +43,17 @@ __all__ = [
     "EmulatedComm",
     "GemmCollective",
     "GuardViolation",
+    "Linear",
     "OnlineTuner",
     "Overlap",
     "OverlapMetrics",
     "OverlapResult",
+    "OverlapTuning",
     "RowParallelLinear",
     "Scheduled",
     "StarvationGuard",
     "all_gather_gemm",
+    "apply_overlap",
     "compute_metrics",
     "gemm_all_reduce",
     "gemm_reduce_scatter",

@@ -1,9 +1,12 @@
 """Sweep overlap settings: GEMM configs x message sizes x collectives (x chunks, priorities).
 
-:func:`sweep_points` builds the grid and :func:`run_sweep` measures every point with
-:func:`cokit.overlap.measure.measure` (every rank of a group runs the same points in the same
-order), one row (a dict) per point. Launching ranks, CSV/JSON records and plots are the
-application's (:mod:`cokit.sweeps`, ``cokit sweep``).
+The library side of sweeps, everything that needs neither the application nor matplotlib:
+:func:`config_grid` and :func:`sweep_points` build the grid, :func:`run_sweep` measures every
+point with :func:`cokit.overlap.measure.measure` (every rank of a group runs the same points in
+the same order), one row (a dict) per point; :class:`SweepProgress` prints a line per finished
+point; :func:`rows_csv` / :func:`rows_json` serialize the rows, :func:`sweep_meta` describes a
+run and :func:`summary` is the printed table. Launching ranks, writing files, telemetry and
+the plots are the application's (:mod:`cokit.sweeps`, ``cokit sweep``).
 
 A point's GEMM is square, ``size x size x size``; its message is the ``size x size`` product
 (all-reduce, reduce-scatter, or the gathered operand for all-gather; ``emulated`` is the
@@ -23,11 +26,16 @@ is timing noise: its ``noise`` column says why, and :func:`best_row` never picks
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import itertools
+import json
 import math
+import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -35,15 +43,23 @@ from cokit.triton_kernels.gemm_config import GemmConfig, parse_dtype
 
 __all__ = [
     "CPU_OCCUPANCY",
+    "NOISE_RULE",
     "OCCUPANCY_FIELDS",
     "SWEEP_COLLECTIVES",
     "SweepPoint",
+    "SweepProgress",
     "best_row",
     "bound_violations",
     "check_point",
+    "config_grid",
+    "describe_point",
     "flag_noise",
     "point_occupancy",
+    "rows_csv",
+    "rows_json",
     "run_sweep",
+    "summary",
+    "sweep_meta",
     "sweep_points",
 ]
 
@@ -56,6 +72,12 @@ CPU_NOTE = (
 #: the occupancy columns of a row (the names of telemetry's ``kernels`` entries)
 OCCUPANCY_FIELDS = ("blocks_per_sm", "limiter", "smem_per_block", "reserved_sms")
 CPU_OCCUPANCY = "none: CPU run (the GEMM runs torch code; there is no SM to occupy)"
+#: what the ``noise`` column means (written into a sweep's metadata)
+NOISE_RULE = (
+    "a row is flagged as noise (column 'noise' holds the reasons) when its median overlapped time "
+    "T_ovl is below compute alone or communication alone, i.e. its speedup exceeds the ideal bound "
+    "(T_comp + T_comm) / max(T_comp, T_comm); flagged rows are never chosen as best"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +110,61 @@ class SweepPoint:
             "comm_sms": self.comm_sms,
             "config_spec": c.spec(),
         }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the config as :meth:`GemmConfig.to_dict`): what spawned ranks get."""
+        return {
+            "collective": self.collective,
+            "size": self.size,
+            "chunks": self.chunks,
+            "config": self.config.to_dict(),
+            "priority": self.priority,
+            "comm_sms": self.comm_sms,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SweepPoint:
+        """The point :meth:`to_dict` described."""
+        return cls(
+            d["collective"],
+            d["size"],
+            d["chunks"],
+            GemmConfig.from_dict(d["config"]),
+            d["priority"],
+            d["comm_sms"],
+        )
+
+
+def config_grid(
+    base: GemmConfig,
+    *,
+    num_warps: Sequence[int] | None = None,
+    smem_bytes: Sequence[int | None] | None = None,
+    num_sms: Sequence[int | None] | None = None,
+    device: torch.device | str = "cpu",
+    limits: Any = None,
+    dtype: torch.dtype | None = None,
+) -> list[GemmConfig]:
+    """``base`` with every combination of ``num_warps`` x ``smem_bytes`` x ``num_sms`` (None:
+    the base's value; a ``num_sms`` makes the GEMM persistent on that many SMs, None keeps the
+    base's form), each validated for the GEMM path ``device`` runs (and ``limits``/``dtype``
+    when given): ``ValueError`` naming the config that does not fit, before anything runs."""
+    from .schedules import _config_backend
+
+    backend = _config_backend(torch.device(device))
+    out = []
+    for w in num_warps or [base.num_warps]:
+        for s in smem_bytes or [base.smem_bytes]:
+            for n in num_sms or [base.num_sms]:
+                cfg = base.replace(
+                    num_warps=w, smem_bytes=s, num_sms=n, persistent=n is not None or base.persistent
+                )
+                try:
+                    cfg.validate(backend, limits, dtype=dtype)
+                except ValueError as exc:
+                    raise ValueError(f"config {cfg.spec()}: {exc}") from None
+                out.append(cfg)
+    return out
 
 
 def sweep_points(
@@ -273,6 +350,175 @@ def point_occupancy(config: GemmConfig, limits: Any, dtype: torch.dtype | str) -
     return row
 
 
+# ---------------------------------------------------------------------- progress and records
+def describe_point(row: dict[str, Any]) -> str:
+    """A short name of a row's setting: collective, size, chunks and the config knobs."""
+    knobs = " ".join(
+        f"{k}={'none' if row.get(k) is None else row.get(k)}"
+        for k in ("num_warps", "smem_bytes", "num_sms")
+        if k in row
+    )
+    extra = f" comm_sms={row['comm_sms']}" if row.get("comm_sms") is not None else ""
+    return (
+        f"{row.get('collective')} size={row.get('size')} chunks={row.get('chunks')} {knobs} "
+        f"prio={row.get('priority')}{extra}"
+    )
+
+
+class SweepProgress:
+    """The ``progress`` callback of :func:`run_sweep`: one line per finished point,
+    ``[n/N] <setting> ... x.xx ms (eta 12 s)``, flushed at once.
+
+    The time is the point's median overlapped time and its speedup; a point flagged as noise
+    or failed says so on its line. ``clock`` (seconds, monotonic) is injectable for tests.
+    """
+
+    def __init__(
+        self, total: int, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if total < 1:
+            raise ValueError(f"total={total!r} is invalid; allowed: an integer >= 1")
+        self.total = total
+        self.stream = stream
+        self.clock = clock
+        self.start = clock()
+
+    def line(self, i: int, row: dict[str, Any]) -> str:
+        """The progress line of point ``i`` (from 0) that just finished."""
+        n = i + 1
+        elapsed = self.clock() - self.start
+        if row.get("error"):
+            result = f"error: {row['error']}"
+        else:
+            t = row.get("overlapped_ms")
+            result = "-" if t is None else f"{float(t):.2f} ms"
+            if row.get("speedup") is not None:
+                result += f", speedup {float(row['speedup']):.3f}"
+            if row.get("noise"):
+                result += f" [NOISE: {row['noise']}]"
+        left = self.total - n
+        when = f"eta {elapsed / n * left:.0f} s" if left else f"total {elapsed:.0f} s"
+        return f"[{n}/{self.total}] {describe_point(row)} ... {result} ({when})"
+
+    def __call__(self, i: int, row: dict[str, Any]) -> None:
+        stream = self.stream if self.stream is not None else sys.stdout
+        print(self.line(i, row), file=stream, flush=True)
+
+
+def rows_csv(rows: Sequence[dict[str, Any]]) -> str:
+    """Rows as CSV text (the union of their keys as columns, first-seen order; None as '')."""
+    cols: list[str] = []
+    for r in rows:
+        cols.extend(k for k in r if k not in cols)
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
+    return buf.getvalue()
+
+
+def rows_json(rows: Sequence[dict[str, Any]], meta: dict[str, Any] | None = None) -> str:
+    """``{"meta": ..., "rows": [...]}`` as JSON text."""
+    return json.dumps({"meta": meta or {}, "rows": list(rows)}, indent=1, default=str)
+
+
+def sweep_meta(
+    rows: Sequence[dict[str, Any]],
+    *,
+    world_size: int,
+    backend: str,
+    gpu: bool,
+    dtype: torch.dtype | str,
+    repeats: int,
+    warmup: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """What a sweep's record says about its run: ranks, backend, device, dtype, rounds, torch,
+    its duration, where the occupancy columns come from, the noise rule and how many rows
+    (rank 0's, every rank's) it flagged."""
+    return {
+        "world_size": world_size,
+        "backend": backend,
+        "device": "gpu" if gpu else "cpu",
+        "dtype": str(dtype),
+        "repeats": repeats,
+        "warmup": warmup,
+        "torch": torch.__version__,
+        "seconds": round(seconds, 2),
+        "occupancy": (
+            "from each config's compiled kernel on the live GPU (compile cache), see occupancy_source"
+            if gpu
+            else CPU_OCCUPANCY
+        ),
+        "noise_rule": NOISE_RULE,
+        "noise_rows": {
+            "rank0": sum(1 for r in rows if r.get("noise") and r.get("rank", 0) == 0),
+            "all_ranks": sum(1 for r in rows if r.get("noise")),
+        },
+    }
+
+
+#: the columns of :func:`summary` (row key, header)
+SUMMARY_COLUMNS = (
+    ("collective", "collective"),
+    ("size", "size"),
+    ("chunks", "chunks"),
+    ("num_warps", "warps"),
+    ("smem_bytes", "smem"),
+    ("num_sms", "sms"),
+    ("priority", "prio"),
+    ("compute_ms", "T_comp"),
+    ("communicate_ms", "T_comm"),
+    ("sequential_ms", "T_seq_meas"),
+    ("overlapped_ms", "T_ovl"),
+    ("speedup", "speedup"),
+    ("comm_hidden", "hidden"),
+    ("compute_slowdown", "slowdown"),
+    ("blocks_per_sm", "blk/SM"),
+    ("limiter", "limiter"),
+    ("noise", "flag"),
+)
+
+
+def summary(rows: Sequence[dict[str, Any]], rank: int = 0) -> str:
+    """Rank ``rank``'s rows as the printed table (medians in ms), then each error, each point
+    flagged as noise with its reasons, and the best point within the physical bounds
+    (:func:`best_row`) or that there is none."""
+
+    def cell(k: str, v: object) -> str:
+        if k == "noise":
+            return "NOISE" if v else ""
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        return "-" if v is None or v == "" else str(v)
+
+    table = [[h for _, h in SUMMARY_COLUMNS]] + [
+        [cell(k, r.get(k)) for k, _ in SUMMARY_COLUMNS] for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(SUMMARY_COLUMNS))]
+    lines = [f"rank {rank} (times: medians in ms; T_seq_meas = both run back to back, unchunked):"]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"  error at {r['collective']} size {r['size']} chunks {r['chunks']}: {r['error']}")
+    noisy = [r for r in rows if r.get("noise")]
+    if noisy:
+        lines.append(
+            f"NOISE: {len(noisy)} point(s) break the physical bounds of overlap (timing noise; never 'best'):"
+        )
+        lines += [f"  {describe_point(r)}: {r['noise']}" for r in noisy]
+    best = best_row(rows)
+    if best is not None:
+        lines.append(
+            f"best within the physical bounds: {describe_point(best)}, speedup {float(best['speedup']):.3f}"
+        )
+    elif any(not r.get("error") for r in rows):
+        lines.append("no point within the physical bounds: no best point")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- measurement
 def run_sweep(
     points: Iterable[SweepPoint],
     *,

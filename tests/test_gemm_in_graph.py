@@ -83,9 +83,10 @@ def _worker(cache_dir: str) -> dict:
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from cokit.ops import linear, matmul
     from cokit.triton_kernels import linear as L
+    from cokit.triton_kernels.gemm import matmul
     from cokit.triton_kernels.gemm_config import GemmConfig, parse_config_spec
+    from cokit.triton_kernels.linear import linear
     from cokit.triton_kernels.tuning_cache import TuningCache
 
     # mutation analysis of a user kernel asks the (absent) driver and falls back to "all"

@@ -1,4 +1,4 @@
-"""cokit.triton_kernels.linear.linear (``F.linear`` on the Triton GEMM) and cokit.nn.Linear
+"""cokit.triton_kernels.linear.linear (``F.linear`` on the Triton GEMM) and cokit.overlap.layers.Linear
 vs a float64 reference (on the ``device`` fixture: the GPU when there is one, else the Triton
 interpreter on CPU); autograd, the cokit::linear op (opcheck, torch.compile), autocast,
 ``from_linear``, configs and every bad input."""
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import cokit.triton_kernels.linear as L
-from cokit import ops
-from cokit.nn import Linear
+from cokit.overlap.layers import Linear
 from cokit.triton_kernels import gemm as G
 from cokit.triton_kernels.gemm_config import GemmConfig
 from cokit.triton_kernels.linear import linear
@@ -196,9 +195,21 @@ def test_init_matches_nn_linear_and_from_linear(device):
         Linear.from_linear(torch.nn.Conv1d(2, 2, 1))
 
 
-def test_ops_reexports_linear():
-    assert ops.linear is linear
-    assert ops.matmul is G.matmul
+def test_old_ops_path_warns_and_gives_the_same_ops():
+    """``cokit.ops`` is the old path of the functional ops: it works for one release, with a
+    DeprecationWarning that names the new home and points at the caller's line."""
+    import cokit.ops
+
+    with pytest.warns(
+        DeprecationWarning, match=r"cokit\.ops\.linear moved to cokit\.triton_kernels\.linear"
+    ) as w:
+        assert cokit.ops.linear is linear
+    assert w[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=r"cokit\.triton_kernels\.gemm\.matmul"):
+        from cokit.ops import matmul
+    assert matmul is G.matmul
+    with pytest.raises(AttributeError, match="has no attribute 'gemm'"):
+        cokit.ops.gemm  # noqa: B018
 
 
 # ---------------------------------------------------------------------- configs

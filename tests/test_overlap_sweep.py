@@ -11,15 +11,22 @@ from cokit.cli import main
 from cokit.overlap.sweep import (
     CPU_OCCUPANCY,
     OCCUPANCY_FIELDS,
+    SweepPoint,
+    SweepProgress,
     best_row,
     bound_violations,
     check_point,
+    config_grid,
+    describe_point,
     flag_noise,
+    rows_csv,
+    rows_json,
     run_sweep,
+    summary,
+    sweep_meta,
     sweep_points,
 )
 from cokit.sweeps import (
-    SweepProgress,
     default_plots,
     heatmap_figure,
     plot_heatmap,
@@ -192,6 +199,54 @@ def test_cli_sweep_help(capsys):
 
 
 # ---------------------------------------------------------------------- physical bounds
+def test_config_grid_is_the_product_of_the_knobs_each_validated():
+    base = GemmConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_stages=1)
+    grid = config_grid(base, num_warps=[4, 8], num_sms=[None, 6])
+    assert [(c.num_warps, c.num_sms, c.persistent) for c in grid] == [
+        (4, None, False),
+        (4, 6, True),
+        (8, None, False),
+        (8, 6, True),
+    ]
+    assert config_grid(base) == [base]  # no axis given: the base config alone
+    with pytest.raises(ValueError, match=r"config .*num_warps=3.*: "):
+        config_grid(base, num_warps=[4, 3])
+
+
+def test_points_travel_to_ranks_as_dicts_and_rows_as_text():
+    cfg = GemmConfig(BLOCK_M=32, num_warps=8, smem_bytes=65536)
+    points = sweep_points([cfg], [32], ["emulated", "all_reduce"], chunks=[2], comm_sms=[4])
+    back = [SweepPoint.from_dict(json.loads(json.dumps(p.to_dict()))) for p in points]
+    assert back == points and back[0].comm_sms == 4 and back[1].chunks == 2
+    rows = [{"a": 1, "b": None}, {"b": 2.5, "c": "x"}]
+    assert list(csv.DictReader(io.StringIO(rows_csv(rows)))) == [
+        {"a": "1", "b": "", "c": ""},
+        {"a": "", "b": "2.5", "c": "x"},
+    ]
+    assert json.loads(rows_json(rows, {"k": 1})) == {"meta": {"k": 1}, "rows": rows}
+
+
+def test_summary_and_meta_name_noise_and_the_best_point():
+    impossible, good = _row(2.9, 4.1, 3.7, num_warps=8), _row(2.0, 2.0, 2.5)
+    failed = {"collective": "all_gather", "size": 64, "chunks": 1, "error": "boom", "rank": 0}
+    rows = [*flag_noise([impossible, good]), failed, {**good, "rank": 1, "noise": "x"}]
+    text = summary(rows[:3])
+    lines = text.splitlines()
+    assert lines[0].startswith("rank 0 (times: medians in ms") and "blk/SM" in lines[1]
+    assert lines[2].split()[-1] == "NOISE" and "NOISE" not in lines[3]  # the flag column
+    assert "error at all_gather size 64 chunks 1: boom" in text
+    assert "NOISE: 1 point(s) break the physical bounds" in text
+    assert lines[-1] == f"best within the physical bounds: {describe_point(good)}, speedup 1.600"
+    assert summary([impossible]).endswith("no point within the physical bounds: no best point")
+    meta = sweep_meta(
+        rows, world_size=2, backend="gloo", gpu=False, dtype="fp32", repeats=3, warmup=1, seconds=1.234
+    )
+    assert (
+        meta["occupancy"] == CPU_OCCUPANCY and meta["seconds"] == 1.23 and "ideal bound" in meta["noise_rule"]
+    )
+    assert meta["noise_rows"] == {"rank0": 1, "all_ranks": 2}
+
+
 def _row(tc, tm, to, **extra):
     """A measured row with these median times (ms) and the speedup they imply."""
     return {

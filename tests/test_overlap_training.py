@@ -1,4 +1,4 @@
-"""cokit.nn.apply_overlap: layers replaced in place (state dict unchanged, undo, compile), the
+"""cokit.overlap.training.apply_overlap: layers replaced in place (state dict unchanged, undo, compile), the
 class-by-class tuner on an injected clock, telemetry, bad input, and decisions agreed on gloo."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from gloo_cases import Case, run_cases
 from torch import nn
 
-import cokit.nn
 from cokit.compress.agreement import SettingsMismatch
-from cokit.nn import apply_overlap
 from cokit.overlap.guard import GuardViolation, StarvationGuard
+from cokit.overlap.layers import Linear
+from cokit.overlap.training import apply_overlap
 from cokit.telemetry import Monitor
 from cokit.triton_kernels.gemm_config import GemmConfig
 
@@ -75,7 +75,7 @@ def test_replaces_in_place_keeps_the_state_dict_and_undoes():
     after = model.state_dict()
     assert list(after) == list(before)  # same keys, same order
     assert all(after[k] is before[k] or after[k].data_ptr() == before[k].data_ptr() for k in before)
-    replaced = {name: m for name, m in model.named_modules() if isinstance(m, cokit.nn.Linear)}
+    replaced = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     assert set(replaced) == set(originals)
     for name, m in replaced.items():
         assert m.weight is originals[name].weight and m.bias is originals[name].bias
@@ -240,7 +240,7 @@ def _diverged_at_start(rank: int, world: int) -> dict:
     try:
         apply_overlap(model, candidates=SMALL if rank != 1 else SMALL[::-1], clock=Clock(), timeout=60)
     except SettingsMismatch as exc:
-        untouched = not any(isinstance(m, cokit.nn.Linear) for m in model.modules())
+        untouched = not any(isinstance(m, Linear) for m in model.modules())
         return {"error": str(exc), "unchanged": untouched}
     return {"error": None}
 
@@ -277,3 +277,21 @@ def test_every_rank_takes_the_same_decision_on_gloo(world):
     for r in results["start"] + results["later"]:
         assert r["error"] is not None and "apply_overlap" in r["error"], r
         assert r["unchanged"], r
+
+
+@pytest.mark.parametrize("old", ["cokit.nn", "cokit.overlap_training"])
+def test_old_paths_warn_and_give_the_library_objects(old):
+    """``cokit.nn`` and ``cokit.overlap_training`` are the old paths of the layers and the
+    tuning: every name they had still resolves, to the library's object, with a
+    DeprecationWarning that names its new home and points at the caller's line."""
+    import importlib
+
+    shim = importlib.import_module(old)
+    for name, home in shim.NAMES.items():
+        with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} moved to {home}\.{name}") as w:
+            got = getattr(shim, name)
+        assert got is getattr(importlib.import_module(home), name)
+        assert w[0].filename == __file__
+    assert {"Linear", "apply_overlap", "OverlapTuning"} <= set(importlib.import_module("cokit.nn").NAMES)
+    with pytest.raises(AttributeError):
+        shim.nothing  # noqa: B018

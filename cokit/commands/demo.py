@@ -16,8 +16,8 @@ telemetry stream of every rank and method in ``--out``/telemetry/ (``cokit dashb
 draws it; ``--no-telemetry`` turns it off). ``--out`` is
 created and checked for writing before training starts; a folder holding an earlier run's
 results is refused unless ``--overwrite`` is given (a second run never replaces them silently).
-``--overlap`` trains every method on ``cokit.nn.Linear`` layers whose GEMM configs an online
-tuner picks while training (``cokit.nn.apply_overlap``): the telemetry records the configs in
+``--overlap`` trains every method on ``cokit.overlap.Linear`` layers whose GEMM configs an online
+tuner picks while training (``cokit.overlap.apply_overlap``): the telemetry records the configs in
 use and the tuner's decisions, agreed by every rank (on CPU the configs change no timing).
 """
 
@@ -229,8 +229,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--overlap",
         action="store_true",
-        help="train on cokit.nn.Linear layers whose GEMM configs an online tuner picks while training "
-        "(cokit.nn.apply_overlap; configs and decisions go to the telemetry; on CPU they change no timing)",
+        help="train on cokit.overlap.Linear layers whose GEMM configs an online tuner picks while training "
+        "(cokit.overlap.apply_overlap; configs and decisions go to the telemetry; on CPU they change no timing)",
     )
     p.add_argument(
         "--price-per-hour",
@@ -456,7 +456,7 @@ def _run(args: argparse.Namespace) -> int:
         print("methods: " + "; ".join(_describe(s) for s in specs), flush=True)
         if args.overlap:
             print(
-                "overlap: nn.Linear -> cokit.nn.Linear, GEMM configs tuned online per shape class"
+                "overlap: nn.Linear -> cokit.overlap.Linear, GEMM configs tuned online per shape class"
                 + (" (on CPU the configs change no timing; the records are real)" if device == "cpu" else ""),
                 flush=True,
             )

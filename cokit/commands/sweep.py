@@ -191,9 +191,16 @@ def run(args: argparse.Namespace) -> int:
 
     from cokit.files import remove_stale_outputs
     from cokit.launch import in_torchrun
-    from cokit.overlap.schedules import _config_backend
-    from cokit.overlap.sweep import SWEEP_COLLECTIVES, check_point, sweep_points
-    from cokit.sweeps import NOISE_RULE, OUTPUTS, default_plots, sweep_main, write_csv, write_json
+    from cokit.overlap.streams import resolve_priority
+    from cokit.overlap.sweep import (
+        SWEEP_COLLECTIVES,
+        check_point,
+        config_grid,
+        summary,
+        sweep_meta,
+        sweep_points,
+    )
+    from cokit.sweeps import OUTPUTS, default_plots, sweep_main, write_csv, write_json
     from cokit.triton_kernels.backend import device_limits
     from cokit.triton_kernels.gemm_config import parse_config_spec, parse_dtype
 
@@ -227,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
         base = parse_config_spec(args.config)
     except ValueError as exc:
         raise CliError(f"--config/--dtype: {exc}") from None
-    warps = _ints("num-warps", args.num_warps) if args.num_warps else [base.num_warps]
-    smems = _smems(args.smem_bytes) if args.smem_bytes else [base.smem_bytes]
-    sms = _ints("num-sms", args.num_sms, allow_none=True) if args.num_sms else [base.num_sms]
+    warps = _ints("num-warps", args.num_warps) if args.num_warps else None
+    smems = _smems(args.smem_bytes) if args.smem_bytes else None
+    sms = _ints("num-sms", args.num_sms, allow_none=True) if args.num_sms else None
     comm_sms = _ints("comm-sms", args.comm_sms) if args.comm_sms else [None]
     if args.comm_sms and "emulated" not in collectives:
         raise CliError("--comm-sms applies to --collectives emulated only")
@@ -244,8 +251,6 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(
                     f"--priority: {item!r} is invalid; allowed: high, normal or an integer"
                 ) from None
-    from cokit.overlap.streams import resolve_priority
-
     for pr in priorities:
         try:
             resolve_priority(pr, "cuda" if gpu_run else "cpu")
@@ -255,21 +260,16 @@ def run(args: argparse.Namespace) -> int:
         if v < lo:
             raise CliError(f"--{name} {v} is invalid; allowed: an integer >= {lo}")
 
-    limits = device_limits() if gpu_run else None
-    cfg_backend = _config_backend(torch.device("cuda" if gpu_run else "cpu"))
-    configs = []
-    for w in warps:
-        for s in smems:
-            for n in sms:
-                cfg = base.replace(
-                    num_warps=w, smem_bytes=s, num_sms=n, persistent=n is not None or base.persistent
-                )
-                try:
-                    cfg.validate(cfg_backend, limits, dtype=dtype if not gpu_run else None)
-                except ValueError as exc:
-                    raise CliError(f"config {cfg.spec()}: {exc}") from None
-                configs.append(cfg)
     try:
+        configs = config_grid(
+            base,
+            num_warps=warps,
+            smem_bytes=smems,
+            num_sms=sms,
+            device="cuda" if gpu_run else "cpu",
+            limits=device_limits() if gpu_run else None,
+            dtype=dtype if not gpu_run else None,
+        )
         points = sweep_points(configs, sizes, collectives, chunks, priorities, comm_sms)
         for p in points:
             check_point(p, world)
@@ -312,30 +312,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = args.out
     csv_path = write_csv(rows, os.path.join(out, "sweep.csv"))
-    from cokit.overlap.sweep import CPU_OCCUPANCY
-
-    meta = {
-        "world_size": world,
-        "backend": backend,
-        "device": "gpu" if gpu_run else "cpu",
-        "dtype": str(dtype),
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "torch": torch.__version__,
-        "seconds": round(time.time() - t0, 2),
-        "occupancy": (
-            "from each config's compiled kernel on the live GPU (compile cache), see occupancy_source"
-            if gpu_run
-            else CPU_OCCUPANCY
-        ),
-        "noise_rule": NOISE_RULE,
-        "noise_rows": {
-            "rank0": sum(1 for r in rows if r.get("noise") and r.get("rank", 0) == 0),
-            "all_ranks": sum(1 for r in rows if r.get("noise")),
-        },
-    }
+    meta = sweep_meta(
+        rows,
+        world_size=world,
+        backend=backend,
+        gpu=gpu_run,
+        dtype=dtype,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seconds=time.time() - t0,
+    )
     json_path = write_json(rows, os.path.join(out, "sweep.json"), meta)
-    _print_rows([r for r in rows if r.get("rank", 0) == 0])
+    print(summary([r for r in rows if r.get("rank", 0) == 0]))
     files = [csv_path, json_path]
     if not args.no_plots:
         files += default_plots(rows, out)
@@ -365,58 +353,3 @@ def _prepare_out(out: str, overwrite: bool) -> None:
         prepare_out_dir(out, OUTPUTS, overwrite=overwrite)
     except OutputError as exc:
         raise CliError(str(exc)) from None
-
-
-def _print_rows(rows: list[dict]) -> None:
-    from cokit.overlap.sweep import best_row
-    from cokit.sweeps import describe_point
-
-    cols = [
-        ("collective", "collective"),
-        ("size", "size"),
-        ("chunks", "chunks"),
-        ("num_warps", "warps"),
-        ("smem_bytes", "smem"),
-        ("num_sms", "sms"),
-        ("priority", "prio"),
-        ("compute_ms", "T_comp"),
-        ("communicate_ms", "T_comm"),
-        ("sequential_ms", "T_seq_meas"),
-        ("overlapped_ms", "T_ovl"),
-        ("speedup", "speedup"),
-        ("comm_hidden", "hidden"),
-        ("compute_slowdown", "slowdown"),
-        ("blocks_per_sm", "blk/SM"),
-        ("limiter", "limiter"),
-        ("noise", "flag"),
-    ]
-
-    def cell(k: str, v: object) -> str:
-        if k == "noise":
-            return "NOISE" if v else ""
-        if isinstance(v, float):
-            return f"{v:.3f}"
-        return "-" if v is None or v == "" else str(v)
-
-    table = [[h for _, h in cols]] + [[cell(k, r.get(k)) for k, _ in cols] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    print("rank 0 (times: medians in ms; T_seq_meas = both run back to back, unchunked):")
-    for row in table:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    for r in rows:
-        if r.get("error"):
-            print(f"  error at {r['collective']} size {r['size']} chunks {r['chunks']}: {r['error']}")
-    noisy = [r for r in rows if r.get("noise")]
-    if noisy:
-        print(
-            f"NOISE: {len(noisy)} point(s) break the physical bounds of overlap (timing noise; never 'best'):"
-        )
-        for r in noisy:
-            print(f"  {describe_point(r)}: {r['noise']}")
-    best = best_row(rows)
-    if best is not None:
-        print(
-            f"best within the physical bounds: {describe_point(best)}, speedup {float(best['speedup']):.3f}"
-        )
-    elif any(not r.get("error") for r in rows):
-        print("no point within the physical bounds: no best point (and no timeline_best.png)")
