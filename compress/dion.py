@@ -58,16 +58,17 @@ from cokit.compress.agreement import canonical, fingerprint
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange
-from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, plain
+from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, plain, run_closure
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp
-from cokit.compress.inner import adamw
+from cokit.compress.inner import adamw, check_adamw_settings
 from cokit.compress.named_params import (
     check_dense_params,
     check_replicated,
     dense_members,
     indexed_groups,
     param_groups,
+    param_name,
 )
 from cokit.compress.precision import LowPrecisionWarning
 from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
@@ -333,10 +334,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One synchronized step over every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for index, group in enumerate(self.param_groups):
             _check_group(group, index)  # a scheduler may have written a bad value
         dense = 0
@@ -497,11 +495,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         self._checked = True
 
     def _name(self, n: int) -> str:
-        if not 0 <= n < len(self._model_params):
-            return "(a GradScaler's report)"
-        p = self._model_params[n]
-        label = self._names.get(id(p), f"param {n}")
-        return f"'{label}' {tuple(p.shape)}"
+        return param_name(self._model_params, self._names, n)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -627,11 +621,4 @@ def _check_group(group: Mapping[str, Any], index: int | None = None) -> None:
     where = _WHERE if index is None else f"{_WHERE} param group {index}"
     check_number("lr", group["lr"], 0.0, low_open=True, where=where)
     check_number("mu", group["mu"], 0.0, 1.0, high_open=True, where=where)
-    check_number("weight_decay", group["weight_decay"], 0.0, where=where)
-    check_number("adamw_lr_ratio", group["adamw_lr_ratio"], 0.0, where=where)
-    betas = group["adamw_betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {betas!r}")
-    for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas):
-        check_number(name, b, 0.0, 1.0, high_open=True, where=where)
-    check_number("adamw_eps", group["adamw_eps"], 0.0, low_open=True, where=where)
+    check_adamw_settings(group, where)

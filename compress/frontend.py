@@ -47,6 +47,7 @@ __all__ = [
     "check_value_dtype",
     "nonfinite_message",
     "plain",
+    "run_closure",
 ]
 
 #: what a non-finite value found by a round does: raise on every rank, or skip on every rank
@@ -140,6 +141,14 @@ def nonfinite_message(
         f"{owner}: non-finite {what} in {where}; {changed}. Lower the lr, fix the data or the loss "
         "scale, or pass nonfinite='skip' to skip such steps on every rank"
     )
+
+
+def run_closure(closure: Callable[[], Any] | None) -> Any:
+    """An optimizer step's closure, run with gradients on (its loss; None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def check_gradients(owner: str, params: Sequence[torch.Tensor], name: Namer) -> list[bool]:

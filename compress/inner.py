@@ -27,15 +27,16 @@ AdamW's), so ``state_dict()`` / ``load_state_dict()`` round-trip exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from cokit.compress.named_params import tensors_of
 from cokit.compress.rules import newton_schulz
 from cokit.triton_kernels._checks import check_int, check_number
 
-__all__ = ["EXCLUDE", "Muon", "adamw", "muon"]
+__all__ = ["EXCLUDE", "Muon", "adamw", "check_adamw_settings", "muon"]
 
 #: name substrings of the parameters that take AdamW under :class:`Muon` (embeddings, heads)
 EXCLUDE = ("embed", "head", "wte", "wpe")
@@ -106,18 +107,9 @@ class Muon(torch.optim.Optimizer):
 
     def _unnamed(self, params: Any) -> list[torch.Tensor]:
         """Tensors of ``params``, remembering the names of ``(name, tensor)`` pairs."""
-        items = [params] if isinstance(params, torch.Tensor) else list(params or [])
-        out = []
-        for item in items:
-            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-                self._names[id(item[1])] = str(item[0])
-                item = item[1]
-            if not isinstance(item, torch.Tensor):
-                raise TypeError(
-                    f"{_WHERE}: params must be tensors, (name, tensor) pairs or dicts, got {type(item).__name__}"
-                )
-            out.append(item)
-        return out
+        return tensors_of(
+            [params] if isinstance(params, torch.Tensor) else list(params or []), self._names, _WHERE
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -265,15 +257,21 @@ def _check_group(group: dict[str, Any]) -> None:
     steps = check_int("ns_steps", group["ns_steps"], 1, where=_WHERE)
     if steps > 100:
         raise ValueError(f"{_WHERE}: ns_steps must be an integer in [1, 100], got {steps!r}")
-    check_number("weight_decay", group["weight_decay"], 0.0, where=_WHERE)
-    check_number("adamw_lr_ratio", group["adamw_lr_ratio"], 0.0, where=_WHERE)
-    betas = group["adamw_betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"{_WHERE}: adamw_betas must be a pair (beta1, beta2), got {betas!r}")
-    for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas):
-        check_number(name, b, 0.0, 1.0, high_open=True, where=_WHERE)
-    check_number("adamw_eps", group["adamw_eps"], 0.0, low_open=True, where=_WHERE)
+    check_adamw_settings(group, _WHERE)
     if not (group["use_muon"] is None or isinstance(group["use_muon"], bool)):
         raise TypeError(
             f"{_WHERE}: use_muon must be True, False or None (per parameter), got {group['use_muon']!r}"
         )
+
+
+def check_adamw_settings(group: Mapping[str, Any], where: str) -> None:
+    """Raise naming the value unless the AdamW part of a hybrid's group is valid:
+    ``weight_decay``, ``adamw_lr_ratio``, ``adamw_betas`` and ``adamw_eps``."""
+    check_number("weight_decay", group["weight_decay"], 0.0, where=where)
+    check_number("adamw_lr_ratio", group["adamw_lr_ratio"], 0.0, where=where)
+    betas = group["adamw_betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas):
+        check_number(name, b, 0.0, 1.0, high_open=True, where=where)
+    check_number("adamw_eps", group["adamw_eps"], 0.0, low_open=True, where=where)

@@ -14,7 +14,15 @@ import torch
 
 from cokit.compress.dtensor import is_dtensor
 
-__all__ = ["check_dense_params", "check_replicated", "dense_members", "indexed_groups", "param_groups"]
+__all__ = [
+    "check_dense_params",
+    "check_replicated",
+    "dense_members",
+    "indexed_groups",
+    "param_groups",
+    "param_name",
+    "tensors_of",
+]
 
 
 def param_groups(params: Any, where: str) -> tuple[list[dict[str, Any]], dict[int, str]]:
@@ -30,9 +38,9 @@ def param_groups(params: Any, where: str) -> tuple[list[dict[str, Any]], dict[in
         for g in items:
             ps = g.get("params")
             ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
-            groups.append({**g, "params": _tensors(ps, names, where)})
+            groups.append({**g, "params": tensors_of(ps, names, where)})
         return groups, names
-    return [{"params": _tensors(items, names, where)}], names
+    return [{"params": tensors_of(items, names, where)}], names
 
 
 def check_replicated(params: list[torch.Tensor], where: str, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -67,7 +75,9 @@ def indexed_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _tensors(items: list[Any], names: dict[int, str], where: str) -> list[torch.Tensor]:
+def tensors_of(items: list[Any], names: dict[int, str], where: str) -> list[torch.Tensor]:
+    """The tensors of ``items`` (tensors or ``(name, tensor)`` pairs), recording each pair's
+    name in ``names`` (by the tensor's id)."""
     out = []
     for item in items:
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
@@ -121,3 +131,12 @@ def dense_members(
                 "fix it or leave it out"
             )
     return frozenset(n for n, label in enumerate(labels) if any(s in label for s in substrings))
+
+
+def param_name(params: list[torch.Tensor], names: dict[int, str], n: int) -> str:
+    """Parameter ``n`` as messages name it: its name (or ``param n``) and shape; a position
+    outside ``params`` is a GradScaler's report."""
+    if not 0 <= n < len(params):
+        return "(a GradScaler's report)"
+    p = params[n]
+    return f"'{names.get(id(p), f'param {n}')}' {tuple(p.shape)}"

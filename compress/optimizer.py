@@ -42,6 +42,7 @@ from cokit.compress.frontend import (
     check_nonfinite_mode,
     check_value_dtype,
     plain,
+    run_closure,
 )
 from cokit.compress.guards import Amp, StepGuards, sync_decay
 from cokit.compress.payload import VALUE_DTYPES, get_codec
@@ -418,10 +419,7 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One synchronized step over every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self._guards.before_step(self.param_groups, self.defaults["compression_decay"])
         entries = self.plan.entries()
         if not self._precision_checked:

@@ -65,10 +65,23 @@ from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange
-from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, check_value_dtype, plain
+from cokit.compress.frontend import (
+    FrontEnd,
+    check_gradients,
+    check_nonfinite_mode,
+    check_value_dtype,
+    plain,
+    run_closure,
+)
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, all_finite, nonfinite
-from cokit.compress.named_params import check_dense_params, check_replicated, dense_members, param_groups
+from cokit.compress.named_params import (
+    check_dense_params,
+    check_replicated,
+    dense_members,
+    param_groups,
+    param_name,
+)
 from cokit.compress.payload import VALUE_DTYPES, get_codec, wire_sizes
 from cokit.compress.policy import NetworkPolicy
 from cokit.compress.priority import check_comm_priority, priority_group
@@ -402,10 +415,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One local step of the inner optimizer; every ``current_interval``-th step, a sync."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for p in self._model_params:
             if "global" not in self.state[p]:  # the first step: weights as loaded by now
                 m = self._masters.get(id(p))
@@ -512,18 +522,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
     def _warmup_plan(self) -> list[Bucket]:
         """Dense buckets of every parameter (``bucket_cap_mb`` of fp32 each) for the warm-up."""
         if self._warmup_buckets is None:
-            shapes = [tuple(p.shape) for p in self._model_params]
-            self._warmup_buckets = make_buckets(
-                [0] * len(shapes),
-                shapes,
-                [{"compression_chunk": self.chunk, "compression_topk": self.topk or 1}],
-                self.codec,
-                self.value_dtype,
-                int(self.bucket_cap_mb * 2**20),
-                False,
-                self.comm.world_size,
-                all_dense=True,
-            )
+            self._warmup_buckets = self._make_buckets([self.topk or 1], fallback=False, all_dense=True)
         return self._warmup_buckets
 
     # ------------------------------------------------------------------ sync
@@ -643,16 +642,9 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
 
     def _static_plan(self) -> list[Bucket]:
         if self._static_buckets is None:
-            shapes = [tuple(p.shape) for p in self._model_params]
-            self._static_buckets = make_buckets(
-                [0] * len(shapes),
-                shapes,
-                [{"compression_chunk": self.chunk, "compression_topk": self.topk or 1}],
-                self.codec,
-                self.value_dtype,
-                int(self.bucket_cap_mb * 2**20),
-                self.topk is not None and self.codec.dense_fallback,
-                self.comm.world_size,
+            self._static_buckets = self._make_buckets(
+                [self.topk or 1],
+                fallback=self.topk is not None and self.codec.dense_fallback,
                 all_dense=self.topk is None,
                 dense=self._forced_dense,
             )
@@ -660,19 +652,39 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
 
     def _adaptive_plan(self) -> list[Bucket]:
         ks = self._topks()
-        shapes = [tuple(p.shape) for p in self._model_params]
         distinct = sorted(set(ks.values())) or [self.topk or 1]
         group_of = {k: g for g, k in enumerate(distinct)}
+        n = len(self._model_params)
+        return self._make_buckets(
+            distinct,
+            groups=[group_of[ks[i]] if i in ks else 0 for i in range(n)],
+            fallback=False,  # the static plan decided which tensors go dense
+            dense=[i for i in range(n) if i not in ks],
+        )
+
+    def _make_buckets(
+        self,
+        topks: list[int],
+        *,
+        fallback: bool,
+        groups: list[int] | None = None,
+        all_dense: bool = False,
+        dense: Any = (),
+    ) -> list[Bucket]:
+        """Buckets of every parameter: parameter ``i`` in group ``groups[i]`` (default 0) of
+        k ``topks[group]``; ``fallback``: dense where compression would not save bytes."""
+        shapes = [tuple(p.shape) for p in self._model_params]
         return make_buckets(
-            [group_of[ks[i]] if i in ks else 0 for i in range(len(shapes))],
+            groups if groups is not None else [0] * len(shapes),
             shapes,
-            [{"compression_chunk": self.chunk, "compression_topk": k} for k in distinct],
+            [{"compression_chunk": self.chunk, "compression_topk": k} for k in topks],
             self.codec,
             self.value_dtype,
             int(self.bucket_cap_mb * 2**20),
-            False,  # the static plan decided which tensors go dense
+            fallback,
             self.comm.world_size,
-            dense=[i for i in range(len(shapes)) if i not in ks],
+            all_dense=all_dense,
+            dense=dense,
         )
 
     def _tilings(self) -> dict[int, tiling.TensorTiling]:
@@ -821,11 +833,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self._checked = True
 
     def _name(self, n: int) -> str:
-        if not 0 <= n < len(self._model_params):
-            return "(a GradScaler's report)"
-        p = self._model_params[n]
-        label = self._names.get(id(p), f"param {n}")
-        return f"'{label}' {tuple(p.shape)}"
+        return param_name(self._model_params, self._names, n)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
