@@ -66,12 +66,13 @@ from cokit.compress.agreement import Report, canonical, fingerprint
 from cokit.compress.buckets import sends_dense
 from cokit.compress.comm import Pending, parse_timeout
 from cokit.compress.exchange import Exchange
+from cokit.compress.frontend import check_nonfinite_mode, check_value_dtype, nonfinite_message
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import all_finite
 from cokit.compress.payload import PayloadCodec, codec_names, get_codec, wire_sizes
 from cokit.compress.priority import PriorityGroup, check_comm_priority, priority_group
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
-from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
+from cokit.triton_kernels._checks import check_flag, check_int, check_number
 from cokit.triton_kernels.dct import dct_decode_multi
 from cokit.triton_kernels.error_feedback import ef_encode, payload_layout
 
@@ -159,14 +160,11 @@ class DCTTopKState:
                 f"DCTTopKState: payload must be a bucketed codec, one of {bucketed}, got "
                 f"{self.payload!r} (it sends one tensor per collective)"
             )
-        if self.value_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(
-                f"DCTTopKState: value_dtype must be float16, bfloat16 or float32, got {self.value_dtype}"
-            )
+        check_value_dtype(where, self.value_dtype)
         check_number("decay", self.decay, 0.0, 1.0, where=where)
         check_int("warmup_steps", self.warmup_steps, 0, where=where)
         check_int("iteration", self.iteration, 0, where=where)
-        check_choice("nonfinite", self.nonfinite, ("error", "skip"), where=where)
+        check_nonfinite_mode(where, self.nonfinite)
         limit = parse_timeout(self.timeout, where)
         self.timeout = None if limit is None else limit.total_seconds()
         check_flag("validate_payload", self.validate_payload, where=where)
@@ -328,10 +326,12 @@ class DCTTopKState:
             return
         (index, rank), more = min(bad), f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise FloatingPointError(
-            f"DCTTopKState: non-finite gradient in DDP bucket {index} on rank "
-            f"{self.exchange.global_rank(rank)}{more}; no error buffer changed and the gradients are "
-            "NaN. Fix the loss scale / data, or pass nonfinite='skip' (with GradScaler) to skip such "
-            "steps on every rank"
+            nonfinite_message(
+                "DCTTopKState",
+                f"DDP bucket {index} on rank {self.exchange.global_rank(rank)}{more} at iteration {self.iteration}",
+                changed="no error buffer changed and the gradients are NaN (with a GradScaler, pass "
+                "nonfinite='skip': the scaler then skips the step on every rank)",
+            )
         )
 
 
