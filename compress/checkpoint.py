@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import json
 import re
+import warnings
 from collections.abc import Iterator, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -34,28 +35,14 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress import rules
+from cokit.compress.demo_settings import GROUP_SETTINGS, check_group, fingerprinted
 from cokit.compress.dtensor import local
 from cokit.compress.stats import CommStats
-
-#: DeMo's per-group settings that change what is sent or how the update is computed (checked across ranks).
-GROUP_SETTINGS = {
-    "lr": float,
-    "weight_decay": float,
-    "compression_decay": float,
-    "compression_topk": int,
-    "compression_chunk": int,
-    "alpha": float,
-    "update_rule": str,
-    "rule_beta2": float,
-    "rule_eps": float,
-    "ns_steps": int,
-    "rule_fallback": str,
-}
 
 if TYPE_CHECKING:
     from cokit.compress.optimizer import DeMo
 
-__all__ = ["FORMAT", "LoadPlan", "check_load", "pack", "records", "relaxed_loading"]
+__all__ = ["FORMAT", "LoadPlan", "apply_load", "check_load", "pack", "records", "relaxed_loading"]
 
 FORMAT = 2
 COMMON_KEY = "demo"
@@ -90,7 +77,7 @@ def identity(opt: DeMo) -> dict[str, int]:
 
 def _settings(opt: DeMo) -> dict[str, Any]:
     """The optimizer-wide settings as JSON values (the per-group ones travel as param groups)."""
-    return json.loads(json.dumps({k: v for k, v in opt._settings().items() if k != "groups"}))
+    return json.loads(json.dumps({k: v for k, v in fingerprinted(opt).items() if k != "groups"}))
 
 
 def pack(opt: DeMo, sd: dict[str, Any]) -> dict[str, Any]:
@@ -169,8 +156,10 @@ def check_load(opt: DeMo, sd: object, strict: bool) -> LoadPlan:
     """Validate ``sd`` against ``opt`` (nothing changes here) and return the load plan.
 
     Raises ``TypeError``/``ValueError`` naming what differs and what to do; with
-    ``strict=False`` the relaxable differences (another rank or world size, other settings,
-    an old checkpoint without records, non-finite buffers) become warnings in the plan.
+    ``strict=False`` the relaxable differences become warnings in the plan: another rank or
+    world size keeps settings, counters and policy and zeroes the error buffers; non-finite
+    buffers start from zero; other settings keep the optimizer's; an old checkpoint without
+    records loads unchecked. Buffers stay fp32 whatever the dtype.
     """
     if not (
         isinstance(sd, Mapping)
@@ -290,7 +279,7 @@ def _check_groups(opt: DeMo, saved: list[Mapping[str, Any]]) -> list[dict[str, A
         if missing:
             raise ValueError(f"{_WHERE}: saved param group {gi} lacks DeMo's settings {missing}")
         group = {k: v for k, v in s.items() if not (k == COMMON_KEY or _RANK_KEY.match(str(k)))}
-        opt._check_group({**group, "params": []}, gi)
+        check_group({**group, "params": []}, gi)
         out.append(group)
     return out
 
@@ -524,3 +513,21 @@ def _listing(names: list[str], shown: int = 4) -> str:
     """``a, b, c, d (and 3 more)``."""
     more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def apply_load(opt: DeMo, plan: LoadPlan) -> None:
+    """Put a checked :class:`LoadPlan` into ``opt`` (its param groups already loaded): the error
+    buffers, the shared rule state, counters, policy and comm stats; warn about what it drops."""
+    for message in plan.warnings:
+        warnings.warn(message, stacklevel=3)
+    for p, delta in plan.deltas:
+        opt.state[p]["delta"] = delta
+    for p, shared in plan.shared:
+        opt.state[p].update(shared)
+    opt._steps = plan.counters["steps"]
+    opt.skipped_steps = plan.counters["skipped_steps"]
+    opt.skipped_syncs = plan.counters["skipped_syncs"]
+    if plan.policy is not None:
+        opt._driver.load_state_dict(plan.policy)
+    if plan.comm_stats is not None:
+        opt.comm_stats = plan.comm_stats

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from cokit.compress.agreement import Round, canonical
+from cokit.compress.agreement import Round, canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
+from cokit.compress.demo_settings import fingerprinted
 from cokit.compress.demo_step import BucketInput, GeneratorFor
 from cokit.compress.dtensor import local
 from cokit.compress.guards import Amp
@@ -86,6 +87,25 @@ class DemoPlan:
             layout = {"params": params, "wire": wire_sizes(b.codec for b in self.buckets(entries))}
             cached = self._layouts[globally] = (layout, canonical(layout))
         return cached
+
+    def fingerprints(self, counters: dict[str, int], *, agreement: bool) -> tuple[int, int]:
+        """(exchange group, agreement groups) fingerprints of settings, layout and ``counters``
+        (without agreement groups there is no global layout to compare: both are the local one)."""
+        settings, counted = canonical(fingerprinted(self.opt)), canonical(counters)
+        local_fp = fingerprint(settings, self.layout(False)[1], counted)
+        return local_fp, fingerprint(settings, self.layout(True)[1], counted) if agreement else local_fp
+
+    def describe(self, globally: bool, counters: dict[str, int]) -> dict[str, Any]:
+        """What the fingerprint covers, as JSON (the mismatch report)."""
+        settings = fingerprinted(self.opt)
+        layout = self.layout(globally)[0]
+        return {
+            "settings": {k: v for k, v in settings.items() if k != "groups"},
+            "groups": settings["groups"],
+            "layout": layout["params"],
+            "derived": {"payload wire sizes": layout["wire"]},
+            "counters": counters,
+        }
 
     # ------------------------------------------------------------------ buckets and buffers
     def buckets(self, active: list[Entry], decision: Decision | None = None) -> list[Bucket]:

@@ -29,12 +29,13 @@ import torch
 from cokit.compress import rules
 from cokit.compress.buckets import Bucket
 from cokit.compress.comm import Pending
+from cokit.compress.dtensor import local
 from cokit.compress.exchange import Exchange
 from cokit.compress.precision import master_copy, write_update
 from cokit.compress.timing import StepTimer
 from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 
-__all__ = ["BucketInput", "Launched", "apply", "demo_step", "launch", "receive", "split_like"]
+__all__ = ["BucketInput", "Launched", "apply", "demo_step", "full_sync", "launch", "receive", "split_like"]
 
 GeneratorFor = Callable[[torch.device], torch.Generator]
 
@@ -195,3 +196,19 @@ def apply_rule(
 def split_like(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like each of ``params``, in order."""
     return [part.view(p.shape) for p, part in zip(params, flat.split([p.numel() for p in params]))]
+
+
+def full_sync(params: list[torch.Tensor], exchange: Exchange) -> None:
+    """Average parameters (local shards of DTensors) with a dense all-reduce, one per dtype
+    (DeMo's ``full_sync_every``)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in map(local, params):
+        by_dtype.setdefault(p.dtype, []).append(p)
+    with exchange.guarded():
+        pending: list[tuple[list[torch.Tensor], Pending]] = []
+        for ps in by_dtype.values():
+            flat = torch.cat([p.reshape(-1) for p in ps])
+            pending.append((ps, exchange.comm.all_reduce_mean(flat, "full parameter sync")))
+        for ps, pend in pending:
+            for p, avg in zip(ps, split_like(exchange.dense(pend, "the full parameter sync"), ps)):
+                p.copy_(avg)

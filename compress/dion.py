@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 
-from cokit.compress.agreement import canonical, fingerprint
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange
@@ -484,10 +483,6 @@ class Dion(FrontEnd, torch.optim.Optimizer):
             ],
             "counters": self._counters(),
         }
-
-    def _fingerprints(self) -> tuple[int, int]:
-        fp = fingerprint(canonical(self._describe()))
-        return fp, fp
 
     def _check_start(self) -> None:
         """First step: the replicas must start identical (checked before any change)."""

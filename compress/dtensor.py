@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MeshPlan", "check_exchange_group", "is_dtensor", "local", "mesh_plan"]
+__all__ = ["MeshPlan", "check_exchange_group", "check_same_mesh", "is_dtensor", "local", "mesh_plan"]
 
 
 def is_dtensor(t: object) -> bool:
@@ -109,3 +109,14 @@ def _mesh_text(mesh: Any) -> str:
     shape = "x".join(str(s) for s in mesh.shape)
     names = f" {tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
     return f"mesh {shape}{names} ranks {mesh.mesh.flatten().tolist()}"
+
+
+def check_same_mesh(mesh: MeshPlan | None, existing: list[torch.Tensor], new: list, owner: str) -> None:
+    """Raise unless the ``new`` parameters (tensors or ``(name, tensor)`` pairs) live on
+    ``mesh``, the mesh of the ``existing`` ones (None: plain tensors)."""
+    tensors = [p[1] if isinstance(p, tuple) else p for p in new]
+    if mesh_plan(existing + tensors, owner=owner) != mesh:
+        raise ValueError(
+            f"{owner}: the new parameters are not on the optimizer's device mesh "
+            f"({mesh.layout if mesh else 'plain tensors'})"
+        )

@@ -11,8 +11,9 @@ place where that is written:
 - :meth:`FrontEnd.skip_or_raise`: the one skip-or-raise path after a round that found a
   GradScaler's inf or non-finite values, with one message (:func:`nonfinite_message`);
 - :meth:`FrontEnd.check_replicas`: the replicas start identical (float64 sums compared);
-- :class:`ExchangeOptions`: the exchange settings every front end takes (process group,
-  timeout, validation of peer bytes, clock, priority), checked once, and the
+- :class:`FrontEndOptions`: the options every front end takes (process group, timeout,
+  validation of peer bytes, clock, priority, non-finite mode, policy, precision, seed, bucket
+  size, value dtype), checked and documented once, and the
   :class:`~cokit.compress.exchange.Exchange` they build;
 - :func:`check_value_dtype` and :func:`plain`: the value-dtype check and the plain form of a
   hyper-parameter that every fingerprint and mismatch report uses.
@@ -24,24 +25,26 @@ import dataclasses
 import datetime
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from cokit.compress.agreement import FOUND_INF, Round, fingerprint
+from cokit.compress.agreement import FOUND_INF, Round, canonical, fingerprint
+from cokit.compress.comm import parse_timeout
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, nonfinite
 from cokit.compress.payload import VALUE_DTYPES
+from cokit.compress.precision import check_precision
 from cokit.compress.priority import check_comm_priority, priority_group
-from cokit.triton_kernels._checks import check_choice, check_flag
+from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
 __all__ = [
     "NONFINITE",
     "NOTHING_CHANGED",
-    "ExchangeOptions",
     "FrontEnd",
+    "FrontEndOptions",
     "check_gradients",
     "check_nonfinite_mode",
     "check_value_dtype",
@@ -59,27 +62,90 @@ Namer = Callable[[int], str]
 
 
 @dataclasses.dataclass(frozen=True)
-class ExchangeOptions:
-    """The exchange settings every front end takes: the group it exchanges over (None: the
-    world), the timeout of each collective (None or inf: the group's own), whether peers' bytes
-    are checked before use, the clock of its timing (tests inject one) and the priority of its
-    collectives (:mod:`cokit.compress.priority`). :meth:`checked` validates them once."""
+class FrontEndOptions:
+    """The options every front end takes, checked once (:meth:`checked`), documented here once.
+
+    Args:
+        process_group: the group exchanged over (None: the world; none initialized or world
+            size 1: local steps without communication).
+        timeout: seconds (or a timedelta) each collective may take before an error naming the
+            front end (None or inf: the process group's own). After a timeout the group is
+            aborted: restart every rank from its checkpoint.
+        validate_payload: check what every peer sent before it is used (positions inside their
+            tiles and in order, finite values and dense results; :mod:`cokit.compress.peer_check`):
+            a malformed payload raises on every rank, naming the sender. False skips the check for
+            a fleet you trust.
+        clock: seconds for the timing a network policy measures (``time.perf_counter``; tests
+            inject a fake clock).
+        comm_priority: priority of the exchange's collectives: ``"normal"``, ``"high"`` or an
+            integer stream priority (negative = high; :mod:`cokit.compress.priority`). On NCCL/RCCL
+            a high priority makes one new process group over the exchange group's ranks, with
+            high-priority streams, at construction (collective over the default group: every rank
+            must pass the same value); on gloo it has no effect. ``comm_priority_info`` says what it
+            achieved. It is agreed every round and is not part of ``state_dict()``.
+        comm_guard: None, or a guard with ``violations(config=None, *, priority=...)`` (e.g.
+            :class:`cokit.overlap.guard.StarvationGuard`): a ``comm_priority`` it refuses raises
+            ``GuardViolation`` (a ``ValueError``) naming the limit, before anything is built.
+        nonfinite: what a non-finite value found by a round does: ``"error"`` raises on every
+            rank, naming the tensor and rank; ``"skip"`` skips it on every rank with a warning
+            (counted by the front end). A GradScaler's ``found_inf`` skips the step silently.
+        policy: a network policy (:mod:`cokit.compress.policy`), its name or
+            ``{"name": ..., **arguments}``; None: static. Each front end follows the decisions it
+            can (DeMo: k, payload, dense, skip; SparseLoCo: the sync interval).
+        precision: how fp32 updates reach fp16/bf16 parameters (:mod:`cokit.compress.precision`):
+            ``"nearest"`` (warns once when such parameters exist), ``"master"`` (fp32 masters) or
+            ``"stochastic"`` (unbiased rounding drawn from ``seed``, alike on every rank).
+        seed: the seed of every draw that must be alike on every rank, in [0, 2**63).
+        bucket_cap_mb: fp32 megabytes per bucket (one collective each), > 0.
+        value_dtype: dtype of payload values or scales (bf16, fp16 or fp32); the codec decides
+            how it applies.
+    """
 
     process_group: Any = None
     timeout: float | datetime.timedelta | None = None
-    validate: bool = True
+    validate_payload: bool = True
     clock: Callable[[], float] = time.perf_counter
     comm_priority: str | int = "normal"
+    comm_guard: Any = dataclasses.field(default=None, compare=False)
+    nonfinite: str = "error"
+    policy: Any = None
+    precision: str = "nearest"
+    seed: int = 0
+    bucket_cap_mb: float = 25.0
+    value_dtype: torch.dtype = torch.bfloat16
 
     @classmethod
-    def checked(cls, where: str, *, comm_guard: Any = None, **options: Any) -> ExchangeOptions:
-        """The options, each checked (``comm_guard`` may refuse the priority), or an error
-        naming ``where`` and the option."""
-        out = cls(**options)
+    def checked(
+        cls, where: str, options: Mapping[str, Any], *, process_group: Any = None, takes: Iterable[str] = ()
+    ) -> FrontEndOptions:
+        """The options of front end ``where`` (keyword arguments ``options``), each checked, or an
+        error naming the option. ``takes`` limits them to what ``where`` supports (default: all)."""
+        allowed = set(takes) or {f.name for f in dataclasses.fields(cls)} - {"process_group"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise TypeError(
+                f"{where}() got an unexpected keyword argument {unknown[0]!r} (its options are "
+                f"{', '.join(sorted(allowed))})"
+            )
+        out = cls(process_group=process_group, **options)
         check_process_group(where, out.process_group)
-        check_flag("validate_payload", out.validate, where=where)
-        check_comm_priority(where, out.comm_priority, comm_guard)
+        parse_timeout(out.timeout, where)
+        check_flag("validate_payload", out.validate_payload, where=where)
+        if not callable(out.clock):
+            raise TypeError(f"{where}: clock must be a callable returning seconds, got {out.clock!r}")
+        check_comm_priority(where, out.comm_priority, out.comm_guard)
+        check_nonfinite_mode(where, out.nonfinite)
+        check_precision(where, out.precision)
+        check_int("seed", out.seed, 0, where=where)
+        if out.seed >= 2**63:
+            raise ValueError(f"{where}: seed must be an integer in [0, 2**63), got {out.seed!r}")
+        check_number("bucket_cap_mb", out.bucket_cap_mb, 0.0, low_open=True, where=where)
+        check_value_dtype(where, out.value_dtype)
         return out
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 2**20)
 
     def exchange(
         self,
@@ -99,7 +165,7 @@ class ExchangeOptions:
             self.timeout,
             agree_groups=agree_groups,
             local=local,
-            validate=self.validate,
+            validate=self.validate_payload,
             clock=self.clock,
             on_blocked=on_blocked,
             priority=priority_group(group, self.comm_priority, local=local, where=where),
@@ -174,6 +240,16 @@ class FrontEnd(ExchangeOwner):
 
     owner: str
     nonfinite: str
+
+    def _describe(self, globally: bool = False) -> dict[str, Any]:
+        """What every rank must agree on, as JSON (the fingerprint's input, the mismatch report)."""
+        raise NotImplementedError
+
+    def _fingerprints(self) -> tuple[int, int]:
+        """(exchange group, agreement groups) fingerprints: one, of :meth:`_describe`, for a
+        front end whose ranks hold whole tensors."""
+        fp = fingerprint(canonical(self._describe()))
+        return fp, fp
 
     def open_round(
         self,

@@ -60,7 +60,6 @@ from cokit.compress.adaptive_topk import (
     check_adaptive_range,
     redistribute_topk,
 )
-from cokit.compress.agreement import canonical, fingerprint
 from cokit.compress.buckets import Bucket, make_buckets
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
@@ -818,10 +817,6 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             "derived": {"payload wire sizes": wire_sizes(b.codec for b in self._plan())},
             "counters": {"steps": self._steps, "syncs": self.syncs, "skipped_syncs": self.skipped_syncs},
         }
-
-    def _fingerprints(self) -> tuple[int, int]:
-        fp = fingerprint(canonical(self._describe()))
-        return fp, fp
 
     def _check_start(self) -> None:
         """First step: settings, layout and counters agree, then the replicas must start

@@ -45,7 +45,7 @@ from cokit.compress.demo_step import (
     split_like,
 )
 from cokit.compress.dtensor import MeshPlan, check_exchange_group, local
-from cokit.compress.frontend import ExchangeOptions
+from cokit.compress.frontend import FrontEndOptions
 from cokit.compress.groups import NodeGroups
 from cokit.compress.guards import GradMarks, all_finite, edited_message
 
@@ -62,7 +62,7 @@ class Strategy:
     def __init__(
         self,
         plan: DemoPlan,
-        options: ExchangeOptions,
+        options: FrontEndOptions,
         on_blocked: Callable[[float], None],
         *,
         group: Any = None,
@@ -131,7 +131,7 @@ class ShardLocal(Strategy):
     name = "shard-local"
 
     def __init__(
-        self, plan: DemoPlan, mesh: MeshPlan, options: ExchangeOptions, on_blocked: Callable[[float], None]
+        self, plan: DemoPlan, mesh: MeshPlan, options: FrontEndOptions, on_blocked: Callable[[float], None]
     ):
         process_group = options.process_group
         check_exchange_group(mesh, process_group)
@@ -157,7 +157,7 @@ class Hierarchical(Strategy):
         self,
         plan: DemoPlan,
         hierarchy: NodeGroups,
-        options: ExchangeOptions,
+        options: FrontEndOptions,
         on_blocked: Callable[[float], None],
     ):
         super().__init__(plan, options, on_blocked, group=hierarchy.inter, agree=(hierarchy.intra,))
@@ -229,7 +229,7 @@ class Overlapped(Strategy):
     def __init__(
         self,
         plan: DemoPlan,
-        options: ExchangeOptions,
+        options: FrontEndOptions,
         on_blocked: Callable[[float], None],
         open_round: Callable[[], Any],
     ):
@@ -380,7 +380,7 @@ class Overlapped(Strategy):
 
 def make_strategy(
     plan: DemoPlan,
-    options: ExchangeOptions,
+    options: FrontEndOptions,
     hierarchy: Any,
     mesh: MeshPlan | None,
     *,
