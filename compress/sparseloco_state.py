@@ -30,7 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cokit.compress.adaptive_topk import k_limits
+from cokit.compress.frontend import plain
 from cokit.compress.named_params import indexed_groups
+from cokit.compress.payload import wire_sizes
+from cokit.compress.sparseloco_local import hyper
 from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
 from cokit.compress.stats import CommStats
 
@@ -61,7 +64,7 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
     inner = opt.inner.state_dict()
     # every buffer the optimizer will hold is present (zeros until first used), so that a load
     # through DCP, which fills only the keys the loading optimizer's state has, brings them all
-    compressed = {i for b in opt._plan() if not b.dense for i in b.members}
+    compressed = {i for b in opt.plan.buckets() if not b.dense for i in b.members}
     state: dict[int, dict[str, Any]] = {}
     for n, p in enumerate(opt._model_params):
         s = opt.state.get(p, {})
@@ -89,7 +92,7 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
         "policy": opt._driver.state_dict(),
     }
     if opt.adaptive_topk:
-        common["topk_per_tensor"] = [[i, k] for i, k in sorted(opt._topks().items())]
+        common["topk_per_tensor"] = [[i, k] for i, k in sorted(opt.plan.topks().items())]
     mine = {"format": FORMAT, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
     groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
     groups[0][f"sparseloco_rank{rank}"] = json.dumps(mine, sort_keys=True)
@@ -105,7 +108,7 @@ def records(sd: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _settings(opt: SparseLoCo) -> dict[str, Any]:
-    return json.loads(json.dumps(opt._settings()))
+    return json.loads(json.dumps(settings(opt)))
 
 
 def _counters(opt: SparseLoCo) -> dict[str, Any]:
@@ -214,7 +217,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     opt._checked = bool(counters.get("checked", False))
     opt.current_interval = interval
     if topks is not None:
-        opt._k, opt._buckets = topks, None
+        opt.plan.set_topks(topks)
     if policy is not None:
         opt._driver.load_state_dict(policy, owner="SparseLoCo")
     opt.comm_stats = stats
@@ -224,7 +227,7 @@ def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:
     """The saved k's of ``adaptive_topk``: one per tensor the static plan compresses, each within
     its limits, the total within the static budget; else the file is damaged."""
     saved = common.get("topk_per_tensor")
-    tilings = opt._tilings()
+    tilings = opt.plan.tilings()
     topk, k_range = opt.topk, opt.adaptive_range
     assert topk is not None and k_range is not None
     entries: list[Any] = saved if isinstance(saved, list) else []
@@ -246,3 +249,57 @@ def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:
             "the file is damaged"
         )
     return topks
+
+
+def settings(opt: SparseLoCo) -> dict[str, Any]:
+    """Everything every rank must agree on (compared at every sync, kept in the records)."""
+    out: dict[str, Any] = {
+        "sync_every": opt.sync_every,
+        "topk": opt.topk,
+        "chunk": opt.chunk,
+        "dct": opt.dct,
+        "payload": opt.payload,
+        "value_dtype": str(opt.value_dtype),
+        "error_decay": opt.error_decay,
+        "outer": opt.outer,
+        "outer_lr": opt.outer_lr,
+        "outer_momentum": opt.outer_momentum,
+        "nonfinite": opt.nonfinite,
+        "precision": opt.precision,
+        "seed": opt.seed,
+        "bucket_cap_mb": opt.bucket_cap_mb,
+        "policy": opt.policy.describe(),
+        "inner": type(opt.inner).__name__,
+        "validate_payload": opt.exchange.validate,
+    }
+    # the later options only when on: the fingerprint and saved settings of a run without
+    # them are what they were
+    if opt.dense_warmup:
+        out["dense_warmup"] = opt.dense_warmup
+    if opt.dense_params is not None:
+        out["dense_params"] = list(opt.dense_params)
+    if opt.adaptive_topk:
+        assert opt.adaptive_range is not None
+        out["adaptive_topk"] = True
+        out["adaptive_range"] = list(opt.adaptive_range)
+    return out
+
+
+def describe(opt: SparseLoCo) -> dict[str, Any]:
+    """What every sync's fingerprint covers, as JSON (the mismatch report)."""
+    out = settings(opt)
+    if opt.adaptive_topk:
+        # the k's of the next sync (state, not a setting: a load does not compare them), named
+        # first when a rank's diverged
+        out["topk_per_tensor"] = [[i, k] for i, k in sorted(opt.plan.topks().items())]
+    return {
+        "settings": out,
+        "groups": [{k: plain(v) for k, v in hyper(g).items() if _comparable(v)} for g in opt.param_groups],
+        "layout": [[opt._name(n), f"{tuple(p.shape)} {p.dtype}"] for n, p in enumerate(opt._model_params)],
+        "derived": {"payload wire sizes": wire_sizes(b.codec for b in opt.plan.buckets())},
+        "counters": {"steps": opt._steps, "syncs": opt.syncs, "skipped_syncs": opt.skipped_syncs},
+    }
+
+
+def _comparable(v: object) -> bool:
+    return isinstance(v, (int, float, bool, str, tuple, torch.Tensor)) or v is None

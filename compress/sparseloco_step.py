@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from cokit.compress.adaptive_topk import captured_share
+from cokit.compress.adaptive_topk import average_shares, captured_share
 from cokit.compress.buckets import Bucket
 from cokit.compress.demo_step import split_like
 from cokit.compress.exchange import Exchange
@@ -23,13 +23,68 @@ from cokit.triton_kernels import tiling
 from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
 from cokit.triton_kernels.topk import chunk_topk
 
-__all__ = ["Mean", "Receive", "from_coeffs", "launch_bucket", "mean_at_positions"]
+__all__ = ["Mean", "Receive", "exchange_means", "from_coeffs", "launch_bucket", "mean_at_positions"]
 
 #: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
 #: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
 Mean = tuple[torch.Tensor, "torch.Tensor | None"]
 #: a launched bucket's receive (wait and check), which returns its decode
 Receive = Callable[[], Callable[[], list[Mean]]]
+
+
+def exchange_means(
+    buckets: list[Bucket],
+    deltas: list[torch.Tensor],
+    errors: list[torch.Tensor | None],
+    exchange: Exchange,
+    *,
+    chunk: int,
+    dct: bool,
+    error_decay: float,
+    names: list[str],
+    at_positions: list[bool],
+    adaptive: bool = False,
+) -> tuple[list[Mean | None], dict[int, float] | None]:
+    """One sync's exchange: encode every bucket (updating the compressed tensors' ``errors``),
+    launch all collectives, check every rank's bytes, then decode each into the mean
+    pseudo-gradient of its tensors (:data:`Mean`; None: empty tensors). ``at_positions[i]``:
+    tensor ``i``'s mean is needed only where some rank sent a value (the average outer step).
+    With ``adaptive`` also every compressed tensor's captured-energy share, agreed over the
+    ranks (checked, averaged in rank order; tensor index -> share), else None."""
+    means: list[Mean | None] = [None] * len(deltas)
+    captured: dict[int, torch.Tensor] | None = {} if adaptive else None
+    launched = []
+    for b, bucket in enumerate(buckets):
+        members = bucket.members
+        launched.append(
+            launch_bucket(
+                b,
+                bucket,
+                deltas,
+                [] if bucket.dense else [e for i in members if (e := errors[i]) is not None],
+                exchange,
+                chunk=chunk,
+                dct=dct,
+                error_decay=error_decay,
+                names=[names[i] for i in members],
+                at_positions=all(at_positions[i] for i in members),
+                captured=captured,
+            )
+        )
+    pending, order = None, sorted(captured or ())
+    if order:  # adaptive_topk: every rank's captured-energy shares, one fp32 each
+        assert captured is not None
+        vector = torch.stack([captured[i] for i in order]).float().to(deltas[0].device)
+        pending = exchange.comm.all_gather(vector, "captured-energy all-gather")
+    received = [receive() for receive in launched]
+    shares = None
+    if pending is not None:  # checked before any bucket is decoded
+        agreed = average_shares(exchange.wait(pending), exchange.owner, exchange.comm.global_rank)
+        shares = dict(zip(order, agreed))
+    for bucket, finish in zip(buckets, received):
+        for i, mean in zip(bucket.members, finish()):
+            means[i] = mean
+    return means, shares
 
 
 def launch_bucket(

@@ -13,6 +13,7 @@ from distributed import run_gloo
 from torch.distributed import distributed_c10d
 
 from cokit.compress import DeMo
+from cokit.compress.demo_settings import fingerprinted
 
 SHAPES = [(32, 48), (48,), (24, 32), (7,), (16, 3, 3, 3), (3,)]  # >= 6 tensors: a full 32-bit fingerprint
 
@@ -296,7 +297,7 @@ def test_a_bad_param_group_is_not_added():
 def _old_six_bits(lr: float) -> int:
     """The fingerprint one parameter carried before: 6 bits of a crc32 of the settings."""
     opt = DeMo([torch.nn.Parameter(torch.zeros(32, 48))], lr=lr, compression_topk=4, compression_chunk=16)
-    return zlib.crc32(repr(opt._settings()).encode()) & 63
+    return zlib.crc32(repr(fingerprinted(opt)).encode()) & 63
 
 
 def _colliding_lr() -> float:

@@ -22,7 +22,7 @@ from test_sparseloco import CHUNK, DECAY, LR, SHAPES, H, K, _aligned, _grad, _in
 from cokit.compress import SparseLoCo
 from cokit.compress.agreement import SettingsMismatch
 from cokit.compress.sparseloco import redistribute_topk
-from cokit.compress.sparseloco_state import records
+from cokit.compress.sparseloco_state import records, settings
 from cokit.triton_kernels import tiling
 
 STEPS = 4 * H  # four syncs
@@ -58,7 +58,7 @@ def _configs(rank: int, world: int) -> dict:
         opt = _opt(params, **options)
         snaps, sent, topks, shares, buckets = [], [], [], [], []
         for step in range(STEPS):
-            buckets.append([(list(b.members), b.topk) for b in opt._plan()])  # what this step uses
+            buckets.append([(list(b.members), b.topk) for b in opt.plan.buckets()])  # what this step uses
             _feed(rank, step, params)
             opt.step()
             sent.append(opt.comm_stats.step_sent_bytes)
@@ -116,8 +116,7 @@ def _diverged(rank: int, world: int) -> dict:
     for step in range(2 * H):
         _feed(rank, step, params)
         if step == H and rank == 1:
-            opt._k = {i: k + 1 for i, k in opt._topks().items()}
-            opt._buckets = None
+            opt.plan.set_topks({i: k + 1 for i, k in opt.plan.topks().items()})
         before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in params}
         try:
             opt.step()
@@ -459,7 +458,7 @@ def test_the_option_off_keeps_settings_and_plan_and_a_changed_option_refuses_to_
     default = SparseLoCo(
         params, lambda ps: torch.optim.SGD(ps, lr=LR), sync_every=H, topk=K, chunk=CHUNK, error_decay=DECAY
     )
-    assert "adaptive_topk" not in plain._settings() and plain._settings() == default._settings()
+    assert "adaptive_topk" not in settings(plain) and settings(plain) == settings(default)
     assert plain._describe() == default._describe()  # off: the fingerprint of before
     assert plain.current_topk == {0: K, 1: K} and plain.captured_energy is None
     # one process: the option still redistributes (its own shares are the mean)
@@ -528,5 +527,5 @@ def test_the_study_runner_passes_adaptive_topk_through():
     assert (opt._steps, opt.syncs) == (4, 2) and opt.captured_energy is not None
     ks = opt.current_topk
     assert all(4 <= k <= 16 for k in ks.values())
-    tilings = opt._tilings()
+    tilings = opt.plan.tilings()
     assert sum(tilings[i].n_tiles * k for i, k in ks.items()) <= sum(t.n_tiles * 8 for t in tilings.values())

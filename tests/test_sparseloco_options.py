@@ -19,7 +19,7 @@ from cokit.compress import Muon, SparseLoCo
 from cokit.compress.buckets import sends_dense
 from cokit.compress.inner import EXCLUDE
 from cokit.compress.payload import get_codec
-from cokit.compress.sparseloco_state import records
+from cokit.compress.sparseloco_state import records, settings
 from cokit.triton_kernels import tiling
 
 NAMES = ("body.weight", "head.weight", "head.bias")  # SHAPES: (32, 48), (64,), (5,)
@@ -408,8 +408,8 @@ def test_bad_option_input_fails_clearly_before_anything_changes(kwargs, named, e
 def test_options_off_keep_the_settings_and_a_changed_option_refuses_to_load():
     params = _params()
     plain = SparseLoCo(_named(params), dense_params=(), dense_warmup=0)
-    assert plain.dense_params is None and "dense_warmup" not in plain._settings()
-    assert plain._settings() == SparseLoCo(params)._settings()  # off: the fingerprint of before
+    assert plain.dense_params is None and "dense_warmup" not in settings(plain)
+    assert settings(plain) == settings(SparseLoCo(params))  # off: the fingerprint of before
     opt = _opt(params, dense_warmup=3, dense_params=("head",))
     for step in range(2):
         for i, p in enumerate(params):
@@ -588,7 +588,7 @@ def test_the_study_runner_builds_sparseloco_with_a_muon_inner_optimizer():
         method.step()
         method.zero_grad()
     assert (opt._steps, opt.syncs) == (3, 1)
-    assert "head" in repr(opt._settings()["dense_params"])
+    assert "head" in repr(settings(opt)["dense_params"])
     with pytest.raises(ValueError, match=r"inner must be one of \('adamw', 'sgd', 'muon'\), got 'lion'"):
         build_method(MethodSpec("sparseloco", lr=1e-3, options={"inner": "lion"}), Net())
 
@@ -600,5 +600,5 @@ def test_the_study_runners_dense_ends_sends_the_input_and_output_layers_dense():
     spec = MethodSpec("sparseloco", lr=1e-3, options={"sync_every": 2, "dense_ends": True})
     opt = build_method(spec, net).optimizer
     assert opt.dense_params == ("0.weight", "2.weight")  # no "emb" in the names: first and last matrix
-    dense = {n for b in opt._plan() for n in b.members if b.dense}
+    dense = {n for b in opt.plan.buckets() for n in b.members if b.dense}
     assert {0, 3} <= dense and 1 not in dense  # the 64x64 body stays compressed
