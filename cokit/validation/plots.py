@@ -9,7 +9,7 @@ from typing import Any
 
 from cokit.display import pyplot
 from cokit.files import atomic_savefig
-from cokit.validation.report import amortized_bytes
+from cokit.validation.records import amortized_bytes
 
 _DEMO = re.compile(r"demo-compact-k(\d+)-c(\d+)")
 # families after DeMo's sign rule: one hue each, solid for the first variant, dashed after

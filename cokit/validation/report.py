@@ -12,6 +12,8 @@ from typing import Any
 
 from cokit.display import human_bytes
 from cokit.files import atomic_write_text
+from cokit.validation.plots import plot_curves, plot_pareto
+from cokit.validation.records import amortized_bytes, best_lr
 
 SUMMARY_FIELDS = (
     "final_train_loss",
@@ -52,23 +54,6 @@ TABLE_FIELDS = (
     "opt_time_per_step_s",
     "failed_lrs",
 )
-
-
-def best_lr(records: list[dict]) -> float | None:
-    """The lr whose seed-0 run ended with the lowest finite held-out loss (None: all failed)."""
-    ok = [
-        r
-        for r in records
-        if r.get("status") == "ok" and r["seed"] == 0 and r["summary"]["final_heldout_loss"] is not None
-    ]
-    return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
-
-
-def amortized_bytes(summary: dict) -> float:
-    """Bytes sent per rank per step, averaged over the run (a method that syncs every H steps
-    sends nothing on the others; the median would say 0)."""
-    mean = summary.get("mean_bytes_per_step")
-    return float(summary["bytes_per_step"] if mean is None else mean)
 
 
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:
@@ -196,8 +181,6 @@ def write_report(
     """Write ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots; return the
     study document (with ``table_markdown`` and ``files``). ``longer``: per workload, the runs
     at the longer horizon (phase 3)."""
-    from cokit.validation.plots import plot_curves, plot_pareto
-
     files: list[str] = []
     tables: dict[str, list[dict]] = {}
     md_parts = [_header(info)]

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cokit.train import MethodSpec
-from cokit.validation.report import best_lr, write_report
+from cokit.validation.records import best_lr
+from cokit.validation.report import write_report
 
 PRESETS = ("toy", "quick", "full")
 DEFAULT_OUT = {
