@@ -427,7 +427,8 @@ def test_demo_writes_telemetry_by_default_and_not_with_no_telemetry(tmp_path, mo
 
 
 def test_validation_study_jobs_carry_telemetry(tmp_path):
-    from cokit.validation.study import make_config, make_job
+    from cokit.validation.grid import make_job
+    from cokit.validation.study import make_config
 
     cfg = make_config("toy", out_dir=str(tmp_path))
     wl = cfg.workloads[0]

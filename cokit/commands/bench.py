@@ -30,13 +30,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     p.set_defaults(func=lambda args: _usage(p))
 
-    from cokit.validation.study import __doc__ as study_doc
-    from cokit.validation.study import add_arguments
+    from cokit.validation.cli import __doc__ as validate_doc
+    from cokit.validation.cli import add_arguments
 
     v = sub.add_parser(
         "validate",
         help="compression validation study (DeMo, AdamW, SGD, PowerSGD)",
-        description=study_doc,
+        description=validate_doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(v)
@@ -97,7 +97,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     """``cokit bench validate``: bad arguments are one-line errors; then run the study."""
     from cokit.files import prepare_out_dir
-    from cokit.validation.study import config_from_args, run_from_args
+    from cokit.validation.cli import config_from_args, run_from_args
 
     cfg = None
     if not args.list_methods:

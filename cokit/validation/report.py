@@ -218,9 +218,9 @@ def write_report(
     if target:
         md_parts.append(target_markdown(target))
     advice = None
-    if getattr(cfg, "calibration", False):
+    if getattr(cfg, "recommend_within", None) is not None:
         wl = cfg.workloads[0]
-        advice = recommend(tables.get(wl.name, []), info.get("calibration_tolerance", 0.03), wl.steps)
+        advice = recommend(tables.get(wl.name, []), cfg.recommend_within, wl.steps)
         md_parts.append(advice)
     horizon = {
         wl: horizon_rows(tables[wl], recs) for wl, recs in (longer or {}).items() if recs and wl in tables

@@ -20,7 +20,7 @@ Rules, the same for every method:
 * report: every held-out workload at 1x and 3x its steps (10x on the small ``LONG_WORKLOAD``),
   ``seeds`` seeds, the gap against steps, and each tier's target met or missed by how much.
 
-Every run is one JSON under ``<out>/runs/`` (resumable, as in :mod:`cokit.validation.study`);
+Every run is one JSON under ``<out>/runs/`` (resumable, as in :mod:`cokit.validation.grid`);
 ``transfer.md``, ``transfer.json`` and ``transfer.csv`` hold the report.
 """
 
@@ -38,17 +38,17 @@ from typing import Any
 
 from cokit.files import atomic_write_text
 from cokit.validation import transfer_report as tr
-from cokit.validation.study import (
+from cokit.validation.grid import (
     GRID_POINTS,
+    PRESETS,
     MethodDef,
     WorkloadDef,
-    _execute,
+    execute,
     machine_info,
     make_job,
     method_catalog,
 )
 
-PRESETS = ("toy", "quick", "full")
 DEFAULT_OUT = {
     "full": os.path.join("benchmarks", "results", "transfer"),
     "quick": os.path.join("benchmarks", "out", "transfer-quick"),
@@ -333,7 +333,7 @@ def tune(
             for lr in grids[m]
             for s in range(seeds[m])
         ]
-        records = _execute(
+        records = execute(
             cfg, wl, jobs, f"{phase}, lr grid" + (f" + {round_} extension(s)" if round_ else ""), run
         )
         grown = False
@@ -363,7 +363,7 @@ def report_runs(
         if lr is not None:
             more += [make_job(cfg, wl, m, lr, s, **SCHEDULE) for s in range(1, cfg.seeds)]
     if more:
-        records += _execute(cfg, wl, more, f"{phase}, seeds 1..{cfg.seeds - 1} at the chosen lr", run)
+        records += execute(cfg, wl, more, f"{phase}, seeds 1..{cfg.seeds - 1} at the chosen lr", run)
     return records, grids
 
 
