@@ -7,6 +7,8 @@ import importlib
 import os
 import sys
 
+from cokit._source_tree import CheckoutOnlyError
+
 # Each module defines add_parser(subparsers) and sets `func` (args -> exit code).
 SUBCOMMANDS = ("info", "occupancy", "demo", "sweep", "bench", "dashboard", "telemetry", "plan")
 
@@ -34,12 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib backend defaults to Agg unless the user chose one (``MPLBACKEND``)."""
     os.environ.setdefault("MPLBACKEND", "Agg")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "checkout_only", False):  # such a command refuses any arguments
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
-    except CliError as exc:
+    except (CliError, CheckoutOnlyError) as exc:
         print(f"cokit {args.command}: error: {exc}", file=sys.stderr)
         return 2

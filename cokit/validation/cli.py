@@ -50,8 +50,8 @@ from cokit.validation.grid import (
 )
 
 #: the checkout's modules of the study's two protocols
-GRID_PROTOCOL = "cokit.validation.study"
-TRANSFER_PROTOCOL = "cokit.validation.transfer"
+GRID_PROTOCOL = "cokit.bench.study.presets"
+TRANSFER_PROTOCOL = "cokit.bench.study.transfer"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,7 +186,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
             verbose=args.verbose,
             telemetry=telemetry,
         )
-    presets = checkout_module(GRID_PROTOCOL, "the validation study (cokit bench validate without --on)")
+    presets = checkout_module(GRID_PROTOCOL, "cokit bench validate without --on (the validation study)")
     return presets.make_config(
         preset,
         out_dir=args.out,

@@ -43,8 +43,9 @@ _AE_LRS = (
 
 def make_workloads(preset: str, steps: int | None = None) -> list[WorkloadDef]:
     """The three workloads sized for ``preset`` (``steps`` overrides every step budget)."""
-    from cokit.workloads import CorpusConfig, DigitsAEWorkloadConfig, ModelConfig, TextWorkloadConfig
-    from cokit.workloads.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits_ae import DigitsAEWorkloadConfig
+    from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
     from cokit.workloads.text import VOCAB_SIZE
 
     if preset == "toy":

@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cokit.bench.study import transfer_report as tr
 from cokit.files import atomic_write_text
-from cokit.validation import transfer_report as tr
 from cokit.validation.grid import (
     GRID_POINTS,
     PRESETS,
@@ -165,14 +165,10 @@ _DIGITS_LRS = (
 
 def make_workloads(preset: str) -> dict[str, WorkloadDef]:
     """The six workloads sized for ``preset``: name -> definition (steps = the 1x horizon)."""
-    from cokit.workloads import (
-        CorpusConfig,
-        DigitsAEWorkloadConfig,
-        DigitsCNNWorkloadConfig,
-        ModelConfig,
-        TextWorkloadConfig,
-    )
-    from cokit.workloads.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits_ae import DigitsAEWorkloadConfig
+    from cokit.bench.study.digits_cnn import DigitsCNNWorkloadConfig
+    from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
     from cokit.workloads.text import VOCAB_SIZE
 
     def lm(source: str, d: int, layers: int, chars: int, batch: int, seq: int) -> TextWorkloadConfig:
