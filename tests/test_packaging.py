@@ -5,6 +5,7 @@ image's (torch 2.11, triton 3.6)."""
 
 from __future__ import annotations
 
+import email
 import json
 import subprocess
 import sys
@@ -116,6 +117,24 @@ def test_wheel_ships_no_benchmark_code_nor_the_studys_workloads(wheel):
     assert set(CHECKOUT_ONLY_MODULES) <= modules  # the list names what the checkout has
     for kept in ("workloads/text.py", "workloads/model.py", "validation/calibrate.py", "validation/grid.py"):
         assert f"cokit/{kept}" in names
+
+
+def test_wheel_needs_no_plotting_library(wheel):
+    """matplotlib and plotly are extras (plot, dashboard); dev brings both."""
+    with zipfile.ZipFile(wheel) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        msg = email.message_from_bytes(zf.read(meta))
+    requires = msg.get_all("Requires-Dist") or []
+    core = [r for r in requires if "extra ==" not in r]
+    assert any(r.startswith("torch") for r in core)
+    assert not [r for r in core if r.lower().startswith(("matplotlib", "plotly"))], core
+
+    def extra(name: str) -> list[str]:
+        return [r.split(";")[0].strip().lower() for r in requires if f'extra == "{name}"' in r]
+
+    assert any(r.startswith("matplotlib") for r in extra("plot"))
+    assert any(r.startswith("plotly") for r in extra("dashboard"))
+    assert {"matplotlib", "plotly"} <= {r.split(">")[0].split("=")[0] for r in extra("dev")}
 
 
 @pytest.fixture(scope="module")

@@ -233,6 +233,8 @@ def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> i
     print()
     print(doc["table_markdown"])
     print(f"\nwrote {', '.join(doc['files'])} in {cfg.out_dir}")
+    if doc["plots_skipped"]:
+        print(f"plots not drawn: {doc['plots_skipped']}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -10,9 +11,9 @@ import os
 import statistics
 from typing import Any
 
-from cokit.display import human_bytes
+from cokit.display import NO_MATPLOTLIB, have_matplotlib, human_bytes
 from cokit.files import atomic_write_text
-from cokit.validation.plots import plot_curves, plot_pareto
+from cokit.validation.plots import plot_curves, plot_names, plot_pareto
 from cokit.validation.records import amortized_bytes, best_lr
 
 SUMMARY_FIELDS = (
@@ -180,8 +181,10 @@ def write_report(
 ) -> dict[str, Any]:
     """Write ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots; return the
     study document (with ``table_markdown`` and ``files``). ``longer``: per workload, the runs
-    at the longer horizon (phase 3)."""
+    at the longer horizon (phase 3). Without matplotlib the plots are skipped (and an earlier
+    report's removed): ``plots_skipped`` says why."""
     files: list[str] = []
+    draw = have_matplotlib()
     tables: dict[str, list[dict]] = {}
     md_parts = [_header(info)]
     pareto: dict[str, list[str]] = {}
@@ -211,7 +214,11 @@ def write_report(
                 f"Pareto front of **{wl.name}** (held-out loss vs bytes per step, best lr, seed 0; "
                 "fewest bytes first): " + ", ".join(pareto[wl.name])
             )
-        if chosen:
+        if not draw:
+            for name in plot_names(wl.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(out_dir, name))  # they would describe other runs
+        elif chosen:
             files += plot_curves(out_dir, wl.name, chosen, uniform, _title(info, wl), baseline)
             files.append(plot_pareto(out_dir, wl.name, chosen, pareto[wl.name], uniform, _title(info, wl)))
     target = target_check(tables, info.get("target"))
@@ -252,6 +259,7 @@ def write_report(
         "long_horizon_rows": horizon,
         "recommendation": advice,
         "files": files,
+        "plots_skipped": None if draw else NO_MATPLOTLIB,
         "table_markdown": md,
     }
     atomic_write_text(os.path.join(out_dir, "study.json"), json.dumps(doc, indent=1, default=str))
