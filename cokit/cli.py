@@ -13,8 +13,8 @@ from cokit.display import PLOT_EXTRA, have_matplotlib, matplotlib_missing
 # Each module defines add_parser(subparsers) and sets `func` (args -> exit code).
 SUBCOMMANDS = ("info", "occupancy", "demo", "sweep", "bench", "dashboard", "telemetry", "plan")
 # Commands whose figures are their output: without matplotlib they refuse to start unless the
-# option (its dest) that turns the figures off is given. (`cokit demo` and `cokit bench validate
-# --on` skip their figures with a note instead.)
+# option (its dest) that turns the figures off is given. (`cokit demo` and `cokit bench
+# validate` skip their figures with a note instead.)
 NEEDS_MATPLOTLIB = {"sweep": "no_plots"}
 
 

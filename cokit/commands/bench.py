@@ -17,6 +17,7 @@ The wheel leaves the benchmarks and the study's own workloads out: installed fro
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from cokit._source_tree import CheckoutOnlyError, checkout_module
 from cokit.cli import CliError
@@ -98,7 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def _refuse(exc: CheckoutOnlyError):
+def _refuse(exc: CheckoutOnlyError) -> Callable[[argparse.Namespace], int]:
     """A command function that raises ``exc`` (a command this install does not have)."""
 
     def run(args: argparse.Namespace) -> int:
