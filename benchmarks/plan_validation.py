@@ -5,7 +5,7 @@
 
 AdamW with DDP, DeMo and SparseLoCo (their defaults; SparseLoCo syncs every ``--sync-every``
 steps) train the demo's ``tiny`` char transformer on 2 gloo ranks (1 thread each) inside a
-:class:`cokit.netbed.Testbed`, one link profile at a time. Each run times ``--steps`` steps
+:class:`cokit.bench.netbed.Testbed`, one link profile at a time. Each run times ``--steps`` steps
 after ``--warmup`` (a whole number of SparseLoCo periods) between two barriers.
 
 Compute is calibrated once: each method's step time on loopback is its ``compute_ms`` (what a
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cokit.bench.netbed import PROFILES, LinkProfile, Testbed, available
 from cokit.files import OutputError, atomic_write_text, prepare_out_dir
 from cokit.model_shapes import Model
-from cokit.netbed import PROFILES, LinkProfile, Testbed, available
 from cokit.plan import Link, Methods, Workload, plan
 
 OUTPUTS = ("plan_validation.json", "plan_validation.md")

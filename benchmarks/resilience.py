@@ -8,7 +8,7 @@ SparseLoCo static vs SparseLoCo with :class:`~cokit.compress.IntervalPolicy`.
     cokit bench resilience --quick                         # the same module
 
 Each run trains the demo workload (``cokit demo``'s char transformer on the stdlib corpus) on
-2 gloo ranks inside a :class:`cokit.netbed.Testbed` with one link profile (loopback; tc tbf
+2 gloo ranks inside a :class:`cokit.bench.netbed.Testbed` with one link profile (loopback; tc tbf
 100 Mbit, 10 Mbit, 10 Mbit with tail drops; a *simulated* 50 ± 20 ms latency; a 5 s link-down)
 for ``--budget-s`` seconds of wall time, and ``--overrun`` (25%) past it. The target of a
 (profile, seed) is the held-out loss that the method's static baseline (:data:`BASELINE`:
@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
+from cokit.bench.netbed import PROFILES, Testbed, apply_simulated_latency, available, training_started
 from cokit.compress.comm import Communicator
 from cokit.files import OutputError, atomic_savefig, atomic_write_text, prepare_out_dir
-from cokit.netbed import PROFILES, Testbed, apply_simulated_latency, available, training_started
 from cokit.train import Method, MethodSpec, run_method
 from cokit.workloads import TextWorkload, TextWorkloadConfig
 from cokit.workloads.model import ModelConfig

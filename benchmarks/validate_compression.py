@@ -4,13 +4,13 @@
     python benchmarks/validate_compression.py --quick    # < 10 minutes on 2 CPU cores
     cokit bench validate [--quick]                       # the same
 
-The study itself lives in cokit.validation (spawned ranks must import it); this script is its
-command line. ``--help`` lists the options.
+The study runs through cokit.validation (spawned ranks must import it); this script is its
+command line, ``cokit bench validate``'s. ``--help`` lists the options.
 """
 
 from __future__ import annotations
 
-from cokit.validation.study import main
+from cokit.validation.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

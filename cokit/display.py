@@ -1,4 +1,9 @@
-"""Helpers shared by the reports: byte counts for people, and pyplot for figure writers."""
+"""Helpers shared by the reports: byte counts for people, and pyplot for figure writers.
+
+matplotlib is an optional extra (``pip install 'cokit[plot]'``): commands that draw check
+:func:`have_matplotlib` and skip their figures with :data:`NO_MATPLOTLIB` as a note, or
+refuse to start (``cokit sweep`` without ``--no-plots``).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,28 @@ def human_duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.2f} h"
+
+
+#: how to get the figures
+PLOT_EXTRA = "pip install 'cokit[plot]'"
+#: why a figure was not drawn, and how to get it
+NO_MATPLOTLIB = f"matplotlib is not installed ({PLOT_EXTRA})"
+
+
+def matplotlib_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says that matplotlib is not installed (and not some other failure)."""
+    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "matplotlib"
+
+
+def have_matplotlib() -> bool:
+    """Whether matplotlib imports here (a broken install still raises)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if matplotlib_missing(exc):
+            return False
+        raise
+    return True
 
 
 def pyplot():

@@ -284,7 +284,7 @@ def spawn(
     thread that stays in this call (the main one for SIGTERM).
     ``master_addr`` is rank 0's address (``MASTER_ADDR`` in the ranks); ``child_setup(rank)``, a
     module-level function (or a partial of one), runs in each child before the group is
-    created (e.g. to enter the rank's network namespace, :mod:`cokit.netbed`); its errors fail
+    created (e.g. to enter the rank's network namespace, :mod:`cokit.bench.netbed`); its errors fail
     that rank. The ranks meet through a file in a private temporary folder (removed afterwards),
     so no rendezvous port is opened; when ``master_addr`` is a loopback address, gloo (NCCL)
     binds its sockets to the loopback interface unless ``env`` sets ``GLOO_SOCKET_IFNAME``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import io
@@ -222,10 +223,16 @@ def output_names(stem: str = "demo") -> tuple[str, str, str]:
 
 
 def write_outputs(
-    out_dir: str, info: dict[str, Any], results: Sequence[RunResult], stem: str = "demo", title: str = ""
+    out_dir: str,
+    info: dict[str, Any],
+    results: Sequence[RunResult],
+    stem: str = "demo",
+    title: str = "",
+    plot: bool = True,
 ) -> list[str]:
     """Write ``<stem>.json`` (info, summaries, every series), ``<stem>.csv`` and ``<stem>.png``
-    into ``out_dir``, each atomically (see :mod:`cokit.files`); return their paths."""
+    into ``out_dir``, each atomically (see :mod:`cokit.files`); return their paths. Without
+    ``plot`` the figure is not drawn and an earlier run's ``<stem>.png`` is removed."""
     from cokit import __version__
 
     paths = [os.path.join(out_dir, name) for name in output_names(stem)]
@@ -242,6 +249,10 @@ def write_outputs(
     writer.writeheader()
     writer.writerows(csv_rows(results))
     atomic_write_text(paths[1], buf.getvalue())
+    if not plot:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(paths[2])  # it would describe another run
+        return paths[:2]
     uniform = info.get("workload", {}).get("uniform_loss")
     plot_runs(paths[2], results, uniform, title=title)
     return paths

@@ -1,8 +1,7 @@
 """Griffe extension for the API reference: one import root, several folders.
 
-The wheel installs ``compress/``, ``overlap/``, ``triton_kernels/`` and ``benchmarks/`` inside
-``cokit`` (``package-dir`` in pyproject.toml; ``cokit/_source_tree.py`` does the same for a
-checkout). Griffe reads ``cokit/`` from disk and would not find ``cokit.compress``: this
+The wheel installs ``compress/``, ``overlap/`` and ``triton_kernels/`` inside ``cokit``
+(``package-dir`` in pyproject.toml; ``cokit/_source_tree.py`` does the same for a checkout). Griffe reads ``cokit/`` from disk and would not find ``cokit.compress``: this
 extension loads those folders, statically (nothing is imported, no GPU needed), as
 subpackages of ``cokit``.
 """

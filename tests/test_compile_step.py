@@ -73,7 +73,7 @@ FIRST_CALL_TRACED = """
 import sys
 import torch
 from cokit.compress import DeMo, SparseLoCo
-import cokit.cli, cokit.validation.transfer
+import cokit.cli, cokit.bench.study.transfer
 assert "torch._dynamo" not in sys.modules, "importing cokit loaded the compiler"
 make = {"DeMo": lambda p: DeMo(p, lr=1e-2, compression_topk=4, compression_chunk=8),
         "SparseLoCo": lambda p: SparseLoCo(p, sync_every=2, topk=4, chunk=8)}[sys.argv[1]]

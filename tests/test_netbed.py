@@ -1,4 +1,4 @@
-"""The network testbed (cokit.netbed): DeMo over shaped, lossy and cut links gives the
+"""The network testbed (cokit.bench.netbed): DeMo over shaped, lossy and cut links gives the
 parameters of loopback, the rate limit is real, and nothing is left behind."""
 
 from __future__ import annotations

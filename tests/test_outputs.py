@@ -362,9 +362,9 @@ def test_help_documents_the_overwrite_policy(command, capsys):
 def test_validation_study_with_unwritable_out_fails_before_any_run(tmp_path, capsys, monkeypatch):
     """The study resumes from the runs its folder holds (no refusal), but an unusable folder
     is still found before the first run."""
-    import cokit.validation.study
+    import cokit.validation.cli
 
-    monkeypatch.setattr(cokit.validation.study, "run_from_args", lambda *a: pytest.fail("study started"))
+    monkeypatch.setattr(cokit.validation.cli, "run_from_args", lambda *a: pytest.fail("study started"))
     out = _blocked(tmp_path, "under-a-file")
     assert main(["bench", "validate", "--quick", "--out", str(out)]) == 2
     assert f"--out {out} is not writable" in capsys.readouterr().err

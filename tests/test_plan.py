@@ -203,7 +203,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(extra, message, capsys):
 
 @pytest.mark.distributed
 def test_the_validation_benchmark_runs_on_a_shaped_link(tmp_path, capsys):
-    from cokit.netbed import available
+    from cokit.bench.netbed import available
 
     ok, why = available()
     if not ok:

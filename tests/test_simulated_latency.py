@@ -10,10 +10,10 @@ import torch
 from distributed import run_gloo
 from helpers import byte_counts
 
+from cokit.bench.netbed import Testbed, apply_simulated_latency
 from cokit.compress import DeMo
 from cokit.compress.comm import Communicator
 from cokit.compress.simulate import LatencyModel, SimulatedLatencyCommunicator, simulate_latency
-from cokit.netbed import Testbed, apply_simulated_latency
 
 MEAN_MS, JITTER_MS = 50.0, 20.0
 

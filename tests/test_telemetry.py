@@ -375,8 +375,8 @@ def test_gloo_demo_run_writes_one_file_per_rank_and_rank0_summaries(tmp_path):
 
 
 def _train_worker(rank: int, world: int, out: str):
+    from cokit.bench.study.digits import DigitsWorkloadConfig
     from cokit.train import MethodSpec, run_methods
-    from cokit.workloads.digits import DigitsWorkloadConfig
 
     specs = [MethodSpec("adamw", 1e-3, label="adamw"), MethodSpec("demo", 1e-3, label="demo")]
     factory = DigitsWorkloadConfig(hidden=(16,), batch_size=8)
@@ -427,7 +427,8 @@ def test_demo_writes_telemetry_by_default_and_not_with_no_telemetry(tmp_path, mo
 
 
 def test_validation_study_jobs_carry_telemetry(tmp_path):
-    from cokit.validation.study import make_config, make_job
+    from cokit.bench.study.presets import make_config
+    from cokit.validation.grid import make_job
 
     cfg = make_config("toy", out_dir=str(tmp_path))
     wl = cfg.workloads[0]

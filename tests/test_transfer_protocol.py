@@ -1,4 +1,4 @@
-"""The held-out protocol (cokit.validation.transfer): its rules on hand-made run records, its
+"""The held-out protocol (cokit.bench.study.transfer): its rules on hand-made run records, its
 argument checks, and one toy run end to end on real gloo ranks."""
 
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cokit.validation import transfer
-from cokit.validation import transfer_report as tr
+from cokit.bench.study import transfer
+from cokit.bench.study import transfer_report as tr
 
 
 def rec(method, lr, seed, loss, ratio=1.0, status="ok", evals=None):

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from cokit.bench.study.digits import DigitsWorkload, DigitsWorkloadConfig, split_indices
+from cokit.bench.study.presets import make_config
 from cokit.cli import main
+from cokit.validation.grid import method_catalog
 from cokit.validation.report import RUN_FIELDS, SUMMARY_FIELDS, TABLE_FIELDS, pareto_front
 from cokit.validation.runs import heldout_accuracy
-from cokit.validation.study import make_config, method_catalog
-from cokit.workloads.digits import DigitsWorkload, DigitsWorkloadConfig, split_indices
 
 METHODS = ["adamw", "powersgd-r4", "demo-compact-k32-c64", "sparseloco-h10-k64-int2"]
 STEPS = 12  # SparseLoCo syncs once (H=10)
@@ -227,7 +228,7 @@ def _rec(method, family, lr, loss, ratio, seed=0, evals=None, steps=10):
 
 
 def test_headline_and_long_horizon_pick_per_family_bests_and_the_best_at_100x():
-    from cokit.validation.study import headline_methods, long_methods
+    from cokit.validation.grid import headline_methods, long_methods
 
     cfg = make_config(
         "full",

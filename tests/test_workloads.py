@@ -1,4 +1,5 @@
-"""The demo/validation workloads: stdlib char corpus, batches, the char transformer, the runner."""
+"""The demo/validation workloads: stdlib char corpus, batches, the char transformer, the runner;
+and the study's digits workloads (a checkout's ``cokit.bench.study``)."""
 
 import math
 
@@ -138,13 +139,13 @@ def test_initial_loss_is_near_uniform(workload):
 
 # ----------------------------------------------------------------------------- digits autoencoder
 def _ae():
-    from cokit.workloads.digits_ae import DigitsAEWorkloadConfig
+    from cokit.bench.study.digits_ae import DigitsAEWorkloadConfig
 
     return DigitsAEWorkloadConfig().build("cpu")
 
 
 def test_autoencoder_shapes_params_and_conv_weights():
-    from cokit.workloads.digits_ae import DigitsAutoencoder
+    from cokit.bench.study.digits_ae import DigitsAutoencoder
 
     m = DigitsAutoencoder()
     assert 20_000 <= m.num_params() <= 60_000
@@ -159,7 +160,7 @@ def test_autoencoder_shapes_params_and_conv_weights():
 
 
 def test_autoencoder_init_is_seeded_and_leaves_the_global_rng_alone():
-    from cokit.workloads.digits_ae import DigitsAutoencoder
+    from cokit.bench.study.digits_ae import DigitsAutoencoder
 
     state = torch.get_rng_state()
     a, b, c = DigitsAutoencoder(seed=3), DigitsAutoencoder(seed=3), DigitsAutoencoder(seed=4)
@@ -171,7 +172,7 @@ def test_autoencoder_init_is_seeded_and_leaves_the_global_rng_alone():
 
 
 def test_autoencoder_batches_are_the_digits_images_and_deterministic():
-    from cokit.workloads.digits import DigitsWorkload, DigitsWorkloadConfig
+    from cokit.bench.study.digits import DigitsWorkload, DigitsWorkloadConfig
 
     w = _ae()
     images = DigitsWorkload(DigitsWorkloadConfig(batch_size=32))
@@ -191,7 +192,7 @@ def test_autoencoder_batches_are_the_digits_images_and_deterministic():
 
 
 def test_autoencoder_heldout_split_is_fixed_and_disjoint_from_training():
-    from cokit.workloads.digits import load_digits_arrays, split_indices
+    from cokit.bench.study.digits import load_digits_arrays, split_indices
 
     w = _ae()
     x, y = load_digits_arrays()
@@ -220,7 +221,7 @@ def test_autoencoder_info_reports_the_mean_image_baseline():
 
 
 def test_autoencoder_config_errors():
-    from cokit.workloads.digits_ae import DigitsAEWorkloadConfig
+    from cokit.bench.study.digits_ae import DigitsAEWorkloadConfig
 
     for bad in ({"channels": (8, 8)}, {"channels": (8, 0, 8)}, {"latent": 0}, {"batch_size": 0}):
         with pytest.raises(ValueError):
@@ -283,8 +284,8 @@ def test_a_corpus_source_is_checked_and_too_little_text_says_what_to_lower():
 
 # ----------------------------------------------------------------------------- digits CNN
 def test_cnn_workload_shares_the_digits_batches_and_split_with_a_seeded_conv_model():
-    from cokit.workloads import DigitsCNN, DigitsCNNWorkloadConfig
-    from cokit.workloads.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits_cnn import DigitsCNN, DigitsCNNWorkloadConfig
 
     cnn = DigitsCNNWorkloadConfig(batch_size=16).build("cpu")
     mlp = DigitsWorkloadConfig(batch_size=16).build("cpu")
@@ -319,12 +320,12 @@ def test_the_digits_are_scikit_learns_read_without_importing_it():
     import numpy as np
     from sklearn.datasets import load_digits
 
-    from cokit.workloads.digits import load_digits_arrays
+    from cokit.bench.study.digits import load_digits_arrays
 
     x, y = load_digits_arrays()
     data = load_digits()
     assert np.array_equal(x, (data.data.astype(np.float32) / 8.0) - 1.0) and x.dtype == np.float32
     assert np.array_equal(y, data.target) and y.dtype == np.int64
-    probe = "import sys; from cokit.workloads.digits import load_digits_arrays as f; f(); print('sklearn' in sys.modules)"
+    probe = "import sys; from cokit.bench.study.digits import load_digits_arrays as f; f(); print('sklearn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]

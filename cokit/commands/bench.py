@@ -7,15 +7,19 @@
 
 ``validate`` writes its JSON, tables and plots to benchmarks/results/validation/ (full mode)
 or benchmarks/out/validation-quick/ (--quick); see ``cokit bench validate --help``.
-``gpu-check`` and ``gemm`` run the modules of ``cokit.bench`` (installed with the package, or
-the checkout's benchmarks/ folder); ``gpu-check`` is ``python -m cokit.bench.gpu_check``.
+``gpu-check``, ``gemm`` and ``resilience`` run the modules of ``cokit.bench``, the checkout's
+benchmarks/ folder; ``gpu-check`` is ``python -m cokit.bench.gpu_check``.
+
+The wheel leaves the benchmarks and the study's own workloads out: installed from it, only
+``validate --on`` (calibration on your model) runs; the others say they need a source checkout.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+from collections.abc import Callable
 
+from cokit._source_tree import CheckoutOnlyError, checkout_module
 from cokit.cli import CliError
 
 
@@ -30,13 +34,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     p.set_defaults(func=lambda args: _usage(p))
 
-    from cokit.validation.study import __doc__ as study_doc
-    from cokit.validation.study import add_arguments
+    from cokit.validation.cli import __doc__ as validate_doc
+    from cokit.validation.cli import add_arguments
 
     v = sub.add_parser(
         "validate",
         help="compression validation study (DeMo, AdamW, SGD, PowerSGD)",
-        description=study_doc,
+        description=validate_doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(v)
@@ -63,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--allow-cpu", action="store_true", help="without a GPU, run the torch reference path on CPU"
     )
     g.add_argument("--only", nargs="+", default=None, metavar="PHASE", help="run only these phases")
-    g.set_defaults(func=lambda args: _run_module("gpu_check", args))
+    g.set_defaults(func=lambda args: _run_module("gpu_check", args, "cokit bench gpu-check"))
 
     m = sub.add_parser("gemm", help="cokit.bench.gemm_bench: GEMM correctness, TFLOP/s, occupancy sweep")
     m.add_argument("--quick", action="store_true", help="fewer shapes and sweep points")
@@ -74,19 +78,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     m.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     m.add_argument("--cache-dir", default=None, help="tuning cache directory (default $COKIT_CACHE_DIR)")
-    m.set_defaults(func=lambda args: _run_module("gemm_bench", args))
+    m.set_defaults(func=lambda args: _run_module("gemm_bench", args, "cokit bench gemm"))
 
-    from cokit.bench import resilience
-
+    about = "cokit.bench.resilience: each network policy against its static settings on shaped links"
+    try:
+        resilience = checkout_module("cokit.bench.resilience", "cokit bench resilience")
+    except CheckoutOnlyError as exc:
+        # parsed without its options (cokit.cli.main lets such a command take any) and refused
+        r = sub.add_parser("resilience", help=about, description=str(exc))
+        r.set_defaults(func=_refuse(exc), checkout_only=True)
+        return p
     r = sub.add_parser(
         "resilience",
-        help="cokit.bench.resilience: each network policy against its static settings on shaped links",
+        help=about,
         description=resilience.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     resilience.add_arguments(r)
     r.set_defaults(func=resilience.run)
     return p
+
+
+def _refuse(exc: CheckoutOnlyError) -> Callable[[argparse.Namespace], int]:
+    """A command function that raises ``exc`` (a command this install does not have)."""
+
+    def run(args: argparse.Namespace) -> int:
+        raise exc
+
+    return run
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -97,7 +116,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     """``cokit bench validate``: bad arguments are one-line errors; then run the study."""
     from cokit.files import prepare_out_dir
-    from cokit.validation.study import config_from_args, run_from_args
+    from cokit.validation.cli import config_from_args, run_from_args
 
     cfg = None
     if not args.list_methods:
@@ -111,10 +130,13 @@ def run_validate(args: argparse.Namespace) -> int:
     return run_from_args(args, cfg)
 
 
-def _run_module(module: str, args: argparse.Namespace) -> int:
-    """Import ``cokit.bench.<module>`` and call its ``main(argv)`` with the given options."""
+def _run_module(module: str, args: argparse.Namespace, command: str) -> int:
+    """Import ``cokit.bench.<module>`` and call its ``main(argv)`` with the given options
+    (:class:`CheckoutOnlyError` from a wheel install)."""
     try:
-        mod = importlib.import_module(f"cokit.bench.{module}")
+        mod = checkout_module(f"cokit.bench.{module}", command)
+    except CheckoutOnlyError:
+        raise
     except ImportError as exc:
         raise CliError(f"cannot import cokit.bench.{module}: {exc}") from None
     argv = ["--quick"] if args.quick else []

@@ -485,6 +485,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     elapsed = time.perf_counter() - start
 
+    from cokit.display import NO_MATPLOTLIB, have_matplotlib
     from cokit.train_report import cost_per_epoch, cost_table, summary_table, write_outputs
 
     info = {
@@ -514,8 +515,11 @@ def _run(args: argparse.Namespace) -> int:
         f"cokit demo: {world} ranks, {args.model} model ({n_params:,} params), {args.steps} steps, "
         f"demo topk={args.topk} chunk={args.chunk} payload={args.payload}"
     )
-    paths = write_outputs(args.out, info, results, stem="demo", title=title)
+    plots = have_matplotlib()
+    paths = write_outputs(args.out, info, results, stem="demo", title=title, plot=plots)
     print(f"\ntotal {elapsed:.0f} s; wrote {', '.join(paths)}")
+    if not plots:
+        print(f"demo.png not drawn: {NO_MATPLOTLIB}")
     _remove_stale_telemetry(args.out, runs if telemetry is not None else [])
     if telemetry is not None:
         folder = os.path.join(args.out, "telemetry")

@@ -1,5 +1,9 @@
-"""The compression validation study: DeMo vs AdamW vs SGD-momentum vs PowerSGD at small scale.
+"""The compression validation study's runner and ``--on`` calibration on your own model.
 
-``cokit bench validate`` / ``python benchmarks/validate_compression.py`` run it; see
-:mod:`cokit.validation.study`.
+:mod:`~cokit.validation.grid` runs methods x lrs x seeds on workloads (local gloo ranks,
+resumable) and :mod:`~cokit.validation.report` writes the tables and plots;
+:mod:`~cokit.validation.calibrate` builds ``--on``'s grid on your factory
+(:mod:`~cokit.validation.user_workload`); :mod:`~cokit.validation.cli` is ``cokit bench
+validate``. The study's own workloads and protocols are a source checkout's
+(``cokit.bench.study``).
 """

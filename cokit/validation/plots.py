@@ -9,7 +9,7 @@ from typing import Any
 
 from cokit.display import pyplot
 from cokit.files import atomic_savefig
-from cokit.validation.report import amortized_bytes
+from cokit.validation.records import amortized_bytes
 
 _DEMO = re.compile(r"demo-compact-k(\d+)-c(\d+)")
 # families after DeMo's sign rule: one hue each, solid for the first variant, dashed after
@@ -56,6 +56,11 @@ def style(method: str) -> dict[str, Any]:
             )
             return {"color": hue, "ls": "--" if dashed else "-", "lw": 1.6}
     return {"color": "tab:purple", "ls": "-", "lw": 1.2}
+
+
+def plot_names(workload: str) -> list[str]:
+    """The files :func:`plot_curves` and :func:`plot_pareto` write for ``workload``."""
+    return [f"{workload}_heldout_vs_step.png", f"{workload}_heldout_vs_bytes.png", f"{workload}_pareto.png"]
 
 
 def _evals(rec: dict) -> tuple[list[int], list[float]]:
@@ -109,7 +114,7 @@ def plot_curves(
         ax.legend(fontsize=7, ncol=2)
         ax.set_title(f"held-out loss vs {kind}\n{title}", fontsize=9)
         fig.tight_layout()
-        name = f"{workload}_heldout_vs_{kind}.png"
+        name = plot_names(workload)[0 if kind == "step" else 1]
         atomic_savefig(fig, os.path.join(out_dir, name), dpi=100)
         plt.close(fig)
         paths.append(name)
@@ -185,7 +190,7 @@ def plot_pareto(
     ax_b.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    name = f"{workload}_pareto.png"
+    name = plot_names(workload)[2]
     atomic_savefig(fig, os.path.join(out_dir, name), dpi=100)
     plt.close(fig)
     return name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -10,8 +11,10 @@ import os
 import statistics
 from typing import Any
 
-from cokit.display import human_bytes
+from cokit.display import NO_MATPLOTLIB, have_matplotlib, human_bytes
 from cokit.files import atomic_write_text
+from cokit.validation.plots import plot_curves, plot_names, plot_pareto
+from cokit.validation.records import amortized_bytes, best_lr
 
 SUMMARY_FIELDS = (
     "final_train_loss",
@@ -52,23 +55,6 @@ TABLE_FIELDS = (
     "opt_time_per_step_s",
     "failed_lrs",
 )
-
-
-def best_lr(records: list[dict]) -> float | None:
-    """The lr whose seed-0 run ended with the lowest finite held-out loss (None: all failed)."""
-    ok = [
-        r
-        for r in records
-        if r.get("status") == "ok" and r["seed"] == 0 and r["summary"]["final_heldout_loss"] is not None
-    ]
-    return min(ok, key=lambda r: r["summary"]["final_heldout_loss"])["lr"] if ok else None
-
-
-def amortized_bytes(summary: dict) -> float:
-    """Bytes sent per rank per step, averaged over the run (a method that syncs every H steps
-    sends nothing on the others; the median would say 0)."""
-    mean = summary.get("mean_bytes_per_step")
-    return float(summary["bytes_per_step"] if mean is None else mean)
 
 
 def _stats(xs: list[float]) -> tuple[float | None, float | None]:
@@ -195,10 +181,10 @@ def write_report(
 ) -> dict[str, Any]:
     """Write ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots; return the
     study document (with ``table_markdown`` and ``files``). ``longer``: per workload, the runs
-    at the longer horizon (phase 3)."""
-    from cokit.validation.plots import plot_curves, plot_pareto
-
+    at the longer horizon (phase 3). Without matplotlib the plots are skipped (and an earlier
+    report's removed): ``plots_skipped`` says why."""
     files: list[str] = []
+    draw = have_matplotlib()
     tables: dict[str, list[dict]] = {}
     md_parts = [_header(info)]
     pareto: dict[str, list[str]] = {}
@@ -228,16 +214,20 @@ def write_report(
                 f"Pareto front of **{wl.name}** (held-out loss vs bytes per step, best lr, seed 0; "
                 "fewest bytes first): " + ", ".join(pareto[wl.name])
             )
-        if chosen:
+        if not draw:
+            for name in plot_names(wl.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(out_dir, name))  # they would describe other runs
+        elif chosen:
             files += plot_curves(out_dir, wl.name, chosen, uniform, _title(info, wl), baseline)
             files.append(plot_pareto(out_dir, wl.name, chosen, pareto[wl.name], uniform, _title(info, wl)))
     target = target_check(tables, info.get("target"))
     if target:
         md_parts.append(target_markdown(target))
     advice = None
-    if getattr(cfg, "calibration", False):
+    if getattr(cfg, "recommend_within", None) is not None:
         wl = cfg.workloads[0]
-        advice = recommend(tables.get(wl.name, []), info.get("calibration_tolerance", 0.03), wl.steps)
+        advice = recommend(tables.get(wl.name, []), cfg.recommend_within, wl.steps)
         md_parts.append(advice)
     horizon = {
         wl: horizon_rows(tables[wl], recs) for wl, recs in (longer or {}).items() if recs and wl in tables
@@ -269,6 +259,7 @@ def write_report(
         "long_horizon_rows": horizon,
         "recommendation": advice,
         "files": files,
+        "plots_skipped": None if draw else NO_MATPLOTLIB,
         "table_markdown": md,
     }
     atomic_write_text(os.path.join(out_dir, "study.json"), json.dumps(doc, indent=1, default=str))

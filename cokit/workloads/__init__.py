@@ -1,10 +1,9 @@
-"""Training workloads for demos and validation studies: a character-level text corpus and a
-small causal transformer, and an MLP, a CNN and a convolutional autoencoder of scikit-learn's
-8x8 digits.
-Everything is deterministic from seeds and needs no download."""
+"""The demo's workload: a character-level text corpus (the Python standard library's own
+sources, or its prose and C headers) and a small causal transformer. Deterministic from
+seeds, nothing downloaded. ``cokit demo`` trains it and ``cokit plan --model`` sizes its
+presets; the validation study's other workloads (digits MLP, CNN and autoencoder) are part of
+a source checkout (``cokit.bench.study``)."""
 
-from cokit.workloads.digits_ae import DigitsAEWorkload, DigitsAEWorkloadConfig, DigitsAutoencoder
-from cokit.workloads.digits_cnn import DigitsCNN, DigitsCNNWorkload, DigitsCNNWorkloadConfig
 from cokit.workloads.model import MODEL_PRESETS, CharTransformer, ModelConfig
 from cokit.workloads.text import CharCorpus, CorpusConfig, TextWorkload, TextWorkloadConfig
 
@@ -13,12 +12,6 @@ __all__ = [
     "CharCorpus",
     "CharTransformer",
     "CorpusConfig",
-    "DigitsAEWorkload",
-    "DigitsAEWorkloadConfig",
-    "DigitsAutoencoder",
-    "DigitsCNN",
-    "DigitsCNNWorkload",
-    "DigitsCNNWorkloadConfig",
     "ModelConfig",
     "TextWorkload",
     "TextWorkloadConfig",

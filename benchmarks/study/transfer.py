@@ -20,7 +20,7 @@ Rules, the same for every method:
 * report: every held-out workload at 1x and 3x its steps (10x on the small ``LONG_WORKLOAD``),
   ``seeds`` seeds, the gap against steps, and each tier's target met or missed by how much.
 
-Every run is one JSON under ``<out>/runs/`` (resumable, as in :mod:`cokit.validation.study`);
+Every run is one JSON under ``<out>/runs/`` (resumable, as in :mod:`cokit.validation.grid`);
 ``transfer.md``, ``transfer.json`` and ``transfer.csv`` hold the report.
 """
 
@@ -36,19 +36,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cokit.bench.study import transfer_report as tr
 from cokit.files import atomic_write_text
-from cokit.validation import transfer_report as tr
-from cokit.validation.study import (
+from cokit.validation.grid import (
     GRID_POINTS,
+    PRESETS,
     MethodDef,
     WorkloadDef,
-    _execute,
+    execute,
     machine_info,
     make_job,
     method_catalog,
 )
 
-PRESETS = ("toy", "quick", "full")
 DEFAULT_OUT = {
     "full": os.path.join("benchmarks", "results", "transfer"),
     "quick": os.path.join("benchmarks", "out", "transfer-quick"),
@@ -165,14 +165,10 @@ _DIGITS_LRS = (
 
 def make_workloads(preset: str) -> dict[str, WorkloadDef]:
     """The six workloads sized for ``preset``: name -> definition (steps = the 1x horizon)."""
-    from cokit.workloads import (
-        CorpusConfig,
-        DigitsAEWorkloadConfig,
-        DigitsCNNWorkloadConfig,
-        ModelConfig,
-        TextWorkloadConfig,
-    )
-    from cokit.workloads.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits import DigitsWorkloadConfig
+    from cokit.bench.study.digits_ae import DigitsAEWorkloadConfig
+    from cokit.bench.study.digits_cnn import DigitsCNNWorkloadConfig
+    from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
     from cokit.workloads.text import VOCAB_SIZE
 
     def lm(source: str, d: int, layers: int, chars: int, batch: int, seq: int) -> TextWorkloadConfig:
@@ -333,7 +329,7 @@ def tune(
             for lr in grids[m]
             for s in range(seeds[m])
         ]
-        records = _execute(
+        records = execute(
             cfg, wl, jobs, f"{phase}, lr grid" + (f" + {round_} extension(s)" if round_ else ""), run
         )
         grown = False
@@ -363,7 +359,7 @@ def report_runs(
         if lr is not None:
             more += [make_job(cfg, wl, m, lr, s, **SCHEDULE) for s in range(1, cfg.seeds)]
     if more:
-        records += _execute(cfg, wl, more, f"{phase}, seeds 1..{cfg.seeds - 1} at the chosen lr", run)
+        records += execute(cfg, wl, more, f"{phase}, seeds 1..{cfg.seeds - 1} at the chosen lr", run)
     return records, grids
 
 

@@ -469,7 +469,7 @@ class Testbed:
             p = self.profile.partition
             raise RuntimeError(
                 f"Testbed {self.profile.name}: the partition ({p.at_s:g} s after training_started()) never "
-                "began: call cokit.netbed.training_started() in fn when training begins, and train for "
+                "began: call cokit.bench.netbed.training_started() in fn when training begins, and train for "
                 f"longer than {p.at_s:g} s"
             )
         return results

@@ -4,7 +4,7 @@ A third kind of study workload, unlike next-character text and digit classificat
 regression loss, a 16-number bottleneck, and 4-D convolution weights (``Conv2d``
 ``(out, in, kh, kw)`` and ``ConvTranspose2d`` ``(in, out, kh, kw)``), so DeMo's DCT tiling
 of non-matrix weights is exercised. The images, the stratified held-out split and the
-per-rank batch sampling are the digits workload's own (:mod:`cokit.workloads.digits`), so
+per-rank batch sampling are the digits workload's own (:mod:`cokit.bench.study.digits`), so
 both see the same images in the same order. Nothing is downloaded (scikit-learn's bundled
 ``load_digits``). The interface matches :class:`cokit.train.Workload`; a batch is a
 ``(b, 64)`` float32 tensor of pixels in [-1, 1], input and target at once.
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cokit.workloads.digits import NUM_FEATURES, DigitsWorkload, DigitsWorkloadConfig
+from cokit.bench.study.digits import NUM_FEATURES, DigitsWorkload, DigitsWorkloadConfig
 
 SIDE = 8  # images are SIDE x SIDE
 

@@ -2,7 +2,7 @@
 
 A vision workload with 4-D convolution weights that the validation study can hold out: the
 images, the stratified held-out split and the per-rank batches are the digits workload's own
-(:mod:`cokit.workloads.digits`), but the model is a CNN rather than the MLP, so a setting chosen
+(:mod:`cokit.bench.study.digits`), but the model is a CNN rather than the MLP, so a setting chosen
 on the MLP and the autoencoder is tested on a network it was not chosen on. Nothing is
 downloaded (scikit-learn's bundled ``load_digits``).
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cokit.workloads.digits import NUM_CLASSES, DigitsWorkload, DigitsWorkloadConfig
+from cokit.bench.study.digits import NUM_CLASSES, DigitsWorkload, DigitsWorkloadConfig
 
 SIDE = 8  # images are SIDE x SIDE
 
@@ -92,7 +92,7 @@ class DigitsCNNWorkload(DigitsWorkload):
         super().__init__(config.digits_config(), device)
         self.cnn_config = config
 
-    def build_model(self, seed: int) -> DigitsCNN:  # type: ignore[override]  # a CNN, not the MLP
+    def build_model(self, seed: int) -> DigitsCNN:  # a CNN, not the MLP
         """A freshly initialised model (identical on every rank for the same seed)."""
         return DigitsCNN(self.cnn_config.channels, seed=seed).to(self.device)
 

@@ -19,7 +19,7 @@ import math
 import statistics
 from typing import Any
 
-from cokit.validation.report import amortized_bytes
+from cokit.validation.records import amortized_bytes
 
 
 def _ok(r: dict) -> bool:
