@@ -11,6 +11,13 @@ worker's own CPU time. Reported per size: medians of DeMo (compact, k=32), DeMo 
 SparseLoCo (defaults, averaged over one sync period) divided by AdamW (foreach) in the same
 worker, and this tree's median over the baseline's. Prints the table and writes JSON
 (atomically). CPU numbers, not GPU numbers.
+
+Beside the ratios, each round times a memory-bound control in both workers (copying a 64 MiB
+buffer: the same torch code in both trees), so its after/before ratio shows how far the
+run's noise alone moves a ratio. The load average is read before any work and after the last
+round (:mod:`cokit.bench.machine_load`): on a busy machine (1-minute load above
+``--max-load`` x the cores, default 0.5) the benchmark refuses to run, saying why, unless
+``--allow-busy``; then the results say ``"headline": false`` and why.
 """
 
 from __future__ import annotations
@@ -28,11 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cokit.bench import machine_load
 from cokit.bench.demo_baseline import SIZES
 from cokit.files import OutputError, atomic_write_text, prepare_out_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("AdamW", "DeMo compact", "DeMo sign", "SparseLoCo")
+CONTROL = "control (64 MiB copy)"
 
 # The worker runs in a plain python with cokit importable from one tree; it reads one JSON
 # command per line and answers one JSON line. Only APIs both trees have are used.
@@ -62,6 +71,14 @@ for line in sys.stdin:
                 opt.step()
         n = sum(p.numel() for p in params)
         print(json.dumps({"params": n}), flush=True)
+    elif cmd["op"] == "control":  # memory-bound, the same torch code in both trees
+        src = torch.ones(16 * 2**20)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start = time.process_time()
+        for _ in range(8):
+            dst.copy_(src)
+        print(json.dumps({"seconds": (time.process_time() - start) / 8}), flush=True)
     elif cmd["op"] == "time":
         opt, period = cases[cmd["case"]]
         start = time.process_time()
@@ -72,14 +89,15 @@ for line in sys.stdin:
 
 
 class Worker:
-    """One long-lived process timing optimizer steps with cokit from ``tree``."""
+    """One long-lived process timing with cokit from ``tree`` (``script``: the worker's code,
+    default the optimizer steps' :data:`WORKER`)."""
 
-    def __init__(self, tree: Path) -> None:
+    def __init__(self, tree: Path, script: str = WORKER) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["PYTHONPATH"] = str(tree)
         env["OMP_NUM_THREADS"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER],
+            [sys.executable, "-c", script],
             env=env,
             cwd=tree,
             stdin=subprocess.PIPE,
@@ -93,7 +111,7 @@ class Worker:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"a step_regression worker died (exit code {self.proc.wait()})")
+            raise RuntimeError(f"a benchmark worker died (exit code {self.proc.wait()})")
         return json.loads(line)
 
     def close(self) -> None:
@@ -135,8 +153,12 @@ def run(baseline: Path, sizes: list[str], rounds: int) -> list[dict]:
                         times.setdefault((name, case), []).append(
                             workers[name].ask(op="time", case=case)["seconds"]
                         )
+                for name in order:
+                    times.setdefault((name, CONTROL), []).append(workers[name].ask(op="control")["seconds"])
             med = {key: statistics.median(v) for key, v in times.items()}
             row: dict[str, Any] = {"size": size, "params": n["after"], "rounds": rounds}
+            row[f"{CONTROL} ms"] = {name: 1e3 * med[(name, CONTROL)] for name in workers}
+            row[f"{CONTROL} after / before"] = med[("after", CONTROL)] / med[("before", CONTROL)]
             for case in CASES:
                 row[f"{case} ms"] = {name: 1e3 * med[(name, case)] for name in workers}
                 if case != "AdamW":
@@ -158,6 +180,7 @@ def _line(row: dict) -> str:
         ratio = row[f"{case} / AdamW"]
         parts.append(f"{case}/AdamW {ratio['before']:.2f} -> {ratio['after']:.2f}")
     parts.append("after/before " + ", ".join(f"{c} {row[f'{c} after / before']:.2f}" for c in CASES))
+    parts.append(f"control after/before {row[f'{CONTROL} after / before']:.2f}")
     return " | ".join(parts)
 
 
@@ -169,23 +192,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    machine_load.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if not args.max_load > 0:
+        ap.error("--max-load must be > 0")
     try:
         out = prepare_out_file(args.out) if args.out else None
     except OutputError as exc:
         ap.error(str(exc))
+    gate = machine_load.LoadGate.from_args("step_regression", args)
+    if not gate.start():
+        return 3
     with tempfile.TemporaryDirectory(prefix="cokit-step-regression-") as tmp:
         baseline = export(args.baseline_ref, Path(tmp)) if args.baseline_ref else args.baseline_tree.resolve()
         print(
             f"step_regression: {baseline} (before) vs {ROOT} (after), world 1, 1 thread, CPU time", flush=True
         )
         rows = run(baseline, args.sizes, args.rounds)
+    gate.finish(own=1)  # the workers take turns: one busy process
+    banner = gate.banner()
+    if banner is not None:
+        print(banner)
     doc = {
         "baseline": args.baseline_ref or str(args.baseline_tree),
         "machine": platform.platform(),
         "processor": platform.processor(),
+        "cores": os.cpu_count(),
+        "load": gate.record(),
+        "headline": gate.headline,
         "rows": rows,
     }
     if out is not None:

@@ -33,13 +33,24 @@ What :func:`apply_overlap` does (docs/design.md §1.2, Cui & Pericas):
 - writes every config in use and every decision to a :class:`cokit.telemetry.Monitor` when
   one is given, so the dashboard's kernel/occupancy and tuner panels fill.
 
+Only exact ``nn.Linear`` modules are replaced. Subclasses are left as they are, among them
+``nn.MultiheadAttention.out_proj`` (a ``NonDynamicallyQuantizableLinear``): the attention
+computes its output projection inside ``F.multi_head_attention_forward`` from
+``out_proj.weight`` and ``out_proj.bias`` and never calls ``out_proj``, so a replaced layer
+would never run.
+
 On CPU the GEMM runs the torch path (or the Triton interpreter): configs change no timing
-there, but the records and the agreement are real.
+there, but the records and the agreement are real. On the torch path (CPU tensors without
+``TRITON_INTERPRET``) :class:`~cokit.overlap.layers.Linear` is ``F.linear`` itself, so the
+replaced model costs what the original does; what remains is :meth:`OverlapTuning.step`
+(microseconds per step). :attr:`OverlapTuning.note` says so, and it is logged (logger
+``cokit.overlap.training``, INFO).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +62,7 @@ from torch import nn
 from cokit.compress.agreement import Report, canonical, fingerprint
 from cokit.compress.exchange import Exchange
 from cokit.triton_kernels._checks import check_int, check_number
-from cokit.triton_kernels.backend import ArchLimits, arch_limits, cached_device_limits
+from cokit.triton_kernels.backend import ArchLimits, arch_limits, cached_device_limits, kernel_path
 from cokit.triton_kernels.gemm_config import (
     GemmConfig,
     config_space,
@@ -68,6 +79,20 @@ from .tuner import OnlineTuner
 __all__ = ["OverlapTuning", "ShapeClass", "apply_overlap", "shaped_candidates"]
 
 _OWNER = "apply_overlap"
+_log = logging.getLogger(__name__)
+#: what the overlap can do on each CPU kernel path (GPU paths: tune for real)
+_PATH_NOTES = {
+    "torch": (
+        "the GEMM runs torch code here (CPU tensors without TRITON_INTERPRET): the replaced layers "
+        "call F.linear, as nn.Linear does, so their configs change no timing and the overlap cannot "
+        "speed this step up; the tuner runs for its records (telemetry, agreement), at the cost of "
+        "OverlapTuning.step only"
+    ),
+    "interpreter": (
+        "the GEMM runs in the Triton interpreter (TRITON_INTERPRET on CPU tensors), a test path many "
+        "times slower than torch: the configs run but their timing means nothing"
+    ),
+}
 #: step times one agreement carries at most (a class's candidates x trials, or the window)
 MAX_BATCH = 64
 #: SMs/CUs left to communication by the persistent candidates, as fractions of the device
@@ -190,8 +215,11 @@ class OverlapTuning:
         exchange: Exchange,
         limits: ArchLimits,
         monitor: Any,
+        path: str | None = None,
     ) -> None:
         self._replaced = replaced
+        #: the kernel path of the model's layers ('cuda', 'hip', 'interpreter', 'torch')
+        self.kernel_path = path
         self.classes = classes
         self.limits = limits
         self.exchange = exchange
@@ -207,6 +235,11 @@ class OverlapTuning:
         self._apply()
 
     # ------------------------------------------------------------------ state
+    @property
+    def note(self) -> str | None:
+        """Why the configs change no timing on this kernel path (CPU), or None (a GPU)."""
+        return _PATH_NOTES.get(self.kernel_path or "")
+
     def configs(self) -> dict[str, GemmConfig]:
         """The config each shape class runs now."""
         return {c.key: c.modules[0].config for c in self.classes if c.modules[0].config is not None}
@@ -338,7 +371,8 @@ class OverlapTuning:
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{c.key} x{len(c.names)} [{c.tuner.state}]" for c in self.classes)
-        return f"OverlapTuning({parts})"
+        where = f"; {self.kernel_path} path: configs change no timing" if self.note else ""
+        return f"OverlapTuning({parts}{where})"
 
 
 def _agree(
@@ -366,13 +400,22 @@ def _class_key(module: nn.Linear) -> tuple[int, int, torch.dtype, bool]:
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Linear]]:
-    """``(parent, attribute, qualified name, module)`` of every exact ``nn.Linear``."""
+    """``(parent, attribute, qualified name, module)`` of every exact ``nn.Linear`` (subclasses,
+    e.g. ``nn.MultiheadAttention.out_proj``, are not: module docstring)."""
     found = []
     for parent_name, parent in model.named_modules():
         for name, child in parent.named_children():
             if type(child) is nn.Linear:
                 found.append((parent, name, f"{parent_name}.{name}" if parent_name else name, child))
     return found
+
+
+def _path_of(device: torch.device) -> str | None:
+    """The kernel path of ``device``, or None where no cokit kernel runs (a meta model)."""
+    try:
+        return kernel_path(device)
+    except (ValueError, RuntimeError):
+        return None
 
 
 def _limits(device: torch.device, target: str | None) -> ArchLimits:
@@ -404,7 +447,8 @@ def apply_overlap(
     """Put the overlap on ``model`` in one call (module docstring); returns the handle.
 
     Args:
-        model: any module with ``torch.nn.Linear`` layers (exact type; subclasses are left).
+        model: any module with ``torch.nn.Linear`` layers (exact type; subclasses are left, e.g.
+            ``nn.MultiheadAttention.out_proj``, which the attention never calls).
         optimizer: its ``step()`` ends each training step (a post-hook calls
             :meth:`OverlapTuning.step`); None: call ``tuning.step()`` yourself.
         guard: the starvation guard pruning the candidates (default ``StarvationGuard()``).
@@ -431,8 +475,21 @@ def apply_overlap(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found = _linears(model)
     if not found:
+        left = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if isinstance(m, nn.Linear) and type(m) is not nn.Linear
+            }
+        )
+        why = (
+            f" (its {', '.join(left)} layers are nn.Linear subclasses, left as they are: "
+            "MultiheadAttention's out_proj, for one, is never called, its weight is used directly)"
+            if left
+            else ""
+        )
         raise ValueError(
-            f"{type(model).__name__} has no torch.nn.Linear layer: apply_overlap replaces nn.Linear "
+            f"{type(model).__name__} has no torch.nn.Linear layer{why}: apply_overlap replaces nn.Linear "
             "layers with cokit.overlap.Linear and tunes their GEMMs, so there is nothing to apply it to"
         )
     devices = {m.weight.device for *_, m in found}
@@ -523,7 +580,10 @@ def apply_overlap(
         exchange=exchange,
         limits=limits,
         monitor=monitor,
+        path=_path_of(device),
     )
+    if tuning.note is not None:
+        _log.info("apply_overlap: %s", tuning.note)
     if optimizer is not None:
         tuning.hook_optimizer(optimizer)
     return tuning

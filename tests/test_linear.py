@@ -283,3 +283,122 @@ def test_non_tensors_raise_type_error(device):
         linear(torch.zeros(4, device=device), None)
     with pytest.raises(TypeError, match=r"bias must be a torch\.Tensor or None, got float"):
         linear(torch.zeros(4, device=device), w, 0.0)
+
+
+# ---------------------------------------------------------------------- the torch path
+@pytest.fixture
+def torch_path(monkeypatch) -> None:
+    """CPU tensors without the interpreter: the GEMM would run torch code, so linear and Linear
+    call F.linear; the op must not run (it would only add its dispatch and copies)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("cokit::linear ran where the torch path takes F.linear")
+
+    monkeypatch.setattr(L, "_linear_op", no_op)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}to{s[1]}-batch{'x'.join(map(str, s[2]))}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16", "fp32"])
+def test_torch_path_is_f_linear_within_the_kernel_bound(dtype, shape, bias, torch_path):
+    """On the torch path the functional and the module are F.linear: the same values (bitwise)
+    and grads as nn.Linear, within the fp32-accumulation bound of the kernel's float64 check."""
+    in_f, out_f, batch = shape
+    x, w, b = _inputs(in_f, out_f, batch, dtype, "cpu", bias)
+    y = linear(x, w, b)
+    assert y.shape == (*batch, out_f) and y.dtype == dtype
+    _check(y.reshape(-1, out_f), x.reshape(-1, in_f), w.t(), b)
+    assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+    ref = torch.nn.Linear(in_f, out_f, bias=bias, dtype=dtype)
+    mod = Linear.from_linear(ref, config=SMALL)  # a config changes nothing on the torch path
+    xg = x.detach().requires_grad_()
+    out = mod(xg)
+    assert torch.equal(out, ref(xg))
+    g = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, xg, g)
+    (want,) = torch.autograd.grad(ref(xg), xg, g)
+    assert torch.equal(got, want)
+
+
+def test_torch_path_follows_the_interpreter_setting_per_call(monkeypatch, gemm_calls):
+    """The setting is read at every call, as kernel_path reads it: switching it switches the
+    path of an existing layer (the op under the interpreter, F.linear without)."""
+    mod = Linear(17, 33)
+    x = torch.randn(4, 17)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mod(x)
+    assert len(gemm_calls) == 1
+    for off in ("0", ""):
+        monkeypatch.setenv("TRITON_INTERPRET", off)
+        mod(x)
+        linear(x, mod.weight, mod.bias)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    mod(x)
+    assert len(gemm_calls) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    linear(x, mod.weight)
+    assert len(gemm_calls) == 2
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_torch_path_refuses_bad_input_like_the_kernel_path(case, torch_path):
+    """The same errors as on the kernel path, functional and module alike (F.linear's own
+    refusals are explained by linear's checks)."""
+    _, kw, exc, match = case
+    dtype = kw.get("dtype", torch.float32)
+
+    def make(key, default):
+        return torch.zeros(
+            kw.get(key, default), dtype=kw.get(f"{key}_dtype", dtype), device=kw.get(f"{key}_device", "cpu")
+        )
+
+    x, w, b = make("x", (3, 4)), make("w", _W), make("b", (6,))
+    opts = {k: kw[k] for k in ("config", "precision", "persistent") if k in kw}
+    with pytest.raises(exc, match=match):
+        linear(x, w, b, **opts)
+    if "x" in kw or dtype == torch.float64 or opts:  # what a module's input or options can get wrong
+        mod = Linear(4, 6, dtype=dtype)
+        with pytest.raises(exc, match=match):
+            for key, value in opts.items():
+                setattr(mod, key, value)
+            mod(x)
+
+
+def test_torch_path_checks_options_once_when_set(torch_path):
+    """A layer's options are checked when set, not per call: a bad one raises at the next
+    forward (the same error as the kernel path), a good one puts the fast path back."""
+    mod = Linear(17, 33)
+    x = torch.randn(5, 17)
+    mod.config = GemmConfig(BLOCK_M=24)
+    with pytest.raises(ValueError, match="BLOCK_M=24 is invalid"):
+        mod(x)
+    mod.config = GemmConfig(num_sms=2)
+    with pytest.raises(ValueError, match="num_sms=2 applies to the persistent form only"):
+        mod(x)
+    mod.config = SMALL
+    mod.precision = "fp8"
+    with pytest.raises(ValueError, match="precision='fp8' is invalid"):
+        mod(x)
+    mod.precision = "tf32"
+    mod.persistent = True
+    with pytest.raises(ValueError, match="persistent=True contradicts"):
+        mod(x)
+    mod.persistent = False
+    torch.testing.assert_close(mod(x), torch.nn.functional.linear(x, mod.weight, mod.bias))
+    assert repr(mod).endswith("precision='tf32')")
+    with pytest.raises(ValueError, match=r"dtype torch\.float64 is not supported"):
+        mod.double()(x.double())  # the kernels' dtypes on every path, F.linear's or not
+
+
+def test_torch_path_autocast_and_compile(torch_path):
+    """Autocast casts as F.linear's (it is F.linear); torch.compile traces F.linear (no op)."""
+    ref = torch.nn.Linear(17, 33)
+    mod = Linear.from_linear(ref)
+    x = torch.randn(4, 17)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mod(x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref(x))
+        assert linear(x.half(), ref.weight, ref.bias).dtype == torch.bfloat16
+    compiled = torch.compile(torch.nn.Sequential(mod, torch.nn.ReLU()), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), torch.relu(ref(x)), rtol=1e-6, atol=1e-6)

@@ -295,3 +295,72 @@ def test_old_paths_warn_and_give_the_library_objects(old):
     assert {"Linear", "apply_overlap", "OverlapTuning"} <= set(importlib.import_module("cokit.nn").NAMES)
     with pytest.raises(AttributeError):
         shim.nothing  # noqa: B018
+
+
+class Block(nn.Module):
+    """An attention block: MultiheadAttention (its out_proj is an nn.Linear subclass) and an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_multihead_attention_out_proj_is_left_as_it_never_runs(monkeypatch):
+    """Only exact nn.Linear layers are replaced: MultiheadAttention's out_proj (a
+    NonDynamicallyQuantizableLinear) stays, because the attention reads out_proj.weight/bias in
+    F.multi_head_attention_forward and never calls out_proj: a replaced layer would not run."""
+    torch.manual_seed(2)
+    block = Block()
+    x = torch.randn(2, 5, 16)
+    want = block(x).detach()
+    calls = []
+    real = type(block.attn.out_proj).forward
+    monkeypatch.setattr(
+        type(block.attn.out_proj), "forward", lambda self, t: calls.append(1) or real(self, t)
+    )
+    block(x)
+    assert calls == []  # never called: swapping it could change nothing
+    tuning = apply_overlap(block, candidates=SMALL[:1])
+    assert [c.names for c in tuning.classes] == [["fc"]]
+    assert type(block.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert isinstance(block.fc, Linear)
+    torch.testing.assert_close(block(x), want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"NonDynamicallyQuantizableLinear layers are nn\.Linear subclasses"):
+        apply_overlap(nn.MultiheadAttention(16, 2))
+
+
+def test_on_the_torch_path_the_swapped_model_is_the_original_and_says_why(monkeypatch, caplog):
+    """CPU without TRITON_INTERPRET: the replaced layers call F.linear (the op never runs), so
+    the model computes bitwise what it did; the handle and the log say the configs change no
+    timing there, and the tuner still steps."""
+    import logging
+
+    import cokit.triton_kernels.linear as L
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("cokit::linear ran on the torch path")
+
+    monkeypatch.setattr(L, "_linear_op", no_op)
+    torch.manual_seed(3)
+    model = Mlp()
+    x = torch.randn(4, 12)
+    want = model(x).detach()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with caplog.at_level(logging.INFO, logger="cokit.overlap.training"):
+        tuning = apply_overlap(model, opt, candidates=SMALL, clock=Clock())
+    assert tuning.kernel_path == "torch" and "change no timing" in tuning.note
+    assert any("F.linear" in r.getMessage() for r in caplog.records)
+    assert "torch path: configs change no timing" in repr(tuning)
+    assert torch.equal(model(x), want)
+    for s in range(3):
+        _train_step(model, opt, s)
+    assert tuning.steps == 2  # the first step only starts the clock
+    assert tuning.configs()[tuning.classes[0].key] == SMALL[2]  # the plan goes on: records, not speed
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert apply_overlap(Mlp(), candidates=SMALL).note.startswith("the GEMM runs in the Triton interpreter")

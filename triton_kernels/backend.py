@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -24,6 +25,7 @@ import torch
 Path = Literal["cuda", "hip", "interpreter", "torch"]
 
 __all__ = [
+    "INTERPRET_OFF",
     "KNOWN_TARGETS",
     "ArchLimits",
     "Path",
@@ -32,6 +34,7 @@ __all__ = [
     "device_limits",
     "interpreter_enabled",
     "kernel_path",
+    "read_interpret_setting",
     "triton_available",
 ]
 
@@ -52,9 +55,30 @@ def triton_available() -> bool:
     return _TRITON_AVAILABLE
 
 
+def _environ_reader(name: str) -> Callable[[], object]:
+    """A reader of one environment variable's raw value (None when unset), about 10x cheaper
+    than ``os.environ.get``: it looks the key up in ``os.environ``'s own store (bytes on POSIX)
+    without encoding the key or decoding the value each time. Changes made through
+    ``os.environ`` (``monkeypatch.setenv`` included) are seen, as by ``os.environ.get``."""
+    data = getattr(os.environ, "_data", None)
+    encodekey = getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and callable(encodekey):
+        return functools.partial(data.get, encodekey(name))
+    return functools.partial(os.environ.get, name)  # pragma: no cover - other Pythons
+
+
+#: ``TRITON_INTERPRET``'s raw value now (None when unset; bytes on POSIX): for per-call
+#: paths, ``read_interpret_setting() in INTERPRET_OFF`` is :func:`interpreter_enabled`'s test
+#: in about 30 ns (True means the interpreter is off)
+read_interpret_setting = _environ_reader("TRITON_INTERPRET")
+#: raw TRITON_INTERPRET values that leave the interpreter off
+INTERPRET_OFF = frozenset({None, "", "0", b"", b"0"})
+
+
 def interpreter_enabled() -> bool:
-    """True when Triton kernels run on CPU tensors through the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and triton_available()
+    """True when Triton kernels run on CPU tensors through the interpreter
+    (``TRITON_INTERPRET`` set and not ``0``, read at every call)."""
+    return _TRITON_AVAILABLE and read_interpret_setting() not in INTERPRET_OFF
 
 
 @functools.cache

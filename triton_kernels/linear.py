@@ -7,16 +7,36 @@ autograd through the same kernel). The op is a ``torch.library.triton_op`` runni
 the kernel takes any strides, nothing is copied): on a GPU ``torch.compile`` sees the Triton
 kernel itself. A fixed :class:`GemmConfig` travels through the op as its ``spec()`` string,
 since op schemas take no Python objects.
+
+Where the op would run the pure-torch path anyway (CPU tensors without ``TRITON_INTERPRET``,
+or GPU tensors without Triton: :func:`~cokit.triton_kernels.backend.kernel_path` is
+``'torch'``), :func:`linear` calls ``torch.nn.functional.linear`` itself: the op's dispatch,
+its custom autograd and the reference's fp32 copies would cost up to 7x ``F.linear`` there
+and buy nothing. The arguments are checked the same way (the same errors), and a config is
+still validated.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from .backend import interpreter_enabled, triton_available
 from .gemm import PRECISIONS, gemm_in_graph
 from .gemm_config import DTYPES, GemmConfig
 
-__all__ = ["linear", "linear_reference"]
+__all__ = [
+    "KERNEL_DTYPES",
+    "check_options",
+    "explain_refusal",
+    "linear",
+    "linear_reference",
+    "takes_torch_path",
+    "torch_linear",
+]
+
+#: the dtypes the GEMM takes (fp16, bf16, fp32)
+KERNEL_DTYPES = frozenset(DTYPES.values())
 
 
 def linear_reference(
@@ -111,8 +131,7 @@ def _check_inputs(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"config must be a GemmConfig or None, got {type(config).__name__}")
+    _check_config_type(config)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (out_features, in_features); got shape {tuple(weight.shape)}")
     if input.dim() < 1:
@@ -136,10 +155,69 @@ def _check_inputs(
             )
     if input.dtype not in DTYPES.values():
         raise ValueError(f"dtype {input.dtype} is not supported; allowed: {', '.join(DTYPES)}")
+    _check_precision_and_form(config, precision, persistent)
+
+
+def _check_config_type(config: GemmConfig | None) -> None:
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a GemmConfig or None, got {type(config).__name__}")
+
+
+def _check_precision_and_form(config: GemmConfig | None, precision: str, persistent: bool) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is invalid; allowed: {', '.join(PRECISIONS)}")
     if config is not None and persistent and not config.persistent:
         raise ValueError("persistent=True contradicts config.persistent=False; pass one of them")
+
+
+def check_options(config: GemmConfig | None, precision: str, persistent: bool) -> None:
+    """Raise what :func:`linear` raises for bad GEMM options on the torch path: a config that
+    is not a :class:`GemmConfig` (``TypeError``) or is invalid (``ValueError`` naming the
+    field, as the launcher's check on CPU tensors), a precision other than 'ieee'/'tf32', or
+    ``persistent=True`` against a config's ``persistent=False``."""
+    _check_config_type(config)
+    _check_precision_and_form(config, precision, persistent)
+    if config is not None:
+        config.validate("interpreter")
+
+
+def takes_torch_path(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``cokit::linear`` on these tensors would run the pure-torch path: both on the
+    CPU without the interpreter, or both on one GPU without Triton. About 0.1 us: cheap
+    enough to decide per call."""
+    if input.is_cpu:
+        return weight.is_cpu and not interpreter_enabled()
+    return not triton_available() and input.is_cuda and weight.device == input.device
+
+
+def explain_refusal(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None = None,
+    precision: str = "ieee",
+    persistent: bool = False,
+) -> None:
+    """After ``F.linear`` refused the operands (a ``RuntimeError``), check them as
+    :func:`linear` checks them: a bad shape, dtype or device raises the same ``ValueError``
+    as on the kernel path; returns when the check finds nothing (re-raise torch's error)."""
+    _check_inputs(*_autocast(input, weight, bias), config, precision, persistent)
+
+
+def torch_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemmConfig | None = None,
+    precision: str = "ieee",
+    persistent: bool = False,
+) -> torch.Tensor:
+    """``F.linear`` with :func:`linear`'s errors (:func:`explain_refusal`)."""
+    try:
+        return F.linear(input, weight, bias)
+    except RuntimeError:
+        explain_refusal(input, weight, bias, config, precision, persistent)
+        raise
 
 
 def linear(
@@ -164,7 +242,23 @@ def linear(
     ``persistent`` picks the form. ``precision`` ('ieee' or 'tf32') applies to fp32 inputs.
     Bad shapes, dtypes or devices raise ``ValueError`` (non-tensors ``TypeError``) before any
     work.
+
+    Where the op would run the torch reference (CPU tensors without ``TRITON_INTERPRET``; GPU
+    tensors without Triton), this is ``F.linear`` (torch's product and autograd, fp32
+    accumulation as the kernel's) after the same checks: no per-call overhead over torch.
     """
+    if (
+        isinstance(input, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and input.dtype in KERNEL_DTYPES
+        and weight.dim() == 2
+        and (bias is None or (isinstance(bias, torch.Tensor) and bias.shape == weight.shape[:1]))
+        and takes_torch_path(input, weight)
+    ):
+        # the op would run the torch reference: F.linear is the same product at its cost
+        if config is not None or precision != "ieee" or persistent:
+            check_options(config, precision, persistent)
+        return torch_linear(input, weight, bias, config, precision, persistent)
     if isinstance(input, torch.Tensor):
         input, weight, bias = _autocast(input, weight, bias)
     _check_inputs(input, weight, bias, config, precision, persistent)
