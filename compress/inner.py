@@ -217,7 +217,7 @@ def muon(
     weight_decay: float,
 ) -> None:
     """Muon's step of 2-D ``params`` (module docstring), in place; buffers updated too."""
-    for p, g, buf in zip(params, grads, momentum_buffers):
+    for p, g, buf in zip(params, grads, momentum_buffers, strict=True):
         buf.lerp_(g, 1 - momentum)
         u = g.lerp(buf, momentum) if nesterov else buf
         rows, cols = p.shape
@@ -241,7 +241,7 @@ def adamw(
     weight_decay: float,
 ) -> None:
     """AdamW's step, in place (``torch.optim.AdamW(foreach=False)``'s operations, in its order)."""
-    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
         t += 1
         step = float(t.item())
         p.mul_(1 - lr * weight_decay)
@@ -270,7 +270,7 @@ def _check_group(group: dict[str, Any]) -> None:
     betas = group["adamw_betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{_WHERE}: adamw_betas must be a pair (beta1, beta2), got {betas!r}")
-    for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas):
+    for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas, strict=True):
         check_number(name, b, 0.0, 1.0, high_open=True, where=_WHERE)
     check_number("adamw_eps", group["adamw_eps"], 0.0, low_open=True, where=_WHERE)
     if not (group["use_muon"] is None or isinstance(group["use_muon"], bool)):

@@ -95,10 +95,10 @@ def test_decode_to_low_precision(device):
 def test_multi_tensor_bucket_equals_single(device):
     xs = [torch.randn(s, device=device) for s in SHAPES] + [torch.randn(33, device=device).half()]
     multi = dct_encode_multi(xs, 64)
-    for x, c in zip(xs, multi):
+    for x, c in zip(xs, multi, strict=True):
         assert torch.allclose(c, dct_encode(x, 64), rtol=0, atol=1e-6)
     backs = dct_decode_multi(multi, [x.shape for x in xs], 64)
-    for x, b in zip(xs, backs):
+    for x, b in zip(xs, backs, strict=True):
         assert rel_err(b, x.float()) < 2e-6
 
 

@@ -22,7 +22,7 @@ def test_encode_vs_float64(k, grad_dtype, device):
     grads = [torch.randn(s).to(grad_dtype).to(device) for s in SHAPES]
     deltas = [torch.randn(s, device=device) for s in SHAPES]
     ref_deltas = [d.double() for d in deltas]
-    before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads)]
+    before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads, strict=True)]
     idx, vals = ef_encode(deltas, grads, beta=0.9, lr=0.05, chunk=64, k=k, alpha=0.8)
     ref_idx, ref_vals = ef_encode_reference(
         ref_deltas,
@@ -39,7 +39,7 @@ def test_encode_vs_float64(k, grad_dtype, device):
     assert idx.shape == (layout.payload_numel,) and idx.dtype == torch.int16
     assert torch.equal(idx.long(), ref_idx.long())
     assert rel_err(vals, ref_vals) < 1e-6
-    for d, r, b in zip(deltas, ref_deltas, before):
+    for d, r, b in zip(deltas, ref_deltas, before, strict=True):
         assert d.dtype == torch.float32 and torch.isfinite(d).all()
         # relative to the buffer before the update (after it, k = tile size leaves ~0)
         assert (d.double() - r).norm() < 1e-6 * b.norm()
@@ -95,7 +95,7 @@ def test_decode_vs_float64(ranks, k, use_sign, device):
     ef_decode_reference(
         ref, idx, vals.double(), 64, k, 0.01, weight_decay=0.1, use_sign=use_sign, dtype=torch.float64
     )
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=True):
         if use_sign:  # a sign may flip where the decoded value is ~0: count mismatches
             assert ((p.double() - r).abs() > 1e-6).float().mean() < 0.01
         else:
@@ -142,7 +142,7 @@ def test_decode_16_bit_values_vs_float64(value_dtype, device):
     ref = [p.double() for p in params]
     ef_decode(params, idx, vals, lr=0.01, k=5, use_sign=False)
     ef_decode_reference(ref, idx, vals.double(), 64, 5, 0.01, use_sign=False, dtype=torch.float64)
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=True):
         assert rel_err(p, r) < 1e-6
 
 
@@ -154,7 +154,7 @@ def test_decode_low_precision_params(dtype, device):
     ref = [p.double() for p in params]
     ef_decode(params, idx, vals, lr=0.01, k=8, use_sign=False)
     ef_decode_reference(ref, idx, vals.double(), 64, 8, 0.01, use_sign=False, dtype=torch.float64)
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=True):
         assert p.dtype == dtype
         assert rel_err(p, r) < 1e-2  # one rounding to the parameter dtype
 
@@ -167,7 +167,7 @@ def test_decode_is_deterministic(device):
     b = [p.clone() for p in start]
     ef_decode(a, idx, vals, lr=0.1, k=16, use_sign=False)
     ef_decode(b, idx, vals, lr=0.1, k=16, use_sign=False)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.usefixtures("poison")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from itertools import pairwise
 
 import pytest
 import torch
@@ -206,9 +207,9 @@ def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
         decision = policy.decide(_obs(step, 0.9 if on_dense else 0.001, sent=1000, dense=32000))
         if decision.dense:
             probes.append(step)
-    assert all(b - a > 1 for a, b in zip(probes, probes[1:]))  # each failed probe costs one step
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(gaps) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), probes
+    assert all(b - a > 1 for a, b in pairwise(probes))  # each failed probe costs one step
+    gaps = [b - a for a, b in pairwise(probes)]
+    assert len(gaps) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in pairwise(gaps)), probes
     assert probes[0] == 50  # blind: once one step (1 s) is <= 2% of the time so far
 
 

@@ -257,8 +257,8 @@ def test_each_decision_changes_what_is_sent_and_ranks_stay_identical(world2):
 def test_a_skipped_sync_keeps_the_update_in_the_error_buffers(world2):
     for _flat, stats, skipped, before, after, deltas, new_deltas, grads in world2[SKIP.describe()]:
         assert skipped == 3
-        assert all(torch.equal(a, b) for a, b in zip(before, after))  # parameters unchanged
-        for old, new, g in zip(deltas, new_deltas, grads):
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # parameters unchanged
+        for old, new, g in zip(deltas, new_deltas, grads, strict=True):
             torch.testing.assert_close(new, 0.999 * old + 1e-3 * g, rtol=0, atol=1e-7)
         assert stats["step_sent_bytes"] == STATUS_ROW  # only the status exchange
 

@@ -363,7 +363,7 @@ def test_fp16_round_up_probability_is_exact():
     lo, hi = neighbours(x, torch.float16)
     q, spacing, threshold = prec._fp16_split(x)
     for xi, l, h, t, qi, s in zip(
-        x.tolist(), lo.tolist(), hi.tolist(), threshold.tolist(), q.tolist(), spacing.tolist()
+        x.tolist(), lo.tolist(), hi.tolist(), threshold.tolist(), q.tolist(), spacing.tolist(), strict=True
     ):
         lower = min(abs(l), abs(h))
         assert Fraction(qi) * Fraction(s) == Fraction(lower)

@@ -69,7 +69,7 @@ def test_bf16x6_error_feedback_matches_float64(device):
     grads = [torch.randn(s, device=device) for s in SHAPES]
     deltas = [torch.randn(s, device=device) for s in SHAPES]
     ref = [d.double() for d in deltas]
-    before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads)]
+    before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads, strict=True)]
     idx, vals = ef_encode(deltas, grads, beta=0.9, lr=0.05, chunk=64, k=32, alpha=0.8)
     ref_idx, ref_vals = ef_encode_reference(
         ref,
@@ -84,7 +84,7 @@ def test_bf16x6_error_feedback_matches_float64(device):
     )
     assert torch.equal(idx.long(), ref_idx.long())
     assert rel_err(vals, ref_vals) <= FP32_CLASS
-    for d, r, b in zip(deltas, ref, before):
+    for d, r, b in zip(deltas, ref, before, strict=True):
         assert (d.double() - r).norm() <= FP32_CLASS * b.norm()
 
     params = [torch.randn(s, device=device) for s in SHAPES]
@@ -104,5 +104,5 @@ def test_bf16x6_error_feedback_matches_float64(device):
         use_sign=False,
         dtype=torch.float64,
     )
-    for p, r in zip(params, ref_params):
+    for p, r in zip(params, ref_params, strict=True):
         assert rel_err(p, r) <= FP32_CLASS

@@ -402,7 +402,7 @@ def _print_rows(rows: list[dict]) -> None:
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     print("rank 0 (times: medians in ms; T_seq_meas = both run back to back, unchunked):")
     for row in table:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
     for r in rows:
         if r.get("error"):
             print(f"  error at {r['collective']} size {r['size']} chunks {r['chunks']}: {r['error']}")
