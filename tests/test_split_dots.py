@@ -9,7 +9,8 @@ fp32 accumulation. The interpreter stores bf16 as its raw 16 bits and multiplies
 the tensor cores multiply (bf16 products are exact in fp32). The interpreter rounds fp32 to
 bf16 by truncation where the GPU rounds to nearest even; either way the three terms leave
 less than 2^-24 of each operand out. Results are checked against
-float64 at the fp32 accuracy class of the tolerance table (relative error <= 1e-5).
+float64 at the fp32 accuracy class, ``FP32_CLASS`` in tests/tolerances.py (relative error
+<= 1e-5).
 """
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 import triton.language as tl
 from helpers import SHAPES, poison, rel_err  # noqa: F401
+from tolerances import FP32_CLASS
 
 from cokit.triton_kernels import compress_config, dct
 from cokit.triton_kernels.error_feedback import (
@@ -25,8 +27,6 @@ from cokit.triton_kernels.error_feedback import (
     ef_encode,
     ef_encode_reference,
 )
-
-FP32_CLASS = 1e-5
 
 
 @pytest.fixture
