@@ -1,4 +1,4 @@
-"""Inner optimizers for SparseLoCo: a hybrid Muon (issue 35).
+"""Inner optimizers for SparseLoCo: a hybrid Muon, against the gap to AdamW that grows with training.
 
 :class:`Muon` steps each matrix parameter with Muon (Jordan et al. 2024) and every other
 parameter with AdamW, in one ``torch.optim.Optimizer``::

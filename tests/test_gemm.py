@@ -275,7 +275,7 @@ def test_configs_over_the_chip_are_refused_before_compile_and_defaults_fit(vendo
     chip's per-block limit is refused by validation, naming the limit and the chip; every
     config pruning keeps passes; the dtype's default config is the first that fits. The 16-bit
     default does not fit fp32 on sm_80 and gfx942 (192 KiB of 163 KiB, 128 KiB of 64 KiB), so
-    fp32 has a space of its own (issue 36)."""
+    fp32 has a space of its own."""
     limits = arch_limits(target)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         space = config_space(vendor.BACKEND, dtype=dtype)

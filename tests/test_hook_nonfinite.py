@@ -1,4 +1,5 @@
-"""The DDP hook with a non-finite gradient on one rank, empty parameters, bad settings (issue 16).
+"""The DDP hook with a non-finite gradient on one rank, empty parameters, bad settings: every rank
+must take the same path, or the next collectives pair wrongly.
 
 The 2-rank scenarios share one spawned world (tests/gloo_cases.py, fixture ``world2``).
 """

@@ -1,4 +1,5 @@
-"""Checkpointing the DDP hook's state: pickling, state dicts, exact resume (issue 14, point 4).
+"""Checkpointing the DDP hook's state (its error buffers are training state): pickling, state
+dicts, exact resume.
 
 A reference run trains STEPS steps and saves model, optimizer and hook state after some of
 them; fresh processes build a new DDP (whose first iteration uses DDP's initial buckets, not

@@ -1,4 +1,5 @@
-"""No-regret network policies (issue 35, item 6), on a small deterministic link simulator.
+"""No-regret network policies (never slower than the static settings), on a small deterministic
+link simulator.
 
 The simulator turns each :class:`Decision` into the :class:`Observation` a real link would give:
 compute ``C`` seconds, then the payload crosses a link of ``bandwidth`` bytes/s after
@@ -298,7 +299,7 @@ def test_interval_policy_halves_back_on_a_fast_link_and_resumes_exactly():
     b, _ = _interval_run(resumed, fast_b, 300)
     assert a == b
     assert a[-1] == 1  # the optimizer's own interval again, once the failed halving's cost is paid off
-    # a state saved before issue 35 (only the scale) still loads
+    # a state saved before the probe bookkeeping (only the scale) still loads
     old = IntervalPolicy(max_scale=8)
     old.load_state_dict({"scale": 4})
     assert old.state_dict() == {"scale": 4, "probe": None, "held": 0, "failed": {}, "elapsed": 0.0}

@@ -1,4 +1,5 @@
-"""DeMo: every rank must use the same settings; empty parameters; bad arguments (issue 16)."""
+"""DeMo: every rank must use the same settings (or payloads are decoded wrongly); empty parameters;
+bad arguments."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SparseLoCo's ``adaptive_topk`` (issue 35) on real gloo groups (world 2 and 3): the top-k
+"""SparseLoCo's ``adaptive_topk`` (against the gap that grows with training) on real gloo groups
+(world 2 and 3): the top-k
 budget redistributed by the energy each selection captures. Replicas and k's bit-identical on
 every rank, the captured shares against a float64 reference, bytes per step from first
 principles (payloads from the current k's + the shares' all-gather), the budget kept, exact

@@ -1,4 +1,5 @@
-"""SparseLoCo's issue-35 options on real gloo groups (world 2 and 3): a dense warm-up, per-layer
+"""SparseLoCo's options against the gap that grows with training, on real gloo groups (world 2
+and 3): a dense warm-up, per-layer
 dense exchange (``dense_params``) and the hybrid Muon inner optimizer. Replicas bit-identical,
 bytes per step from first principles, float64 references, exact resume, bad input."""
 

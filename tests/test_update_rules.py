@@ -1,4 +1,4 @@
-"""DeMo's inner update rules and precision modes (issue 13) on real gloo groups.
+"""DeMo's inner update rules and precision modes (quality beyond sign and fp32) on real gloo groups.
 
 Each rule against a float64 simulation, replicas bit-identical, exact resume, a regression
 that trains with every rule, bf16 parameters with a master copy or stochastic rounding, and
