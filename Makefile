@@ -65,7 +65,7 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_plan.py tests/test_validate_on.py tests/test_docs.py tests/test_cpu_step_paths.py \
 	tests/test_sparseloco_sync_paths.py tests/test_transfer_protocol.py tests/test_dion.py \
 	tests/test_policy.py tests/test_policy_no_regret.py tests/test_comm_priority.py \
-	tests/test_demo_baseline.py tests/test_doc_citations.py tests/test_grad_scaler.py \
+	tests/test_demo_baseline.py tests/test_doc_citations.py tests/test_no_ticket_refs.py tests/test_grad_scaler.py \
 	tests/test_hook_nonfinite.py tests/test_launch.py tests/test_layering.py tests/test_packaging.py \
 	tests/test_overlap_metrics.py tests/test_overlap_sweep.py tests/test_overlap_training.py \
 	tests/test_overlap_tuner.py tests/test_peer_check.py tests/test_settings_check.py \

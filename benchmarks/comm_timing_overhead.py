@@ -1,4 +1,4 @@
-"""What the always-on communication timing costs (issue 15).
+"""What the always-on communication timing costs: every step pays it, so it must stay small.
 
     python -m cokit.bench.comm_timing_overhead [--steps 60] [--world 2] [--out FILE] [--overwrite]
 

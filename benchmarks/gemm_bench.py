@@ -103,9 +103,9 @@ def _print_table(rows: list[dict], kind: str, cols: list[str]) -> None:
         return
     print(f"\n[gemm] {kind}")
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in sel)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for r in sel:
-        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths, strict=True)))
 
 
 def _fmt(v: Any) -> str:

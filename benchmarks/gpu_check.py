@@ -427,8 +427,8 @@ def phase_dct(ctx: Context) -> dict:
         back = dct.dct_decode_multi(coeffs, shapes, CHUNK, dtype=torch.float32)
         _sync(ctx)
     errs = {
-        "rel_err": max(rel_err(c, r) for c, r in zip(coeffs, ref)),
-        "roundtrip_err": max(rel_err(x2, x) for x2, x in zip(back, xs)),
+        "rel_err": max(rel_err(c, r) for c, r in zip(coeffs, ref, strict=True)),
+        "roundtrip_err": max(rel_err(x2, x) for x2, x in zip(back, xs, strict=True)),
     }
     del back, ref
     rows = [
@@ -449,7 +449,10 @@ def phase_dct(ctx: Context) -> dict:
                 ctx,
                 "dct_decode",
                 lambda: dct.dct_decode_multi(coeffs, shapes, CHUNK, dtype),
-                lambda: [dct.dct_decode_reference(c, s, CHUNK).to(dtype) for c, s in zip(coeffs, shapes)],
+                lambda: [
+                    dct.dct_decode_reference(c, s, CHUNK).to(dtype)
+                    for c, s in zip(coeffs, shapes, strict=True)
+                ],
                 numel * (4 + esz),
                 {},
                 dec.resources,
@@ -530,7 +533,7 @@ def phase_ef_encode(ctx: Context) -> dict:
     ri, _ = error_feedback.ef_encode_reference(d_ref, xs, 0.999, 0.01, CHUNK, TOPK, value_dtype=torch.float16)
     errs = {
         "index_agreement": float((pi == ri).float().mean()),
-        "delta_rel_err": max(rel_err(a, r) for a, r in zip(d_ker, d_ref)),
+        "delta_rel_err": max(rel_err(a, r) for a, r in zip(d_ker, d_ref, strict=True)),
     }
     assert ctx.shared is not None
     ctx.shared["payload"] = (pi, pv)
@@ -569,7 +572,7 @@ def phase_ef_decode(ctx: Context) -> dict:
         error_feedback.ef_decode(p_ker, gidx, gval, lr=0.01, chunk=CHUNK, k=TOPK, use_sign=False)
         _sync(ctx)
     error_feedback.ef_decode_reference(p_ref, gidx, gval, CHUNK, TOPK, 0.01, use_sign=False)
-    errs = {"rel_err": max(rel_err(a, r) for a, r in zip(p_ker, p_ref))}
+    errs = {"rel_err": max(rel_err(a, r) for a, r in zip(p_ker, p_ref, strict=True))}
     row = _time_row(
         ctx,
         "ef_decode",

@@ -43,7 +43,7 @@ def _print(rows: list[dict], cols: list[str]) -> None:
     table = [cols] + [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
     for t in table:
-        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)))
 
 
 def _gpu_study(rows: list[dict], device: torch.device, quick: bool, budget: Budget) -> None:

@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ def _loop(workload: Any, priority: str, steps: int, seed: int, phase: int) -> di
     decisions = len(tuning.decisions)
     tuning.undo()
     return {
-        "step_s": [b - a for a, b in zip(starts, starts[1:])],
+        "step_s": [b - a for a, b in pairwise(starts)],
         "used": used,
         "tuner_s": inside,
         "decisions": decisions,
@@ -126,8 +127,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for variant in VARIANTS:
         mine = [r for r in rows if r["variant"] == variant]
-        off = [t for r in mine for t, u in zip(r["step_s"], r["used"]) if not u]
-        on = [t for r in mine for t, u in zip(r["step_s"], r["used"]) if u]
+        off = [t for r in mine for t, u in zip(r["step_s"], r["used"], strict=True) if not u]
+        on = [t for r in mine for t, u in zip(r["step_s"], r["used"], strict=True) if u]
         inside = [t for r in mine for t in r["tuner_s"]]
         if not off or not on:
             continue

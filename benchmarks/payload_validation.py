@@ -73,7 +73,7 @@ def run(sizes: list[str], ranks: list[int], rounds: int) -> list[dict[str, Any]]
                     check_selection(c, i, v, owner="bench", bucket="b", rank_of=int)
 
             def decoded(gathered=gathered, members=members) -> None:
-                for ps, (c, i, v) in zip(members, gathered):
+                for ps, (c, i, v) in zip(members, gathered, strict=True):
                     ef_decode(ps, i, v, lr=1e-4, chunk=c.plan.chunk, k=c.plan.k, validate=False)
 
             check[w] = statistics.median(_cpu(one) for _ in range(rounds))

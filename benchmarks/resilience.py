@@ -319,7 +319,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         "sparseloco-static": "tab:green",
         "sparseloco-interval": "tab:red",
     }
-    for ax, profile in zip(axes.flat, profiles):
+    for ax, profile in zip(axes.flat, profiles, strict=True):
         recs = [r for r in runs if r["profile"] == profile]
         seed = min(r["seed"] for r in recs)
         for r in recs:

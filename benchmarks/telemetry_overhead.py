@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ def _loop(workload: Any, method_name: str, steps: int, seed: int, monitor_kw: di
             inside.append(time.perf_counter() - m0)
     starts.append(time.perf_counter())
     monitor.close()
-    return {"step_s": [b - a for a, b in zip(starts, starts[1:])], "used": used, "monitor_s": inside}
+    return {"step_s": [b - a for a, b in pairwise(starts)], "used": used, "monitor_s": inside}
 
 
 #: what the Monitor does in each variant: the demo's default (JSONL and the rank-0 summary's
@@ -135,8 +136,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     for method in METHODS:
         for variant in VARIANTS:
             mine = [r for r in rows if r["method"] == method and r["variant"] == variant]
-            off = [t for r in mine for t, u in zip(r["step_s"], r["used"]) if not u]
-            on = [t for r in mine for t, u in zip(r["step_s"], r["used"]) if u]
+            off = [t for r in mine for t, u in zip(r["step_s"], r["used"], strict=True) if not u]
+            on = [t for r in mine for t, u in zip(r["step_s"], r["used"], strict=True) if u]
             inside = [t for r in mine for t in r["monitor_s"]]
             if not off or not on:
                 continue
@@ -154,8 +155,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "monitor_pct": m_in / m_off * 100.0,
                     "rep_overhead_pct": [
                         (
-                            statistics.median([t for t, u in zip(r["step_s"], r["used"]) if u])
-                            / statistics.median([t for t, u in zip(r["step_s"], r["used"]) if not u])
+                            statistics.median([t for t, u in zip(r["step_s"], r["used"], strict=True) if u])
+                            / statistics.median(
+                                [t for t, u in zip(r["step_s"], r["used"], strict=True) if not u]
+                            )
                             - 1.0
                         )
                         * 100.0

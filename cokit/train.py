@@ -184,13 +184,13 @@ class DenseAllReduce(Method):
                     sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device
                 )
             views = self._flat.split([p.numel() for p in self.params])
-            for p, v in zip(self.params, views):
+            for p, v in zip(self.params, views, strict=True):
                 if p.grad is None:
                     v.zero_()
                 else:
                     v.copy_(p.grad.reshape(-1))
             self.comm.all_reduce_mean(self._flat, "gradient all-reduce").wait()
-            for p, v in zip(self.params, views):
+            for p, v in zip(self.params, views, strict=True):
                 p.grad = v.view_as(p)
             sent, received, timing = self.comm.take_step()
             world = dist.get_world_size()

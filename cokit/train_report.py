@@ -60,7 +60,9 @@ def summary_table(results: Sequence[RunResult], uniform_loss: float | None = Non
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
 
     def fmt(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
 
     lines = [fmt(header), fmt(tuple("-" * w for w in widths)), *(fmt(row) for row in rows)]
     by_name = {r.spec.name: r.summary() for r in results}
@@ -179,14 +181,14 @@ def plot_runs(
         if any(cum):
             ax_bytes.plot(
                 [x for x in cum if x > 0],
-                [t for x, t in zip(cum, train) if x > 0],
+                [t for x, t in zip(cum, train, strict=True) if x > 0],
                 color=c,
                 alpha=0.45,
                 lw=1,
                 label=f"{name} train",
             )
         if pos:
-            ax_bytes.plot(*zip(*pos), "o-", color=c, ms=3, lw=1.5, label=f"{name} held-out")
+            ax_bytes.plot(*zip(*pos, strict=True), "o-", color=c, ms=3, lw=1.5, label=f"{name} held-out")
     for ax in (ax_step, ax_bytes):
         if uniform_loss is not None:
             ax.axhline(uniform_loss, color="gray", ls=":", lw=1, label="uniform guess")

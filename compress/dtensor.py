@@ -94,7 +94,7 @@ def check_exchange_group(plan: MeshPlan, process_group: Any, owner: str = "DeMo"
         return
     me = dist.get_rank()
     given = dist.get_process_group_ranks(process_group)
-    for dim, group in zip(plan.dims, plan.agree):
+    for dim, group in zip(plan.dims, plan.agree, strict=True):
         ranks = dist.get_process_group_ranks(group)
         if set(given) & set(ranks) != {me}:
             raise ValueError(

@@ -167,7 +167,7 @@ class PayloadCodec(abc.ABC):
         """:meth:`encode`, checked against ``wire`` (what the collectives send)."""
         tensors = list(self.encode(indices, values))
         if len(tensors) != len(self.wire) or any(
-            t.dtype != w.dtype or t.numel() != w.numel for w, t in zip(self.wire, tensors)
+            t.dtype != w.dtype or t.numel() != w.numel for w, t in zip(self.wire, tensors, strict=True)
         ):
             got = [(t.dtype, t.numel()) for t in tensors]
             raise ValueError(
@@ -194,7 +194,7 @@ class PayloadCodec(abc.ABC):
             raise ValueError(
                 f"payload codec {self.name!r} expects {len(self.wire)} gathered tensors, got {len(gathered)}"
             )
-        for w, g in zip(self.wire, gathered):
+        for w, g in zip(self.wire, gathered, strict=True):
             if g.dim() != 2 or g.shape[1] != w.numel or g.dtype != w.dtype:
                 raise ValueError(
                     f"gathered {w.name} must be {w.dtype} (world_size, {w.numel}), got {g.dtype} "

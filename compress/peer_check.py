@@ -94,7 +94,7 @@ def check_dense(mean: torch.Tensor, *, owner: str, bucket: str) -> None:
 def _locate(codec: PayloadCodec, slot: int) -> tuple[int, int]:
     """(tensor index, tile index) of a payload slot."""
     plan = codec.plan
-    for n, (t, off) in enumerate(zip(plan.tilings, plan.payload_offsets)):
+    for n, (t, off) in enumerate(zip(plan.tilings, plan.payload_offsets, strict=True)):
         ke = t.k_eff(plan.k)
         if off <= slot < off + t.n_tiles * ke:
             return n, (slot - off) // ke

@@ -1,4 +1,5 @@
-"""Inner update rules for DeMo's decoded direction (issue 13, point 1).
+"""Inner update rules for DeMo's decoded direction: alternatives to sign, which keeps only the
+sign of each element and drops every magnitude.
 
 DeMo decodes, per parameter, the same direction ``u`` on every rank (the mean over ranks of
 the transmitted DCT coefficients, inverse-transformed). A rule turns ``u`` into the update::

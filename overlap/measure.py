@@ -237,7 +237,7 @@ def measure(
         t_under = probe.total_ms()
         if i < warmup:
             continue
-        for k, v in zip(TIME_NAMES, (t_comp, t_comm, t_seq, t_ovl, t_under)):
+        for k, v in zip(TIME_NAMES, (t_comp, t_comm, t_seq, t_ovl, t_under), strict=True):
             if v is not None:
                 samples[k].append(v)
         rounds.append(

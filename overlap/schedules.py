@@ -355,7 +355,7 @@ class GemmCollective(_Schedule):
         works = []
         if self.collective == "all_reduce":
             y = torch.empty((self.M, self.N), dtype=self.a.dtype, device=self.device)
-            for (s, e), a_i in zip(self.ranges, self._inputs):
+            for (s, e), a_i in zip(self.ranges, self._inputs, strict=True):
                 with probe.span():
                     self._gemm(a_i, out=y[s:e])
                 works.append(self._launch(y[s:e], None))
@@ -363,7 +363,7 @@ class GemmCollective(_Schedule):
             return y
         out = torch.empty((self._out_rows(), self.N), dtype=self.a.dtype, device=self.device)
         partials = []
-        for (s, e), a_i in zip(self.ranges, self._inputs):
+        for (s, e), a_i in zip(self.ranges, self._inputs, strict=True):
             with probe.span():
                 y_i = self._gemm(a_i)
             partials.append(y_i)  # kept alive until its collective is waited
@@ -392,7 +392,7 @@ class GemmCollective(_Schedule):
                 self._scratch_out = z((self._out_rows(), self.N), dtype=self.a.dtype, device=self.device)
         works = [
             self._launch(buf, None if self.collective == "all_reduce" else self._scratch_out[s:e])
-            for buf, (s, e) in zip(self._scratch, self.ranges)
+            for buf, (s, e) in zip(self._scratch, self.ranges, strict=True)
         ]
         wait_handle(works)
 
@@ -528,7 +528,7 @@ class AllGatherGemm(_Schedule):
             pieces.append(piece)  # kept alive until its gather is waited
             bufs.append(buf)
             works.append(self._launch(buf, piece))
-        for (s, e), buf, work in zip(self.ranges, bufs, works):
+        for (s, e), buf, work in zip(self.ranges, bufs, works, strict=True):
             work.wait()
             with probe.span():
                 self._gemm_chunk(buf, s, e, out)
@@ -543,7 +543,7 @@ class AllGatherGemm(_Schedule):
     def run_compute(self) -> torch.Tensor:
         """The chunked GEMMs alone, on gathered buffers of the chunk shapes."""
         out = torch.empty(self.out_shape, dtype=self.shard.dtype, device=self.device)
-        for (s, e), buf in zip(self.ranges, self._ensure_scratch()):
+        for (s, e), buf in zip(self.ranges, self._ensure_scratch(), strict=True):
             self._gemm_chunk(buf, s, e, out)
         return out
 
@@ -551,7 +551,7 @@ class AllGatherGemm(_Schedule):
     def run_communicate(self) -> None:
         """The chunked gathers alone."""
         bufs = self._ensure_scratch()
-        wait_handle([self._launch(buf, p) for buf, p in zip(bufs, self._scratch_pieces)])
+        wait_handle([self._launch(buf, p) for buf, p in zip(bufs, self._scratch_pieces, strict=True)])
 
 
 class Overlap(_Schedule):

@@ -76,7 +76,7 @@ def decode(shape, payloads, chunk) -> torch.Tensor:
 def demo_step(param, deltas, grads, *, lr, beta, chunk, k, wd=0.0, alpha=1.0):
     """One DeMo step of one parameter over all ranks: (new param, new deltas, decoded)."""
     new_deltas, payloads = [], []
-    for d, g in zip(deltas, grads):
+    for d, g in zip(deltas, grads, strict=True):
         nd, pl = encode(d, g, beta, lr, chunk, k, alpha)
         new_deltas.append(nd)
         payloads.append(pl)

@@ -97,10 +97,10 @@ def train_and_reference(rank: int, world: int, replicas: int, steps: int) -> dic
             xq, yq = batch(r * shards + q, step)
             torch.nn.functional.mse_loss(ref(xq), yq).backward()
             g = [p.grad.clone() for p in ref.parameters()]
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g, strict=True)]
         assert grads is not None
         parts = [part for g in grads for part in _slices(g / shards, shards)]
-        for p, g in zip(ref_params, parts):
+        for p, g in zip(ref_params, parts, strict=True):
             p.grad = g.clone()
         ref_opt.step()
         with torch.no_grad():  # the reference model's full weights from its shard slices
@@ -136,7 +136,7 @@ def nonfinite_shard(rank: int, world: int, mode: str) -> dict[str, Any]:
         error = None
     except FloatingPointError as exc:
         error = str(exc)
-    unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+    unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True))
     return {"error": error, "unchanged": unchanged, "skipped": opt.skipped_steps, "state": len(opt.state)}
 
 

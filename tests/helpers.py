@@ -129,12 +129,12 @@ def end_process_group() -> None:
 def assert_resumed_like_the_reference(ref: list[dict], res: list[dict]) -> None:
     """An integration worker's facts per rank: the resumed run ends where the uninterrupted one
     did (step, lr, parameters bit for bit), sent bytes, and never double-synced."""
-    for r, (a, b) in enumerate(zip(ref, res)):
+    for r, (a, b) in enumerate(zip(ref, res, strict=True)):
         assert not [w for w in a["warnings"] + b["warnings"] if "DoubleSync" in w]
         assert a["bytes_sent"] > 0
         assert a["global_step"] == b["global_step"] == 6
         assert a["lr"] == b["lr"]
-        for x, y in zip(a["params"], b["params"]):
+        for x, y in zip(a["params"], b["params"], strict=True):
             assert torch.equal(x, y), f"rank {r}: resumed parameters differ from the uninterrupted run"
 
 

@@ -63,7 +63,7 @@ def test_torch_path_matches_interpreter(monkeypatch):
     assert torch.allclose(interp[0], torch_path[0], atol=1e-5)
     assert torch.equal(interp[1][0], torch_path[1][0])
     assert torch.equal(interp[2], torch_path[2])
-    for a, b in zip(interp[3:], torch_path[3:]):
+    for a, b in zip(interp[3:], torch_path[3:], strict=True):
         assert torch.allclose(a, b, atol=1e-5)
 
 

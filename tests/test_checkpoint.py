@@ -132,7 +132,7 @@ def test_a_plain_round_trip_resumes_bit_identically():
     assert opt2._steps == 3 and records(opt2.state_dict())["common"] == records(saved)["common"]
     for s in range(4, 7):
         _step(resumed, opt2, 0, s)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
     assert opt2.comm_stats.steps == opt.comm_stats.steps == 6
 
 
@@ -146,7 +146,7 @@ def test_dcp_state_dict_functions_load_fqn_keyed_state():
     opt2 = DeMo(model2.named_parameters(), **KW)
     set_optimizer_state_dict(model2, opt2, copy.deepcopy(osd))
     assert opt2._steps == 3
-    for p, q in zip(model.parameters(), model2.parameters()):
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(opt.state[p]["delta"], opt2.state[q]["delta"])
     msd, osd2 = get_state_dict(model2, opt2)
     set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd2)
@@ -231,7 +231,7 @@ def test_old_checkpoints_are_refused_unless_strict_is_false():
     with pytest.warns(UserWarning, match="old-format checkpoint"):
         fresh.load_state_dict(old, strict=False)
     assert fresh._steps == 3
-    for p, q in zip(opt.param_groups[0]["params"], fresh.param_groups[0]["params"]):
+    for p, q in zip(opt.param_groups[0]["params"], fresh.param_groups[0]["params"], strict=True):
         assert torch.equal(opt.state[p]["delta"], fresh.state[q]["delta"])
 
 
@@ -376,7 +376,7 @@ def _dcp_other_world(rank: int, world: int, folder: str):
         failure = None
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         failure = (type(exc).__name__, str(exc))
-    kept = all(torch.equal(a, opt.state[p]["delta"]) for a, p in zip(before, model.parameters()))
+    kept = all(torch.equal(a, opt.state[p]["delta"]) for a, p in zip(before, model.parameters(), strict=True))
     model = _model(seed=1)
     opt = DeMo(model.named_parameters(), **KW)
     msd, osd = get_state_dict(model, opt)
@@ -423,14 +423,14 @@ def test_dcp_resume_is_identical_to_an_uninterrupted_run(worlds, world):
         assert all(f"optim.state.{fqn}.delta_rank{r}" in keys for r in range(world))
     assert all(f"optim.param_groups.0.demo_rank{r}" in keys for r in range(world))
     resumed = worlds[world]["resumed"]
-    for (saved, final), (loaded, after) in zip(uninterrupted, resumed):
+    for (saved, final), (loaded, after) in zip(uninterrupted, resumed, strict=True):
         assert loaded["records"]["common"] == saved["records"]["common"]  # counters, policy, settings
         (rank,) = saved["records"]["ranks"]
         mine, theirs = loaded["records"]["ranks"][rank], saved["records"]["ranks"][rank]
         assert _totals(mine["comm_stats"]) == _totals(theirs["comm_stats"]) and mine["rank"] == rank
         assert loaded["groups"] == saved["groups"]
-        assert all(torch.equal(a, b) for a, b in zip(loaded["deltas"], saved["deltas"]))
-        assert all(torch.equal(a, b) for a, b in zip(after, final))
+        assert all(torch.equal(a, b) for a, b in zip(loaded["deltas"], saved["deltas"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(after, final, strict=True))
     ranks = [u[0]["deltas"][0] for u in uninterrupted]
     assert not torch.equal(ranks[0], ranks[1])  # the buffers differ per rank: not deduplicated
 

@@ -143,7 +143,7 @@ def test_builtin_codecs_round_trip_random_selections(name, value_dtype, layout, 
     world = 3
     gen = torch.Generator().manual_seed(hash((name, str(value_dtype), layout)) % 2**31)
     idx, vals = _selection(plan, world, gen)
-    sent = [codec.to_wire(i, v.to(codec.encode_dtype)) for i, v in zip(idx, vals)]
+    sent = [codec.to_wire(i, v.to(codec.encode_dtype)) for i, v in zip(idx, vals, strict=True)]
     for wires in sent:
         assert [(t.dtype, t.numel()) for t in wires] == [(w.dtype, w.numel) for w in codec.wire]
     gathered = [torch.stack([wires[j].reshape(-1) for wires in sent]) for j in range(len(codec.wire))]
@@ -162,7 +162,7 @@ def test_builtin_codecs_round_trip_random_selections(name, value_dtype, layout, 
     ef_decode(params, got_idx, got_vals, lr=0.01, chunk=chunk, k=k, validate=True)
     exact = torch.stack([_expected(name, plan, codec.value_dtype, v).float() for v in vals])
     ef_decode(want, torch.stack(idx).long(), exact, lr=0.01, chunk=chunk, k=k, validate=True)
-    for a, b in zip(params, want):
+    for a, b in zip(params, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0.0, atol=0.0)
 
 
@@ -349,9 +349,9 @@ def test_a_registered_user_codec_trains_on_gloo_with_demo_and_the_ddp_hook():
     toy = Int32Fp32.name
     for r in results:
         for key in (toy, toy + " hook", "compact", "compact hook"):
-            for a, b in zip(r[key][0], results[0][key][0]):
+            for a, b in zip(r[key][0], results[0][key][0], strict=True):
                 assert torch.equal(a, b)  # ranks agree bit for bit
-        for a, b in zip(r[toy][0], r["compact"][0]):
+        for a, b in zip(r[toy][0], r["compact"][0], strict=True):
             assert torch.equal(a, b)  # DeMo: the same selection and values as compact fp32
     # DeMo bytes from first principles: the status row + one bucket of P int32 + P fp32 in two all-gathers
     shapes = results[0]["shapes"]
@@ -403,7 +403,7 @@ def test_demo_trains_with_the_int2_codec_on_gloo():
     world = 2
     results = run_gloo(world, _demo_int2_run)
     for r in results:
-        for a, b in zip(r["params"], results[0]["params"]):
+        for a, b in zip(r["params"], results[0]["params"], strict=True):
             assert torch.equal(a, b)  # ranks agree bit for bit
     assert results[0]["losses"][-1] < 0.9 * results[0]["losses"][0]
     from cokit.compress.buckets import sends_dense

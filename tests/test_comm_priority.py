@@ -105,7 +105,7 @@ def _same_training(rank: int, world: int, front: str):
     for priority in ("high", -1):
         net, forward, opt, holder = _train(front, priority, rank)
         out[priority] = _info(holder)
-        out[f"{priority} same"] = all(torch.equal(a, b) for a, b in zip(want, _params(net)))
+        out[f"{priority} same"] = all(torch.equal(a, b) for a, b in zip(want, _params(net), strict=True))
     sd = holder.state_dict()  # a runtime setting: not saved, and a normal one loads the state
     out["in state_dict"] = "comm_priority" in repr(sd)
     if front == "hook":
@@ -133,7 +133,7 @@ def _mismatch(rank: int, world: int, front: str):
         torch.nn.functional.mse_loss(forward(x), y).backward()
         opt.step()
     except Exception as exc:  # the hook's error reaches backward() as DDP's RuntimeError
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, _params(net)))
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, _params(net), strict=True))
         return type(exc).__name__, isinstance(exc, SettingsMismatch), str(exc), unchanged
     return "no error", False, "", False
 
@@ -300,7 +300,7 @@ def test_a_bad_priority_leaves_the_parameters_and_inner_optimizer_untouched():
     with pytest.raises(ValueError, match="comm_priority"):
         SparseLoCo(half.parameters(), inner, precision="master", comm_priority=True)
     assert all(
-        a is b for a, b in zip(inner.param_groups[0]["params"], half.parameters())
+        a is b for a, b in zip(inner.param_groups[0]["params"], half.parameters(), strict=True)
     )  # no masters swapped in
 
 

@@ -1,4 +1,4 @@
-"""Communication timing (issue 15): the timer against a fake clock, then real gloo runs of
+"""Communication timing (where a step's time goes): the timer against a fake clock, then real gloo runs of
 DeMo, the DDP hook and the overlap schedules (exposed <= step time, bytes per collective add
 up to the step's bytes)."""
 

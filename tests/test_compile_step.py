@@ -40,11 +40,11 @@ def test_a_compiled_model_trains_next_to_the_step_without_graph_breaks(name):
     assert dynamo.explain(compiled_model)(_batch(0)).graph_break_count == 0
     opts = [OPTIMIZERS[name](m.parameters()) for m in (eager, compiled_model)]
     for step in range(4):
-        for model, opt in zip((eager, compiled), opts):
+        for model, opt in zip((eager, compiled), opts, strict=True):
             model(_batch(step)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    for a, b in zip(eager.parameters(), compiled_model.parameters()):
+    for a, b in zip(eager.parameters(), compiled_model.parameters(), strict=True):
         # aot_eager runs the same aten ops: the two runs agree to fp32 rounding of the loss path
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -59,11 +59,11 @@ def test_compiling_the_step_compiles_nothing_and_steps_exactly_as_eager(name):
     opts[0].step()
     compiled_step = torch.compile(opts[1].step)
     for step in range(1, 4):
-        for model, opt, run in zip(models, opts, (opts[0].step, compiled_step)):
+        for model, opt, run in zip(models, opts, (opts[0].step, compiled_step), strict=True):
             opt.zero_grad()
             model(_batch(step)).square().mean().backward()
             run()
-    for a, b in zip(*(m.parameters() for m in models)):
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
         assert torch.equal(a, b)
 
 

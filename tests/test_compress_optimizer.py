@@ -49,7 +49,7 @@ def _reference_steps(rank: int, world: int, steps: int):
         payload="reference",
     )
     for step in range(steps):
-        for p, g in zip(params, _grads(rank, step)):
+        for p, g in zip(params, _grads(rank, step), strict=True):
             p.grad = g
         opt.step()
     return [p.detach().clone() for p in params], [opt.state[p]["delta"].clone() for p in params]
@@ -129,7 +129,9 @@ def _determinism_and_checkpoint(rank: int, world: int, payload: str):
     opt2 = DeMo(resumed.named_parameters(), lr=3e-3, compression_topk=8, payload=payload)
     opt2.load_state_dict(saved_opt)
     _train(resumed, opt2, x, y, 4)
-    same_after_resume = all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed.parameters()))
+    same_after_resume = all(
+        torch.equal(a, b) for a, b in zip(uninterrupted, resumed.parameters(), strict=True)
+    )
     deltas_fp32 = all(opt2.state[p]["delta"].dtype == torch.float32 for p in resumed.parameters())
     return {
         "params": uninterrupted,
@@ -177,7 +179,7 @@ def test_ranks_stay_bit_identical_resume_is_exact_and_bytes_are_counted(payload)
     results = run_gloo(world, _determinism_and_checkpoint, payload)
     for r in results:
         assert r["same_after_resume"] and r["deltas_fp32"]
-        for a, b in zip(r["params"], results[0]["params"]):
+        for a, b in zip(r["params"], results[0]["params"], strict=True):
             assert torch.equal(a, b)
     stats = results[0]["stats"]
     expected = _expected_step_bytes(results[0]["shapes"], world, payload)
@@ -223,7 +225,7 @@ def test_a_regression_trains_with_demo_and_with_the_ddp_hook():
     for losses, hook_losses, params, stats in results:
         assert losses[-1] < 0.02 * losses[0], losses[::15]
         assert hook_losses[-1] < 0.05 * hook_losses[0], hook_losses[::15]
-        for a, b in zip(params, results[0][2]):
+        for a, b in zip(params, results[0][2], strict=True):
             assert torch.equal(a, b)
         assert stats["steps"] == 150 and stats["ratio"] > 1.5
 
@@ -243,14 +245,15 @@ def _hook_full_k(rank: int, world: int):
     for net in (dense, compressed):
         torch.nn.functional.mse_loss(net(x), y).backward()
     diffs = [
-        (a.grad - b.grad).abs().max().item() for a, b in zip(dense.parameters(), compressed.parameters())
+        (a.grad - b.grad).abs().max().item()
+        for a, b in zip(dense.parameters(), compressed.parameters(), strict=True)
     ]
 
     params = _params([(16, 16), (5,)])
     opt = DeMo(params, lr=0.01, full_sync_every=2)
     sent = []
     for step in range(2):
-        for p, g in zip(params, _grads(rank, step, [(16, 16), (5,)])):
+        for p, g in zip(params, _grads(rank, step, [(16, 16), (5,)]), strict=True):
             p.grad = g
         opt.step()
         sent.append(opt.comm_stats.step_sent_bytes)
@@ -273,7 +276,7 @@ def _bad_steps(rank: int, world: int):
     out = {}
     params = _params(SHAPES[:3])
     opt = DeMo(params, lr=0.01, compression_topk=4)
-    for p, g in zip(params, _grads(rank, 0, SHAPES[:3])):
+    for p, g in zip(params, _grads(rank, 0, SHAPES[:3]), strict=True):
         p.grad = g
     if rank == 1:
         params[1].grad[3, 4] = float("nan")
@@ -282,12 +285,12 @@ def _bad_steps(rank: int, world: int):
         opt.step()
     except FloatingPointError as exc:
         out["error"] = str(exc)
-    out["unchanged_after_error"] = all(torch.equal(a, b) for a, b in zip(before, params))
+    out["unchanged_after_error"] = all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     out["no_state_after_error"] = len(opt.state) == 0
 
     skip = DeMo(params, lr=0.01, compression_topk=4, nonfinite="skip")
     skip.step()
-    out["unchanged_after_skip"] = all(torch.equal(a, b) for a, b in zip(before, params))
+    out["unchanged_after_skip"] = all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     out["skipped"] = skip.skipped_steps
 
     shapes = [(8, 8), (4 + rank, 3)]
@@ -430,7 +433,7 @@ def test_world_size_one_param_groups_and_skipped_params(monkeypatch):
 def _run_steps(params, steps):
     opt = DeMo(params, lr=0.01, compression_topk=3, compression_chunk=16)
     for step in range(steps):
-        for p, g in zip(params, _grads(0, step, [tuple(p.shape) for p in params])):
+        for p, g in zip(params, _grads(0, step, [tuple(p.shape) for p in params]), strict=True):
             p.grad = g.to(p.dtype)
         opt.step()
     return [opt.state[p]["delta"] for p in params]
@@ -445,9 +448,9 @@ def test_triton_interpreter_and_torch_paths_agree(monkeypatch, dtype):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     p_torch = _params(shapes, dtype=dtype)
     d_torch = _run_steps(p_torch, 3)
-    for a, b in zip(d_kernel, d_torch):
+    for a, b in zip(d_kernel, d_torch, strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
-    for a, b in zip(p_kernel, p_torch):
+    for a, b in zip(p_kernel, p_torch, strict=True):
         # sign(update) can flip only where the decoded update is ~0: allow a few elements.
         # bf16: the interpreter's bf16 stores do not round to nearest even: 1 ulp per step.
         tol = dict(atol=1e-5, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=3 * 2**-7)
@@ -490,8 +493,8 @@ def _overlap_backward(rank: int, world: int):
     )
     loss.backward()
     opt.step()
-    unchanged = all(torch.equal(a, b) for a, b in zip(params, model_params)) and all(
-        torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model_params)
+    unchanged = all(torch.equal(a, b) for a, b in zip(params, model_params, strict=True)) and all(
+        torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model_params, strict=True)
     )
     n_buckets = len(opt.plan.buckets(opt.plan.entries()))
     return runs[False][0], runs[False][1], params, deltas, unchanged, opt.skipped_steps, n_buckets
@@ -502,6 +505,6 @@ def _overlap_backward(rank: int, world: int):
 def test_overlap_backward_gives_the_same_steps_and_still_skips_nonfinite():
     for sync_p, sync_d, ovl_p, ovl_d, unchanged, skipped, n_buckets in run_gloo(2, _overlap_backward):
         assert n_buckets >= 3  # the small cap splits the model into several buckets
-        assert all(torch.equal(a, b) for a, b in zip(sync_p, ovl_p))
-        assert all(torch.equal(a, b) for a, b in zip(sync_d, ovl_d))
+        assert all(torch.equal(a, b) for a, b in zip(sync_p, ovl_p, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(sync_d, ovl_d, strict=True))
         assert unchanged and skipped == 1

@@ -61,7 +61,7 @@ def test_ef_encode_fast_is_bit_identical(seed, chunk, k, alpha, value_dtype):
         ref = ef_encode_reference(d_ref, grads, 0.9, 0.01, chunk, k, alpha=alpha, value_dtype=value_dtype)
         new = ef_encode_fast(d_new, grads, 0.9, 0.01, chunk, k, alpha=alpha, value_dtype=value_dtype)
         assert _same(ref[0], new[0]) and _same(ref[1], new[1]), step
-        assert all(_same(a, b) for a, b in zip(d_ref, d_new)), step
+        assert all(_same(a, b) for a, b in zip(d_ref, d_new, strict=True)), step
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -82,7 +82,7 @@ def test_ef_decode_fast_is_bit_identical(seed, use_sign, ranks, param_dtype):
     p_new = [p.clone() for p in params]
     ef_decode_reference(p_ref, indices, values, chunk, k, 0.01, weight_decay=0.1, use_sign=use_sign)
     ef_decode_fast(p_new, indices, values, chunk, k, 0.01, weight_decay=0.1, use_sign=use_sign)
-    assert all(_same(a, b) for a, b in zip(p_ref, p_new))
+    assert all(_same(a, b) for a, b in zip(p_ref, p_new, strict=True))
 
 
 def test_ef_decode_fast_unsorted_or_repeated_positions_take_the_mean():
@@ -98,7 +98,7 @@ def test_ef_decode_fast_unsorted_or_repeated_positions_take_the_mean():
     p_new = [p.clone() for p in params]
     ef_decode_reference(p_ref, idx[None], vals[None], chunk, k, 0.1, use_sign=False)
     ef_decode_fast(p_new, idx[None], vals[None], chunk, k, 0.1, use_sign=False)
-    assert all(_same(a, b) for a, b in zip(p_ref, p_new))
+    assert all(_same(a, b) for a, b in zip(p_ref, p_new, strict=True))
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -139,4 +139,4 @@ def test_sparseloco_cpu_inner_adamw_is_bit_identical_to_the_single_tensor_one():
             opt.step()
         return [p.detach().clone() for p in ps]
 
-    assert all(_same(a, b) for a, b in zip(run(False), run(True)))
+    assert all(_same(a, b) for a, b in zip(run(False), run(True), strict=True))

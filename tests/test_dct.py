@@ -4,6 +4,13 @@ interpreter on CPU, compiled kernels on a GPU)."""
 import pytest
 import torch
 from helpers import DTYPES, SHAPES, LaunchSpy, misaligned, poison, rel_err  # noqa: F401
+from tolerances import (
+    BASIS_ORTHONORMAL_ATOL,
+    FP16_DECODE,
+    FP32_BUCKET_VS_SINGLE_ATOL,
+    FP32_DCT,
+    FP32_PARSEVAL,
+)
 
 from cokit.triton_kernels import dct as dct_module
 from cokit.triton_kernels import tiling
@@ -29,7 +36,7 @@ def test_chunk_side_is_largest_divisor_at_most_target():
 def test_basis_is_orthonormal():
     for n in (1, 5, 64):
         b = tiling.basis_matrix(n, torch.float64)
-        assert torch.allclose(b @ b.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+        assert torch.allclose(b @ b.T, torch.eye(n, dtype=torch.float64), atol=BASIS_ORTHONORMAL_ATOL)
 
 
 def test_reference_matches_direct_dct_formula():
@@ -57,13 +64,13 @@ def test_encode_decode_vs_float64(shape, dtype, device):
     coeffs = dct_encode(x, chunk=64)
     ref = dct_encode_reference(x.double(), 64, torch.float64)
     assert coeffs.dtype == torch.float32 and coeffs.shape == ref.shape
-    assert rel_err(coeffs, ref) < 2e-6
+    assert rel_err(coeffs, ref) < FP32_DCT
     # Parseval: an orthonormal transform keeps the sum of squares
-    assert abs(coeffs.double().square().sum() / x.double().square().sum() - 1) < 1e-5
+    assert abs(coeffs.double().square().sum() / x.double().square().sum() - 1) < FP32_PARSEVAL
     back = dct_decode(coeffs, shape, chunk=64)
     assert back.shape == x.shape
-    assert rel_err(back, x.double()) < 2e-6
-    assert rel_err(back, dct_decode_reference(coeffs.double(), shape, 64, torch.float64)) < 2e-6
+    assert rel_err(back, x.double()) < FP32_DCT
+    assert rel_err(back, dct_decode_reference(coeffs.double(), shape, 64, torch.float64)) < FP32_DCT
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 32])
@@ -71,8 +78,8 @@ def test_encode_decode_vs_float64(shape, dtype, device):
 def test_other_chunk_targets(chunk, device):
     x = torch.randn(40, 24, device=device)
     coeffs = dct_encode(x, chunk)
-    assert rel_err(coeffs, dct_encode_reference(x.double(), chunk, torch.float64)) < 2e-6
-    assert rel_err(dct_decode(coeffs, x.shape, chunk), x) < 2e-6
+    assert rel_err(coeffs, dct_encode_reference(x.double(), chunk, torch.float64)) < FP32_DCT
+    assert rel_err(dct_decode(coeffs, x.shape, chunk), x) < FP32_DCT
 
 
 @pytest.mark.usefixtures("poison")
@@ -80,7 +87,7 @@ def test_prime_rows_make_one_d_tiles(device):
     x = torch.randn(67, 48, device=device)  # 67 is prime: tiles are 1 x 48 rows
     coeffs = dct_encode(x, 64)
     assert coeffs.shape == (67, 48)
-    assert rel_err(coeffs, dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
+    assert rel_err(coeffs, dct_encode_reference(x.double(), 64, torch.float64)) < FP32_DCT
 
 
 @pytest.mark.usefixtures("poison")
@@ -88,18 +95,18 @@ def test_decode_to_low_precision(device):
     x = torch.randn(32, 48, device=device)
     back = dct_decode(dct_encode(x), x.shape, dtype=torch.float16)
     assert back.dtype == torch.float16
-    assert rel_err(back, x) < 1e-3
+    assert rel_err(back, x) < FP16_DECODE
 
 
 @pytest.mark.usefixtures("poison")
 def test_multi_tensor_bucket_equals_single(device):
     xs = [torch.randn(s, device=device) for s in SHAPES] + [torch.randn(33, device=device).half()]
     multi = dct_encode_multi(xs, 64)
-    for x, c in zip(xs, multi):
-        assert torch.allclose(c, dct_encode(x, 64), rtol=0, atol=1e-6)
+    for x, c in zip(xs, multi, strict=True):
+        assert torch.allclose(c, dct_encode(x, 64), rtol=0, atol=FP32_BUCKET_VS_SINGLE_ATOL)
     backs = dct_decode_multi(multi, [x.shape for x in xs], 64)
-    for x, b in zip(xs, backs):
-        assert rel_err(b, x.float()) < 2e-6
+    for x, b in zip(xs, backs, strict=True):
+        assert rel_err(b, x.float()) < FP32_DCT
 
 
 def test_bucket_uses_one_launch_per_tile_class():
@@ -113,7 +120,7 @@ def test_bucket_uses_one_launch_per_tile_class():
 def test_non_contiguous_input(device):
     x = torch.randn(96, 64, device=device).t()  # (64, 96), transposed view
     assert not x.is_contiguous()
-    assert rel_err(dct_encode(x), dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
+    assert rel_err(dct_encode(x), dct_encode_reference(x.double(), 64, torch.float64)) < FP32_DCT
 
 
 def test_alignment_rule():
@@ -140,8 +147,8 @@ def test_alignment_hints_only_where_they_hold(case, device, monkeypatch):
     coeffs = dct_encode(x)
     back = dct_decode(misaligned(coeffs) if case == "misaligned" else coeffs, x.shape)
     assert [launch["ALIGNED"] for launch in spy.launches] == [case == "aligned"] * 2
-    assert rel_err(coeffs, dct_encode_reference(x.double(), 64, torch.float64)) < 2e-6
-    assert rel_err(back, x) < 2e-6
+    assert rel_err(coeffs, dct_encode_reference(x.double(), 64, torch.float64)) < FP32_DCT
+    assert rel_err(back, x) < FP32_DCT
 
 
 def test_pointer_tables_are_cached_by_pointer_values():

@@ -7,7 +7,7 @@ operand is split into a TF32 "big" part (10 explicit mantissa bits, rounded to n
 away from zero, like ``cvt.rna.tf32.f32``) and a TF32 "small" part of the remainder; TF32
 products are exact in fp32, and the three products small*big + big*small + big*big are
 accumulated in fp32. sm_80 runs ``"bf16x6"`` (three bf16 terms per operand, six products).
-The fp32 accuracy class of the tolerance table: relative error
+The bound is the fp32 accuracy class, ``FP32_CLASS`` in tests/tolerances.py: relative error
 <= 1e-5 on encodes and round trips; plain TF32 misses it, which is why it is not shipped.
 """
 
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import FP32_CLASS
 
 from cokit.triton_kernels.tiling import basis_matrix
-
-FP32_CLASS = 1e-5
 
 
 def to_tf32(x: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ def test_runner_is_deterministic_and_counts_dense_bytes():
     assert set(a.bytes_sent) == {ring_allreduce_bytes(4 * a.num_params, 2)}
     assert [s for s, _ in a.evals] == [0, 2, 4]
     assert a.max_replica_diff == 0.0
-    assert all(t >= o >= 0 for t, o in zip(a.step_s, a.opt_s))
+    assert all(t >= o >= 0 for t, o in zip(a.step_s, a.opt_s, strict=True))
     assert a.wall_s == sorted(a.wall_s)
 
 

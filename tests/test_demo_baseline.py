@@ -24,7 +24,7 @@ def test_reference_update_agrees_with_cokit_demo(monkeypatch):
     before = [p.detach().clone() for p in ours]
     DeMo(ours, lr=1e-3, compression_topk=8, compression_chunk=32, payload="reference").step()
     bench.ReferenceDeMo(ref, lr=1e-3, topk=8, chunk=32).step()
-    for a, b, p0 in zip(ours, ref, before):
+    for a, b, p0 in zip(ours, ref, before, strict=True):
         step_a, step_b = (a - p0).sign(), (b - p0).sign()
         assert (step_a == step_b).float().mean() > 0.99, tuple(a.shape)
         assert (step_b != 0).float().mean() > 0.5  # it really moved

@@ -44,7 +44,7 @@ def _init() -> list[torch.Tensor]:
 
 
 def _build(params, **kwargs) -> Dion:
-    return Dion(list(zip(NAMES, params)), **{"timeout": 120, **kwargs})
+    return Dion(list(zip(NAMES, params, strict=True)), **{"timeout": 120, **kwargs})
 
 
 # ----------------------------------------------------------------------------- workers
@@ -190,7 +190,7 @@ def _faults(rank: int, world: int) -> dict:
                 except FloatingPointError as exc:
                     out[f"{mode} message"] = str(exc)
         after = ([p.detach().clone() for p in params], opt.state_dict())
-        out[f"{mode} params same"] = all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+        out[f"{mode} params same"] = all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True))
         out[f"{mode} state same"] = all(
             torch.equal(before[1]["state"][n][k], after[1]["state"][n][k])
             for n in before[1]["state"]
@@ -294,7 +294,7 @@ def _simulate(world: int, options: dict, q0: dict) -> list[torch.Tensor]:
     lr, mu, wd, ratio = hp["lr"], hp["mu"], hp["weight_decay"], hp["adamw_lr_ratio"]
     b1, b2 = hp["betas"]
     forced = [any(s in name for s in options.get("dense_params", ())) for name in NAMES]
-    ranks = [0 if f else _rank_of(s, options) for s, f in zip(SHAPES, forced)]
+    ranks = [0 if f else _rank_of(s, options) for s, f in zip(SHAPES, forced, strict=True)]
     x = [t.double() for t in _init()]
     momenta = [
         [torch.zeros(s[0], math.prod(s[1:]), dtype=torch.float64) for s in SHAPES] for _ in range(world)
@@ -347,10 +347,10 @@ def _expected_sent(world: int, options: dict) -> list[int]:
     check (a float64 sum per parameter, all-gathered), then per bucket a ring all-reduce of the
     fp32 P's (m r each), one of the R's (n r) and one of the other parameters' gradients."""
     forced = [any(s in name for s in options.get("dense_params", ())) for name in NAMES]
-    ranks = [0 if f else _rank_of(s, options) for s, f in zip(SHAPES, forced)]
+    ranks = [0 if f else _rank_of(s, options) for s, f in zip(SHAPES, forced, strict=True)]
     cap = int(options.get("bucket_cap_mb", 25.0) * 2**20)
-    mats = [(s[0], math.prod(s[1:]), r) for s, r in zip(SHAPES, ranks) if r]
-    rest = [math.prod(s) for s, r in zip(SHAPES, ranks) if not r]
+    mats = [(s[0], math.prod(s[1:]), r) for s, r in zip(SHAPES, ranks, strict=True) if r]
+    rest = [math.prod(s) for s, r in zip(SHAPES, ranks, strict=True) if not r]
     payload = sum(
         _ring(b, world)
         for sizes in ([m * r for m, _, r in mats], [n * r for _, n, r in mats], rest)
@@ -375,9 +375,9 @@ def _check_against_simulation(results, world, names):
             for n, q in got["q0"].items():  # the starting Q: orthonormal, alike on every rank
                 assert torch.equal(q, first["q0"][n])
                 torch.testing.assert_close(q.T @ q, torch.eye(q.shape[1]), atol=1e-5, rtol=0)
-            for i, (a, b) in enumerate(zip(got["params"], first["params"])):
+            for i, (a, b) in enumerate(zip(got["params"], first["params"], strict=True)):
                 assert torch.equal(a, b), f"{name}: ranks differ in param {i}"
-            for i, (a, b) in enumerate(zip(got["params"], want)):
+            for i, (a, b) in enumerate(zip(got["params"], want, strict=True)):
                 torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=f"{name} param {i}")
             assert got["sent"] == expected, name
             assert got["bytes_per_step"] == sum(expected) / STEPS
@@ -403,7 +403,7 @@ def test_world3_matches_a_float64_simulation_and_counts_bytes(world3):
 def test_resume_is_exact_and_bad_loads_change_nothing(world2):
     for rank, res in enumerate(world2):
         r = res["resume"]
-        for a, b in zip(r["resumed"], r["final"]):
+        for a, b in zip(r["resumed"], r["final"], strict=True):
             assert torch.equal(a, b)
         assert r["sent"][0] == r["sent"][1]  # comm_stats resumed too
         assert r["steps"] == (6, 6)
@@ -438,7 +438,7 @@ def test_nonfinite_gradient_on_one_rank_raises_or_skips_on_every_rank(world2, wo
             assert f["skip counts"] == (1, 1)
             assert len(f["skip warnings"]) == 1
             assert "skip message" not in f
-            for a, b in zip(f["skip then"][0], results[0]["faults"]["skip then"][0]):
+            for a, b in zip(f["skip then"][0], results[0]["faults"]["skip then"][0], strict=True):
                 assert torch.equal(a, b)
             assert f["skip then"][1] == 2
             assert "setting 'mu' is 0.95 on rank" in f["mu"]
@@ -450,10 +450,10 @@ def test_a_grad_scalers_inf_on_one_rank_skips_everywhere(world2):
     for res in world2:
         s = res["faults"]["scaler"]
         assert s[True]["counts"] == (0, 1)
-        for a, b in zip(s[True]["params"], s[True]["before"]):
+        for a, b in zip(s[True]["params"], s[True]["before"], strict=True):
             assert torch.equal(a, b)
         assert s[False]["counts"] == (1, 0)
-        for a, b in zip(s[False]["params"], s["plain"]):  # unscaled: the plain step
+        for a, b in zip(s[False]["params"], s["plain"], strict=True):  # unscaled: the plain step
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -462,7 +462,7 @@ def test_regression_trains_to_a_low_loss_at_world2(world2):
     for res in world2:
         losses = res["regression"]["losses"]
         assert losses[-1] < 0.02 * losses[0], (losses[0], losses[-1])
-    for a, b in zip(world2[0]["regression"]["params"], world2[1]["regression"]["params"]):
+    for a, b in zip(world2[0]["regression"]["params"], world2[1]["regression"]["params"], strict=True):
         assert torch.equal(a, b)
 
 
@@ -479,7 +479,7 @@ def test_the_study_runner_builds_and_steps_dion(world2):
     for res in world2:
         assert [c[0] for c in res["runner"]["counts"]] == sent
         assert all(c[1] == _ring(4 * numel, 2) for c in res["runner"]["counts"])
-        for a, b in zip(res["runner"]["params"], first["params"]):
+        for a, b in zip(res["runner"]["params"], first["params"], strict=True):
             assert torch.equal(a, b)
 
 
@@ -663,7 +663,7 @@ def test_a_damaged_or_foreign_state_is_refused():
         fresh.load_state_dict({"state": {}})
     with pytest.raises(ValueError, match="no readable 'dion' record"):
         fresh.load_state_dict(torch.optim.SGD(params, lr=0.1).state_dict())
-    other = Dion(list(zip(NAMES[:2], params[:2])), rank=3)
+    other = Dion(list(zip(NAMES[:2], params[:2], strict=True)), rank=3)
     with pytest.raises(ValueError, match="per-parameter ranks"):
         other.load_state_dict(good)
     assert fresh.comm_stats.steps == 0 and fresh._steps == 0

@@ -1,4 +1,4 @@
-"""The dense fallback in the gradient dtype and the exchange-scaling benchmark (issue 14).
+"""The dense fallback in the gradient dtype and the exchange-scaling benchmark (bytes vs world size).
 
 Byte counts are checked against first-principles numbers computed here from the codec
 layouts (8-byte aligned sections of int16 indices, bf16 values / sign bits / per-tile

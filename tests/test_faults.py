@@ -141,7 +141,7 @@ def world2() -> dict[str, list]:
 @pytest.mark.slow
 def test_timeout_inf_trains_like_no_timeout_across_ranks(world2):
     unlimited, limited = world2["inf"], world2["30 s"]
-    for (p_inf, mean), (p_30, _) in zip(unlimited, limited):
+    for (p_inf, mean), (p_30, _) in zip(unlimited, limited, strict=True):
         assert torch.equal(p_inf, p_30)
         assert torch.equal(mean, torch.full((3,), 0.5))
     assert torch.equal(unlimited[0][0], unlimited[1][0])
@@ -154,7 +154,7 @@ def test_timeout_inf_trains_like_no_timeout_across_ranks(world2):
 @pytest.mark.slow
 def test_a_rank_5s_late_within_a_10s_timeout_continues_bit_identically(world2):
     late, prompt = world2["late"], world2["prompt"]
-    assert all(torch.equal(a, b) for a, b in zip(late, prompt))
+    assert all(torch.equal(a, b) for a, b in zip(late, prompt, strict=True))
 
 
 # ----------------------------------------------------------------------------- a frozen or dead rank
@@ -276,9 +276,9 @@ def test_torchrun_restart_from_per_rank_checkpoints_resumes_exactly(tmp_path):
     assert [r["restart_count"] for r in straight] == [0, 0]
     assert [r["restart_count"] for r in restarted] == [1, 1]  # rank 1 died once, all restarted
     assert [r["resumed_from"] for r in restarted] == [5, 5]  # the newest step both ranks saved
-    for a, b in zip(straight, restarted):
-        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
-    assert all(torch.equal(p, q) for p, q in zip(straight[0]["params"], straight[1]["params"]))
+    for a, b in zip(straight, restarted, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(straight[0]["params"], straight[1]["params"], strict=True))
 
 
 # ----------------------------------------------------------------------------- cokit demo --timeout

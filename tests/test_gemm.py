@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import FP32_SUM_CLOSE, TF32_OPERAND, fp32_accumulation_bound
 
 from cokit.triton_kernels import gemm_configs_amd, gemm_configs_nvidia
 from cokit.triton_kernels.backend import arch_limits
@@ -38,26 +39,23 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SHAPES = [(1, 1, 1), (17, 33, 65), (128, 96, 200)]
-# unit roundoff of the output dtype (the kernel rounds its fp32 accumulator once)
-OUT_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
 def _tolerance(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, ref: torch.Tensor, precision: str
 ) -> torch.Tensor:
-    """Elementwise error bound, by precision.
+    """Elementwise error bound, by precision (``tolerances.fp32_accumulation_bound``).
 
     |c - ref| <= eps_out * |ref|                      (final rounding to the output dtype)
                + (K * 2^-24 + eps_dot) * (|A| @ |B|)  (fp32 accumulation; tf32 operand rounding)
-    with eps_dot = 2^-10 for tf32 (10-bit mantissa inputs, both operands) and 0 otherwise,
-    doubled as a safety margin.
+    with eps_dot = 2^-10 (``TF32_OPERAND``) for tf32 (10-bit mantissa inputs, both operands)
+    and 0 otherwise, doubled as a safety margin.
     """
-    K = a.shape[1]
-    eps_dot = 2.0**-10 if (precision == "tf32" and a.dtype == torch.float32) else 0.0
+    eps_dot = TF32_OPERAND if (precision == "tf32" and a.dtype == torch.float32) else 0.0
     mag = a.double().abs() @ b.double().abs()
     if bias is not None:
         mag = mag + bias.double().abs()
-    return 2 * (OUT_EPS[a.dtype] * ref.abs() + (K * 2.0**-24 + eps_dot) * mag) + 1e-30
+    return fp32_accumulation_bound(ref, mag, a.shape[1], a.dtype, eps_dot)
 
 
 def _check(
@@ -277,7 +275,7 @@ def test_configs_over_the_chip_are_refused_before_compile_and_defaults_fit(vendo
     chip's per-block limit is refused by validation, naming the limit and the chip; every
     config pruning keeps passes; the dtype's default config is the first that fits. The 16-bit
     default does not fit fp32 on sm_80 and gfx942 (192 KiB of 163 KiB, 128 KiB of 64 KiB), so
-    fp32 has a space of its own (issue 36)."""
+    fp32 has a space of its own."""
     limits = arch_limits(target)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         space = config_space(vendor.BACKEND, dtype=dtype)
@@ -606,7 +604,7 @@ def test_matmul_torch_compile_fullgraph(device):
     dyn = torch.compile(lambda x, y: matmul(x, y).sum(), fullgraph=True, dynamic=True, backend="aot_eager")
     for M, K, N in ((5, 7, 3), (6, 9, 4)):
         x, y = torch.randn(M, K, device=device), torch.randn(K, N, device=device)
-        torch.testing.assert_close(dyn(x, y), (x @ y).sum(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(dyn(x, y), (x @ y).sum(), **FP32_SUM_CLOSE)
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="fakes a GPU through the interpreter (CPU only)")

@@ -1,5 +1,6 @@
 """The GEMM configs cokit picks fit the chip: no spills, shared memory and registers in limits
-(issue 36). Compile-only builds for sm_80, sm_90 and gfx942, no GPU needed.
+(a spill costs speed, a limit overrun fails at launch, on GPUs the CPU suite never runs on).
+Compile-only builds for sm_80, sm_90 and gfx942, no GPU needed.
 
 Covered, for bf16, fp16 and fp32 on each target, with the installed Triton (CI runs the suite
 on triton 3.9 and again on 3.6 with ``make test-triton36``):

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import ROOT, worker_report
+from tolerances import GPU_BRANCH
 
 MARK = "COKIT-IN-GRAPH-REPORT:"
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -268,7 +269,7 @@ def test_gpu_branch_forward_and_backward_vs_float64(fake_gpu, dtype, persistent)
     g = torch.randn_like(y)
     y.backward(g)
     xd, wd, bd, gd = (t.detach().double() for t in (x, w, b, g))
-    tol = 3e-3 if dtype == torch.float16 else 1e-5
+    tol = GPU_BRANCH[dtype]
     torch.testing.assert_close(y.double(), xd @ wd.t() + bd, rtol=tol, atol=tol)
     torch.testing.assert_close(x.grad.double(), gd @ wd, rtol=tol, atol=tol)
     torch.testing.assert_close(

@@ -1,4 +1,4 @@
-"""torch.amp.GradScaler with DeMo and SparseLoCo on real gloo groups (issue 33).
+"""torch.amp.GradScaler with DeMo and SparseLoCo on real gloo groups.
 
 GradScaler decides per rank: a rank that saw an inf used to skip ``step()`` alone, and the
 ranks' collectives then paired wrongly (SIGABRT). Both optimizers declare

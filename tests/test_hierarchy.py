@@ -53,10 +53,10 @@ def _train(rank: int, world: int, per_node: int, nan_rank: int | None = None):
             ref.zero_grad()
             _loss(ref, q, step).backward()
             g = [p.grad.clone() for p in ref.parameters()]
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g, strict=True)]
         if nan_rank is not None and nan_rank in node and step == 2:
             grads[0][0, 0] = float("nan")
-        for p, g in zip(ref.parameters(), grads):
+        for p, g in zip(ref.parameters(), grads, strict=True):
             p.grad = g / len(node)
         ref_opt.step()
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
@@ -141,7 +141,7 @@ def _bad_groups(rank: int, world: int, case: str) -> str:
             try:
                 opt.step()
             finally:
-                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
         elif case == "measuring policy":
             DeMo(_model().parameters(), hierarchy=node_groups(2), policy="bandwidth")
         elif case == "with process_group":

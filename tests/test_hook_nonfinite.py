@@ -1,4 +1,5 @@
-"""The DDP hook with a non-finite gradient on one rank, empty parameters, bad settings (issue 16).
+"""The DDP hook with a non-finite gradient on one rank, empty parameters, bad settings: every rank
+must take the same path, or the next collectives pair wrongly.
 
 The 2-rank scenarios share one spawned world (tests/gloo_cases.py, fixture ``world2``).
 """
@@ -77,7 +78,9 @@ def _train(rank: int, world: int, nonfinite: str, inject: bool, leave_out: bool)
             out["errors"].append(str(exc))
         out["finite_grads"].append(all(torch.isfinite(p.grad).all() for p in net.parameters()))
         if step == BAD_STEP:
-            out["buffers_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _buffers(state)))
+            out["buffers_unchanged"] = all(
+                torch.equal(a, b) for a, b in zip(before, _buffers(state), strict=True)
+            )
         if not out["errors"] or step != BAD_STEP:
             scaler.step(opt)
             scaler.update(1.0)
@@ -127,11 +130,11 @@ def test_skip_one_rank_inf_leaves_every_buffer_and_equals_a_run_without_that_ste
         assert r["finite_grads"] == [step != BAD_STEP for step in range(STEPS)]  # NaN on every rank
         assert r["buffers_unchanged"] and r["skipped"] == 1 and not r["errors"]
         assert all(torch.isfinite(b).all() for b in r["buffers"])
-        for a, b in zip(r["params"], bad[0]["params"]):
+        for a, b in zip(r["params"], bad[0]["params"], strict=True):
             assert torch.equal(a, b)  # ranks bit-identical
-        for a, b in zip(r["buffers"], reference[rank]["buffers"]):
+        for a, b in zip(r["buffers"], reference[rank]["buffers"], strict=True):
             assert torch.equal(a, b)  # every rank's error buffers as if the step never happened
-        for a, b in zip(r["params"], reference[0]["params"]):
+        for a, b in zip(r["params"], reference[0]["params"], strict=True):
             assert torch.equal(a, b)  # GradScaler skipped the step on every rank
 
 
@@ -147,7 +150,7 @@ def test_error_one_rank_inf_raises_on_every_rank_and_changes_no_buffer(world2):
         assert r["buffers_unchanged"] and r["skipped"] == 0
         assert all(r["finite_grads"][BAD_STEP + 1 :])  # training goes on after the error
         assert all(torch.isfinite(b).all() for b in r["buffers"])
-        for a, b in zip(r["params"], results[0]["params"]):
+        for a, b in zip(r["params"], results[0]["params"], strict=True):
             assert torch.equal(a, b)
 
 
@@ -155,7 +158,7 @@ def test_error_one_rank_inf_raises_on_every_rank_and_changes_no_buffer(world2):
 @pytest.mark.slow
 def test_an_empty_parameter_in_a_hook_bucket_sends_nothing(world2):
     for plain, with_empty in world2["empty"]:
-        assert all(torch.equal(a, b) for a, b in zip(plain[0], with_empty[0]))
+        assert all(torch.equal(a, b) for a, b in zip(plain[0], with_empty[0], strict=True))
         assert with_empty[1] == plain[1]
 
 

@@ -1,4 +1,5 @@
-"""Checkpointing the DDP hook's state: pickling, state dicts, exact resume (issue 14, point 4).
+"""Checkpointing the DDP hook's state (its error buffers are training state): pickling, state
+dicts, exact resume.
 
 A reference run trains STEPS steps and saves model, optimizer and hook state after some of
 them; fresh processes build a new DDP (whose first iteration uses DDP's initial buckets, not
@@ -151,17 +152,17 @@ def worlds(tmp_path_factory) -> dict[int, dict[str, list]]:
 @pytest.mark.parametrize("world, warmup", [(2, 0), (3, 0), (2, 2)])
 def test_a_restored_hook_state_resumes_bit_identically(worlds, world, warmup):
     reference, resumed = worlds[world][f"reference {warmup}"], worlds[world][f"resume {warmup}"]
-    for rank, ((final, saved, final_state), runs) in enumerate(zip(reference, resumed)):
+    for rank, ((final, saved, final_state), runs) in enumerate(zip(reference, resumed, strict=True)):
         if warmup == 0:  # the checkpoints were taken on DDP's initial buckets and on its rebuilt ones
             assert [saved[at]["buckets"] for at in SAVE_AT] == [1, 2]
         for at in SAVE_AT:
             for how in ("state_dict", "pickle"):
                 params, state = runs[at, how]
-                assert all(torch.equal(a, b) for a, b in zip(params, final)), (rank, at, how)
+                assert all(torch.equal(a, b) for a, b in zip(params, final, strict=True)), (rank, at, how)
                 assert _same_state(state, final_state), (rank, at, how)
             if saved[at]["buffers"]:  # control: without the error buffers the run goes elsewhere
                 assert saved[at]["buffers"] == len(COMPRESSED)
-                assert not all(torch.equal(a, b) for a, b in zip(runs[at, "fresh"][0], final))
+                assert not all(torch.equal(a, b) for a, b in zip(runs[at, "fresh"][0], final, strict=True))
             else:
                 assert at <= warmup
 

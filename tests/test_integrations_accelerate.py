@@ -43,10 +43,10 @@ def test_accelerate_resume_is_bit_identical_at_world_2(tmp_path, optimizer):
         assert ref[r]["lr"] == res[r]["lr"]
         if optimizer in ("demo", "adamw"):  # optimizer steps / hook iterations, resumed included
             assert ref[r]["steps"] == res[r]["steps"] == 6
-        for a, b in zip(ref[r]["params"], res[r]["params"]):
+        for a, b in zip(ref[r]["params"], res[r]["params"], strict=True):
             assert torch.equal(a, b), f"rank {r}: resumed parameters differ from the uninterrupted run"
     if optimizer != "sparseloco":  # DeMo and DDP keep the replicas bit-identical
-        for a, b in zip(ref[0]["params"], ref[1]["params"]):
+        for a, b in zip(ref[0]["params"], ref[1]["params"], strict=True):
             assert torch.equal(a, b)
 
 

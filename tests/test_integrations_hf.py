@@ -36,5 +36,7 @@ def test_trainer_resume_is_bit_identical_at_world_2(tmp_path, optimizer):
     for r in range(2):
         assert ref[r]["world"] == 2 and not ref[r]["ddp"] and not res[r]["ddp"]
     assert_resumed_like_the_reference(ref, res)
-    for a, b in zip(ref[0]["params"], ref[1]["params"]):  # the step ends on a sync: replicas agree
+    for a, b in zip(
+        ref[0]["params"], ref[1]["params"], strict=True
+    ):  # the step ends on a sync: replicas agree
         assert torch.equal(a, b)

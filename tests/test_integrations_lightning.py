@@ -37,7 +37,7 @@ def test_cokit_strategy_resume_is_bit_identical_at_world_2(tmp_path, optimizer):
     for r in range(2):
         assert ref[r]["wrapper"] == res[r]["wrapper"] == "Net"  # no DDP around the module
     assert_resumed_like_the_reference(ref, res)
-    for a, b in zip(ref[0]["params"], ref[1]["params"]):  # ranks started from rank 0's weights
+    for a, b in zip(ref[0]["params"], ref[1]["params"], strict=True):  # ranks started from rank 0's weights
         assert torch.equal(a, b)
 
 
@@ -53,9 +53,9 @@ def test_comm_hook_strategy_registers_the_hook_on_cpu_and_resumes_it(tmp_path):
         # once per optimizer step (accumulation: DDP's no_sync); the resumed state counts on
         assert ref[r]["hook_iterations"] == res[r]["hook_iterations"] == 6
         assert ref[r]["bytes_sent"] > 0
-        for a, b in zip(ref[r]["params"], res[r]["params"]):
+        for a, b in zip(ref[r]["params"], res[r]["params"], strict=True):
             assert torch.equal(a, b), f"rank {r}: resumed parameters differ from the uninterrupted run"
-    for a, b in zip(ref[0]["params"], ref[1]["params"]):
+    for a, b in zip(ref[0]["params"], ref[1]["params"], strict=True):
         assert torch.equal(a, b)
 
 

@@ -9,6 +9,14 @@ import os
 
 import pytest
 import torch
+from tolerances import (
+    BF16_AUTOCAST,
+    BIAS_GRAD_ATOL,
+    BIAS_GRAD_ROUNDINGS,
+    FP32_CLOSE,
+    UNIT_ROUNDOFF,
+    fp32_accumulation_bound,
+)
 
 import cokit.triton_kernels.linear as L
 from cokit.overlap.layers import Linear
@@ -19,7 +27,6 @@ from cokit.triton_kernels.linear import linear
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (in_features, out_features, batch dims): odd sizes (masked tiles), N-D and 1-D inputs
 SHAPES = [(17, 33, (2, 3)), (17, 33, ()), (40, 5, (7,))]
-OUT_EPS = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 SMALL = GemmConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_stages=1)
 
 
@@ -48,14 +55,15 @@ def gemm_calls(monkeypatch) -> list[dict]:
 
 def _check(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """``c`` equals ``a @ b (+ bias)`` (float64) within the fp32-accumulation bound
-    ``2 * (eps_out * |ref| + K * 2^-24 * (|a| @ |b| + |bias|))`` (as tests/test_gemm.py)."""
+    ``2 * (eps_out * |ref| + K * 2^-24 * (|a| @ |b| + |bias|))`` (``tolerances.
+    fp32_accumulation_bound``, as tests/test_gemm.py)."""
     ref = a.double() @ b.double()
     mag = a.double().abs() @ b.double().abs()
     if bias is not None:
         ref, mag = ref + bias.double(), mag + bias.double().abs()
     assert c.shape == ref.shape, (c.shape, ref.shape)
     assert torch.isfinite(c).all(), "output not fully written (NaN poison left)"
-    tol = 2 * (OUT_EPS[c.dtype] * ref.abs() + a.shape[1] * 2.0**-24 * mag) + 1e-30
+    tol = fp32_accumulation_bound(ref, mag, a.shape[1], c.dtype)
     worst = ((c.double() - ref).abs() / tol).max().item()
     assert worst <= 1.0, f"error exceeds bound by {worst:.2f}x"
 
@@ -102,7 +110,12 @@ def test_linear_grads_vs_float64(dtype, device, gemm_calls):
     assert x.grad.shape == x.shape and x.grad.dtype == dtype
     _check(x.grad.reshape(-1, 17), g2, w.detach())
     _check(w.grad, g2.t(), x2)
-    torch.testing.assert_close(b.grad.double(), g2.double().sum(0), rtol=OUT_EPS[dtype] * 4, atol=1e-5)
+    torch.testing.assert_close(
+        b.grad.double(),
+        g2.double().sum(0),
+        rtol=BIAS_GRAD_ROUNDINGS * UNIT_ROUNDOFF[dtype],
+        atol=BIAS_GRAD_ATOL,
+    )
 
 
 def test_linear_gradcheck_no_bias_1d(device):
@@ -111,8 +124,8 @@ def test_linear_gradcheck_no_bias_1d(device):
     gx, gw = torch.autograd.grad(linear(x, w).square().sum(), (x, w))
     x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
     rx, rw = torch.autograd.grad(torch.nn.functional.linear(x64, w64).square().sum(), (x64, w64))
-    torch.testing.assert_close(gx.double(), rx, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gw.double(), rw, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx.double(), rx, **FP32_CLOSE)
+    torch.testing.assert_close(gw.double(), rw, **FP32_CLOSE)
 
 
 # ---------------------------------------------------------------------- the op
@@ -140,15 +153,15 @@ def test_torch_compile_fullgraph_equals_eager(device):
     model.zero_grad()
     compiled = torch.compile(model, fullgraph=True)
     out = compiled(x)
-    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, eager, **FP32_CLOSE)
     out.sum().backward()
     for p, ref in zip(model.parameters(), grads, strict=True):
-        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p.grad, ref, **FP32_CLOSE)
     # dynamic batch dims and an N-D input through one graph
     dyn = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
     for shape in ((4, 17), (2, 5, 17)):
         x = torch.randn(*shape, device=device)
-        torch.testing.assert_close(dyn(x), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dyn(x), model(x), **FP32_CLOSE)
 
 
 def test_autocast_cpu_bf16_matches_nn_linear():
@@ -163,7 +176,7 @@ def test_autocast_cpu_bf16_matches_nn_linear():
         mixed = linear(x.half(), ref.weight, ref.bias)
         assert mixed.dtype == torch.nn.functional.linear(x.half(), ref.weight, ref.bias).dtype
     assert want.dtype == got.dtype == mixed.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(got.float(), want.float(), rtol=BF16_AUTOCAST, atol=BF16_AUTOCAST)
     got.float().sum().backward()
     assert mod.weight.grad is not None and mod.weight.grad.dtype == torch.float32
     # outside autocast: fp32 again
@@ -179,10 +192,10 @@ def test_init_matches_nn_linear_and_from_linear(device):
     assert torch.equal(mod.weight, ref.weight) and torch.equal(mod.bias, ref.bias)
     assert [n for n, _ in mod.named_parameters()] == [n for n, _ in ref.named_parameters()]
     x = torch.randn(2, 3, 17, device=device)
-    torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mod(x), ref(x), **FP32_CLOSE)
     shared = Linear.from_linear(ref, config=SMALL)
     assert shared.weight is ref.weight and shared.bias is ref.bias and shared.config == SMALL
-    torch.testing.assert_close(shared(x), ref(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared(x), ref(x), **FP32_CLOSE)
     # state dicts are interchangeable
     other = Linear(17, 33, device=device)
     other.load_state_dict(ref.state_dict())

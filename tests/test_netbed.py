@@ -73,12 +73,14 @@ def loopback_result():
 
 
 def _same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) and len(a) == len(b)
 
 
 def _assert_like_loopback(results, loopback_result) -> None:
     """Every rank ends with loopback's parameters (bitwise) and byte counts."""
-    for rank, ((params, _, comm), (ref, _, ref_comm)) in enumerate(zip(results, loopback_result)):
+    for rank, ((params, _, comm), (ref, _, ref_comm)) in enumerate(
+        zip(results, loopback_result, strict=True)
+    ):
         assert _same(params, ref), f"rank {rank}: parameters differ from loopback"
         assert comm == ref_comm
 

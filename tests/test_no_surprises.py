@@ -39,7 +39,7 @@ def _snapshot(model, opt):
 def _same(a, b) -> bool:
     return all(
         (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-        for x, y in zip(a, b)
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -242,11 +242,11 @@ def test_momentum_cycling_schedulers_drive_the_decay(name):
     decays = [d for _, d in used]
     assert len(set(decays)) > 3 and all(0.0 < d < 1.0 for d in decays)  # it really cycles
     ref_params, ref_opt = _replayed(used)
-    for p, q in zip(params, ref_params):
+    for p, q in zip(params, ref_params, strict=True):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["delta"], ref_opt.state[q]["delta"])
     fixed_params, _ = _replayed([(lr, 0.999) for lr, _ in used])
-    assert not all(torch.equal(p, q) for p, q in zip(params, fixed_params))  # the decay mattered
+    assert not all(torch.equal(p, q) for p, q in zip(params, fixed_params, strict=True))  # the decay mattered
 
 
 def test_the_decay_follows_a_float64_simulation_of_the_buffer():
@@ -369,7 +369,7 @@ def _overlap_with_scheduler(rank: int, world: int):
 def test_overlapped_buckets_use_the_scheduler_decay():
     for (sync_params, sync_decays), (ovl_params, ovl_decays) in run_gloo(2, _overlap_with_scheduler):
         assert sync_decays == ovl_decays and len(set(sync_decays)) > 2
-        assert all(torch.equal(a, b) for a, b in zip(sync_params, ovl_params))
+        assert all(torch.equal(a, b) for a, b in zip(sync_params, ovl_params, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

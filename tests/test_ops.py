@@ -43,7 +43,7 @@ def test_torch_compile_fullgraph(device):
     d_comp, p_comp = d_eager.clone(), p_eager.clone()
     eager = step(x, d_eager, g, p_eager)
     compiled = torch.compile(step, fullgraph=True, backend="inductor")(x, d_comp, g, p_comp)
-    for a, b in zip(eager, compiled):
+    for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(d_eager, d_comp) and torch.equal(p_eager, p_comp)
 

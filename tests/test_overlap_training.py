@@ -105,7 +105,7 @@ def test_tunes_one_class_at_a_time_locks_the_cheapest_and_reexplores_on_drift():
     clock = Clock()
     tuning = apply_overlap(model, opt, candidates=SMALL, clock=clock, trials=1, window=3, cooldown=3)
     first, second = tuning.classes
-    cost = {c.spec(): t for c, t in zip(SMALL, (5.0, 2.0, 3.0))}
+    cost = {c.spec(): t for c, t in zip(SMALL, (5.0, 2.0, 3.0), strict=True)}
     slow = {"penalty": 0.0}
 
     def step_cost(configs):  # the step time: both classes' GEMM costs (class 2 weighs less)
@@ -222,7 +222,7 @@ def _agreed(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     clock = Clock()
     tuning = apply_overlap(model, opt, candidates=SMALL, clock=clock, trials=1)
-    cost = {c.spec(): t for c, t in zip(SMALL, (3.0, 1.0, 2.0))}
+    cost = {c.spec(): t for c, t in zip(SMALL, (3.0, 1.0, 2.0), strict=True)}
     history = []
     for s in range(12):
         configs = tuning.configs()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from itertools import pairwise
 
 import pytest
 import torch
@@ -46,9 +47,9 @@ _BYTES = {
 
 
 def test_a_slow_link_walks_down_one_rung_per_patience_window_and_stops_at_the_bottom():
-    # a bandwidth-bound link (4 s per kB over 1 s of compute): every move down pays. (Before
-    # issue 35 this test fed the same 0.9 s whatever the bytes; the policy now gives back a
-    # move down that does not cut the exposure, see test_policy_no_regret.py.)
+    # a bandwidth-bound link (4 s per kB over 1 s of compute): every move down pays. (This
+    # test used to feed the same 0.9 s whatever the bytes; the policy now gives back a move
+    # down that does not cut the exposure, see test_policy_no_regret.py.)
     policy = BandwidthTargetPolicy(target=0.2, min_topk_scale=0.25, patience=1)
     seen, current = [], "k x1"
     for s in range(1, 10):
@@ -69,7 +70,7 @@ def test_a_slow_link_walks_down_one_rung_per_patience_window_and_stops_at_the_bo
 
 
 def test_a_fast_link_climbs_back_up_on_link_bound_evidence_and_probes_dense_only_when_cheap():
-    # Before issue 35 any exposure was scaled by bytes, 0.01 s as well as 0.0001 s: a payload
+    # The policy used to scale any exposure by bytes, 0.01 s as well as 0.0001 s: a payload
     # that rode a burst predicted that dense fits. Now only steps that loaded the link
     # (>= target / 4 of the step) predict, and a rung with no such evidence is a probe that
     # must fit probe_budget of the time so far.
@@ -116,8 +117,8 @@ def test_a_rung_measured_too_slow_recently_is_not_retried_until_its_memory_expir
     assert held == ["k x0.5"] * 10
     # 11 steps after k x1 was measured its memory has expired, and 1% exposed at k x0.5 did
     # not load the link: nothing predicts k x1, so it is a blind probe, charged one step
-    # (1 s) and taken once that is <= probe_budget (2%) of the time so far, at 50 s. (Before
-    # issue 35 it was retried from bytes at step 12.)
+    # (1 s) and taken once that is <= probe_budget (2%) of the time so far, at 50 s. (Without
+    # the probe budget it was retried from bytes at step 12.)
     later = [policy.decide(_obs(s, 0.01, sent=5_000)).describe() for s in range(12, 50)]
     assert later == ["k x0.5"] * 38
     assert policy.decide(_obs(50, 0.01, sent=5_000)).describe() == "k x1"
@@ -198,7 +199,7 @@ def test_a_state_from_other_settings_is_rejected():
 def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
     # the current rung hides its exposure (overlap), so nothing says whether dense fits; it
     # never does. Each failure (0.9 s) waits until 2**(failures - 1) x 0.9 s is <= 2% of the
-    # time since (before issue 35: only the measurement memory doubled, 8 probes in 120 steps)
+    # time since (without the probe budget only the measurement memory doubled: 8 probes in 120 steps)
     policy = BandwidthTargetPolicy(target=0.2, patience=0, memory_steps=5, allow_dense=True)
     probes = []
     for step in range(1, 1500):
@@ -206,9 +207,9 @@ def test_a_rung_that_fails_every_probe_is_probed_ever_more_rarely():
         decision = policy.decide(_obs(step, 0.9 if on_dense else 0.001, sent=1000, dense=32000))
         if decision.dense:
             probes.append(step)
-    assert all(b - a > 1 for a, b in zip(probes, probes[1:]))  # each failed probe costs one step
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(gaps) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), probes
+    assert all(b - a > 1 for a, b in pairwise(probes))  # each failed probe costs one step
+    gaps = [b - a for a, b in pairwise(probes)]
+    assert len(gaps) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in pairwise(gaps)), probes
     assert probes[0] == 50  # blind: once one step (1 s) is <= 2% of the time so far
 
 
@@ -267,7 +268,7 @@ def test_each_optimizer_takes_only_the_policies_it_can_follow():
 
 
 def test_the_default_ladder_starts_at_the_optimizers_own_settings_without_dense():
-    # issue 35's resilience runs (DeMo, 3 seeds): with three one-step dense probes per 100 Mbit
+    # the resilience benchmark (DeMo, 3 seeds): with three one-step dense probes per 100 Mbit
     # run no seed reached static DeMo's final loss, and going dense paid on no profile for
     # all seeds; dense is opt-in
     policy = BandwidthTargetPolicy()

@@ -131,7 +131,7 @@ def test_the_policy_follows_a_changing_link_with_the_same_decisions_on_every_ran
         assert [(e["step"], e["decision"]) for e in log] == [(e["step"], e["decision"]) for e in log0]
     # the slow stretch delays each collective: k x0.5 packs into fewer collectives than k x1
     # (0.5 s exposed instead of 0.75 s), so that move down pays; k x0.25 exposes the same
-    # 0.5 s, so it is given back (issue 35: before, it walked on to the bottom of the ladder,
+    # 0.5 s, so it is given back (without that rule it walked on to the bottom of the ladder:
     # fewer bytes for no speed)
     assert [e["decision"] for e in log0][:4] == ["k x1", "k x0.5", "k x0.25", "k x0.5"], log0
     assert phases[14][0] == "k x0.5", phases
@@ -257,8 +257,8 @@ def test_each_decision_changes_what_is_sent_and_ranks_stay_identical(world2):
 def test_a_skipped_sync_keeps_the_update_in_the_error_buffers(world2):
     for _flat, stats, skipped, before, after, deltas, new_deltas, grads in world2[SKIP.describe()]:
         assert skipped == 3
-        assert all(torch.equal(a, b) for a, b in zip(before, after))  # parameters unchanged
-        for old, new, g in zip(deltas, new_deltas, grads):
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # parameters unchanged
+        for old, new, g in zip(deltas, new_deltas, grads, strict=True):
             torch.testing.assert_close(new, 0.999 * old + 1e-3 * g, rtol=0, atol=1e-7)
         assert stats["step_sent_bytes"] == STATUS_ROW  # only the status exchange
 

@@ -1,4 +1,5 @@
-"""No-regret network policies (issue 35, item 6), on a small deterministic link simulator.
+"""No-regret network policies (never slower than the static settings), on a small deterministic
+link simulator.
 
 The simulator turns each :class:`Decision` into the :class:`Observation` a real link would give:
 compute ``C`` seconds, then the payload crosses a link of ``bandwidth`` bytes/s after
@@ -14,6 +15,7 @@ import copy
 import dataclasses
 import json
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -102,8 +104,8 @@ def test_a_refused_move_down_is_tried_again_ever_more_rarely():
     link = Link(compute_s=0.1, latency_s=0.1)
     decisions, _, _ = _run(BandwidthTargetPolicy(patience=2), link, 2000)
     trials = _probes(decisions, Decision(topk_scale=0.5))
-    gaps = [b - a for a, b in zip(trials, trials[1:])]
-    assert len(trials) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:]) if g1 < 900), trials
+    gaps = [b - a for a, b in pairwise(trials)]
+    assert len(trials) >= 3 and all(g2 > 1.5 * g1 for g1, g2 in pairwise(gaps) if g1 < 900), trials
 
 
 def test_a_fast_link_reaches_dense_and_stays():
@@ -122,7 +124,7 @@ def test_a_slow_link_with_a_burst_is_probed_for_dense_at_most_once_in_a_long_whi
     decisions, observations, total = _run(policy, link, 1000)
     probes = _probes(decisions, Decision(dense=True))
     assert len(probes) <= 1, probes
-    lost = sum(o.exposed_s for d, o in zip(decisions, observations) if d.dense)
+    lost = sum(o.exposed_s for d, o in zip(decisions, observations, strict=True) if d.dense)
     assert lost < 0.03 * total, (lost, total)
     assert total < 1.03 * _static_total(Link(compute_s=0.05, bandwidth=1.25e6, burst=70_000), 1000)
     assert decisions[-1] == Decision()
@@ -138,10 +140,10 @@ def test_small_payloads_inside_the_burst_do_not_predict_that_dense_fits():
     # the rest of a long run: few probes, each charged at what dense was measured to cost
     decisions, observations, total = _run(policy, link, 3000, first=41, obs=observations[-1])
     probes = _probes(decisions, Decision(dense=True))
-    lost = sum(o.exposed_s for d, o in zip(decisions, observations) if d.dense)
+    lost = sum(o.exposed_s for d, o in zip(decisions, observations, strict=True) if d.dense)
     assert 1 <= len(probes) <= 6 and lost < 0.01 * total, (probes, lost, total)
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert all(g2 > 1.5 * g1 for g1, g2 in zip(gaps, gaps[1:])), probes
+    gaps = [b - a for a, b in pairwise(probes)]
+    assert all(g2 > 1.5 * g1 for g1, g2 in pairwise(gaps)), probes
 
 
 def test_a_bandwidth_bound_link_moves_down_to_a_rung_that_fits_and_not_to_dense():
@@ -275,7 +277,7 @@ def test_interval_policy_does_not_flip_flop_on_a_burst_that_refills_only_in_wide
         return Link(bandwidth=68_000.0, burst=68_000)
 
     scales, total = _interval_run(IntervalPolicy(target=0.2, max_scale=8), link(), 400)
-    failed = sum(1 for a, b, c in zip(scales, scales[1:], scales[2:]) if b < a and c > b)
+    failed = sum(1 for a, b, c in zip(scales[:-2], scales[1:-1], scales[2:], strict=True) if b < a and c > b)
     assert 1 <= failed <= 6, scales
     wide, wide_total = _interval_run(IntervalPolicy(target=0.2, max_scale=8, headroom=1e-9), link(), 400)
     assert wide[-1] == 8
@@ -297,7 +299,7 @@ def test_interval_policy_halves_back_on_a_fast_link_and_resumes_exactly():
     b, _ = _interval_run(resumed, fast_b, 300)
     assert a == b
     assert a[-1] == 1  # the optimizer's own interval again, once the failed halving's cost is paid off
-    # a state saved before issue 35 (only the scale) still loads
+    # a state saved before the probe bookkeeping (only the scale) still loads
     old = IntervalPolicy(max_scale=8)
     old.load_state_dict({"scale": 4})
     assert old.state_dict() == {"scale": 4, "probe": None, "held": 0, "failed": {}, "elapsed": 0.0}

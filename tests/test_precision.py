@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from tolerances import STOCHASTIC_SIGMAS
 
 from cokit.compress import precision as prec
 from cokit.compress.precision import (
@@ -64,9 +65,10 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours(dtype, devic
         p = (x[0].item() - lo) / (hi - lo)
         sigma = (hi - lo) * math.sqrt(p * (1 - p) / DRAWS)
         mean = out.mean().item()
-        assert abs(mean - x[0].item()) <= 6 * sigma, (value, mean, 6 * sigma)
+        bound = STOCHASTIC_SIGMAS * sigma
+        assert abs(mean - x[0].item()) <= bound, (value, mean, bound)
         share_up = (out == hi).double().mean().item()
-        assert abs(share_up - p) <= 6 * math.sqrt(p * (1 - p) / DRAWS), (value, share_up, p)
+        assert abs(share_up - p) <= STOCHASTIC_SIGMAS * math.sqrt(p * (1 - p) / DRAWS), (value, share_up, p)
 
 
 @pytest.mark.parametrize("dtype", LOW)
@@ -213,9 +215,9 @@ def test_small_updates_survive_with_master_and_stochastic_but_not_nearest(dtype)
     assert bool((ends["nearest"] == 1.0).all())
     assert torch.equal(ends["master"], torch.full((n,), target).to(dtype).float())
     # Per weight the stochastic sum has variance <= steps * spacing**2 / 4 (spacing 2**-8 or
-    # 2**-11 below 1); the mean over n weights is within 6 sigma of the target.
+    # 2**-11 below 1); the mean over n weights is within STOCHASTIC_SIGMAS (6) sigma of the target.
     spacing = 2**-8 if dtype == torch.bfloat16 else 2**-11
-    bound = 6 * math.sqrt(steps / 4 / n) * spacing
+    bound = STOCHASTIC_SIGMAS * math.sqrt(steps / 4 / n) * spacing
     assert abs(ends["stochastic"].mean().item() - target) <= bound
 
 
@@ -363,7 +365,7 @@ def test_fp16_round_up_probability_is_exact():
     lo, hi = neighbours(x, torch.float16)
     q, spacing, threshold = prec._fp16_split(x)
     for xi, l, h, t, qi, s in zip(
-        x.tolist(), lo.tolist(), hi.tolist(), threshold.tolist(), q.tolist(), spacing.tolist()
+        x.tolist(), lo.tolist(), hi.tolist(), threshold.tolist(), q.tolist(), spacing.tolist(), strict=True
     ):
         lower = min(abs(l), abs(h))
         assert Fraction(qi) * Fraction(s) == Fraction(lower)

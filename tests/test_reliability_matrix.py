@@ -1,4 +1,4 @@
-"""The reliability matrix: every front end against every fault, on real gloo (issue 33).
+"""The reliability matrix: every front end against every fault, on real gloo.
 
 Front ends: DeMo (its reference payload, one tensor per collective; compact payloads in many
 buckets; overlapped with backward), SparseLoCo and the DDP hook. Faults, brought in by the last rank at one step (tests/matrix_rank.py): a frozen peer

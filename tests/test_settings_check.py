@@ -1,4 +1,5 @@
-"""DeMo: every rank must use the same settings; empty parameters; bad arguments (issue 16)."""
+"""DeMo: every rank must use the same settings (or payloads are decoded wrongly); empty parameters;
+bad arguments."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _snapshot(params, opt) -> list[torch.Tensor]:
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 # One value per rank for each setting: (keyword, rank 0, rank 1, text naming it in the error).
@@ -156,7 +157,9 @@ def _overlap_on_one_rank(rank: int, world: int):
         message = "no error"
     except (ValueError, RuntimeError) as exc:
         message = str(exc)
-    return message, all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    return message, all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    ) and not opt.state
 
 
 @pytest.mark.distributed
@@ -200,7 +203,7 @@ def _added_groups(rank: int, world: int, overlap: bool):
 def test_settings_are_checked_again_after_add_param_group(overlap):
     results = run_gloo(2, _added_groups, overlap)
     for trained, message, unchanged in results:
-        assert all(torch.equal(a, b) for a, b in zip(trained, results[0][0]))  # ranks agree
+        assert all(torch.equal(a, b) for a, b in zip(trained, results[0][0], strict=True))  # ranks agree
         assert "param group 2 setting 'lr' is 0.03 on rank [0], 0.04 on rank [1]" in message, message
         assert unchanged
     assert not torch.equal(results[0][0][0], torch.nn.Linear(16, 32).weight)  # the new group stepped
@@ -246,8 +249,8 @@ def test_an_empty_parameter_sends_nothing_and_changes_nothing(payload, overlap):
     results = run_gloo(world, _with_an_empty_param, payload, overlap)
     for runs in results:
         plain, with_empty = runs[False], runs[True]
-        assert all(torch.equal(a, b) for a, b in zip(plain[0], with_empty[0]))  # same steps
-        assert all(torch.equal(a, b) for a, b in zip(with_empty[0], results[0][True][0]))
+        assert all(torch.equal(a, b) for a, b in zip(plain[0], with_empty[0], strict=True))  # same steps
+        assert all(torch.equal(a, b) for a, b in zip(with_empty[0], results[0][True][0], strict=True))
         # it adds no byte: the status row has one size whatever the parameters
         assert with_empty[1] == plain[1]
         assert not with_empty[2] and with_empty[3] == (0, 5)
@@ -329,7 +332,7 @@ def _slightly_other_lr(rank: int, world: int, lr: float):
             message = "no error"
         except ValueError as exc:
             message = str(exc)
-    return message, all(torch.equal(a, b) for a, b in zip(before, params))
+    return message, all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
 
 
 @pytest.mark.distributed

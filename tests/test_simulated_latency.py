@@ -72,7 +72,7 @@ def test_simulated_latency_changes_nothing_but_time():
         params, stats, _, _ = runs["plain"]
         for name in ("seed0", "seed0_again", "seed1"):
             other, other_stats, delays, added = runs[name]
-            assert all(torch.equal(a, b) for a, b in zip(params, other)), (
+            assert all(torch.equal(a, b) for a, b in zip(params, other, strict=True)), (
                 f"rank {rank}: {name} changed params"
             )
             assert other_stats == stats, f"rank {rank}: {name} changed byte counts"
@@ -82,7 +82,7 @@ def test_simulated_latency_changes_nothing_but_time():
             assert 0 < added <= sum(delays) + 1e-6
         op, op_stats, _, _ = runs["overlap_plain"]
         lat, lat_stats, _, _ = runs["overlap_seed0"]
-        assert all(torch.equal(a, b) for a, b in zip(op, lat)) and lat_stats == op_stats
+        assert all(torch.equal(a, b) for a, b in zip(op, lat, strict=True)) and lat_stats == op_stats
         delays0 = runs["seed0"][2]
         assert runs["seed0_again"][2] == delays0  # same seed, same delays
         assert runs["seed1"][2] != delays0
@@ -102,7 +102,7 @@ def test_latency_profile_applies_through_the_testbed():
         assert "simulated" in bed.profile.describe()
         results = bed.spawn(_testbed_run, 3, timeout=300)
     for with_latency, plain in results:
-        assert all(torch.equal(a, b) for a, b in zip(with_latency[0], plain[0]))
+        assert all(torch.equal(a, b) for a, b in zip(with_latency[0], plain[0], strict=True))
         assert with_latency[1] == plain[1]
         assert with_latency[2] and 0 < with_latency[3] <= sum(with_latency[2]) + 1e-6
         assert plain[2] is None  # outside the latency run, nothing is wrapped

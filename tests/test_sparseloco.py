@@ -285,7 +285,7 @@ def _simulate(world: int, options: dict) -> list[list[torch.Tensor]]:
             for h in range(H):
                 for i in range(len(SHAPES)):
                     local[i] -= LR * _grad(r, sync * H + h, i, SHAPES[i]).double()
-            deltas.append([g - x for g, x in zip(theta, local)])
+            deltas.append([g - x for g, x in zip(theta, local, strict=True)])
         for i, shape in enumerate(SHAPES):
             if dense[i]:
                 mean = sum(d[i] for d in deltas) / world
@@ -326,7 +326,7 @@ def _expected_sent(world: int, options: dict) -> list[int]:
     n = len(SHAPES)
     codec = get_codec(payload)
     dense = [topk is None or sends_dense(s, CHUNK, topk, codec, torch.bfloat16, world) for s in SHAPES]
-    tilings = [tiling.TensorTiling.of(s, CHUNK) for s, d in zip(SHAPES, dense) if not d]
+    tilings = [tiling.TensorTiling.of(s, CHUNK) for s, d in zip(SHAPES, dense, strict=True) if not d]
     slots = sum(t.n_tiles * t.k_eff(topk) for t in tilings) if tilings else 0
     tiles = sum(t.n_tiles for t in tilings)
     payload_bytes = (
@@ -338,7 +338,7 @@ def _expected_sent(world: int, options: dict) -> list[int]:
         if tilings
         else 0
     )
-    dense_numel = sum(math.prod(s) for s, d in zip(SHAPES, dense) if d)
+    dense_numel = sum(math.prod(s) for s, d in zip(SHAPES, dense, strict=True) if d)
     sync = (
         (world - 1) * STATUS_ROW + (world - 1) * payload_bytes + (2 * (world - 1) * 4 * dense_numel) // world
     )
@@ -359,9 +359,9 @@ def _check_against_simulation(results, world, names):
             got = res["sim"][name]
             assert got["syncs"] == 2
             for s in range(2):
-                for a, b in zip(got["snaps"][s], results[0]["sim"][name]["snaps"][s]):
+                for a, b in zip(got["snaps"][s], results[0]["sim"][name]["snaps"][s], strict=True):
                     assert torch.equal(a, b), f"{name}: ranks differ after sync {s + 1}"
-                for i, (a, b) in enumerate(zip(got["snaps"][s], want[s])):
+                for i, (a, b) in enumerate(zip(got["snaps"][s], want[s], strict=True)):
                     torch.testing.assert_close(
                         a.double(),
                         b,
@@ -389,11 +389,11 @@ def test_resume_is_exact_mid_period_and_at_a_sync_and_inner_state_stays_local(wo
     for res in world2:
         assert res["resume"]["since_sync"] == {4: 1, 6: 0}
         for at, (params, sent) in res["resume"]["resumed"].items():
-            for a, b in zip(params, res["resume"]["final"]):
+            for a, b in zip(params, res["resume"]["final"], strict=True):
                 assert torch.equal(a, b), f"resumed at step {at}"
             assert sent == res["resume"]["sent"]
     r0, r1 = (res["resume"] for res in world2)
-    for a, b in zip(r0["final"], r1["final"]):
+    for a, b in zip(r0["final"], r1["final"], strict=True):
         assert torch.equal(a, b)  # step 9 ends with the third sync: replicas identical
     assert not torch.equal(r0["exp_avg"], r1["exp_avg"])  # AdamW moments: each rank's own
     assert not torch.equal(r0["error"], r1["error"])  # error buffers too
@@ -428,7 +428,7 @@ def test_nonfinite_pseudo_gradients_and_differing_settings_raise_or_skip_on_ever
             for mode, syncs in (("error", (0, 0, 0, resets)), ("skip", (0, 1, 0, resets))):
                 assert f[f"{kind} {mode} state same"] and f[f"{kind} {mode} counts"] == syncs, (kind, mode)
                 assert f[f"{kind} {mode} inner finite"]
-            for p, g in zip(f[f"{kind} skip params"], f[f"{kind} skip global"]):
+            for p, g in zip(f[f"{kind} skip params"], f[f"{kind} skip global"], strict=True):
                 assert torch.equal(p, g)  # every rank back at theta_global
             assert f[f"{kind} skip then sync"][1] == 1  # the next period syncs
         assert (
@@ -439,7 +439,7 @@ def test_nonfinite_pseudo_gradients_and_differing_settings_raise_or_skip_on_ever
         assert "parameter 'param 0' (32, 48) differs between the ranks" in f["weights"]
     for res in results:
         for key in ("grad skip then sync", "overflow skip then sync"):
-            for a, b in zip(res["faults"][key][0], results[0]["faults"][key][0]):
+            for a, b in zip(res["faults"][key][0], results[0]["faults"][key][0], strict=True):
                 assert torch.equal(a, b)  # replicas bit-identical after the skip
 
 
@@ -511,7 +511,9 @@ def test_single_process_defaults_schedulers_and_low_precision():
                 p.grad = torch.ones_like(p)
             o.step()
         assert o.syncs == 1
-        shift = torch.cat([(o.state[p]["global"] - s).flatten() for p, s in zip(lin.parameters(), start)])
+        shift = torch.cat(
+            [(o.state[p]["global"] - s).flatten() for p, s in zip(lin.parameters(), start, strict=True)]
+        )
         moved[precision] = float((shift != 0).float().mean())
         if precision == "master":
             assert o.inner.param_groups[0]["params"][0].dtype == torch.float32
@@ -562,7 +564,7 @@ def test_synchronized_swaps_in_the_last_syncs_weights_and_restores_the_local_one
     opt = method.optimizer
     before = [p.detach().clone() for p in net.parameters()]
     with method.evaluation():  # before the first step: nothing to swap
-        assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+        assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
     x = torch.randn(8, 4)
     for _ in range(3):  # a sync at step 2, then one local step
         net(x).square().mean().backward()
@@ -570,10 +572,10 @@ def test_synchronized_swaps_in_the_last_syncs_weights_and_restores_the_local_one
         method.zero_grad()
     local = [p.detach().clone() for p in net.parameters()]
     shared = [opt.state[p]["global"].clone() for p in net.parameters()]
-    assert not all(torch.equal(a, b) for a, b in zip(local, shared))
+    assert not all(torch.equal(a, b) for a, b in zip(local, shared, strict=True))
     with opt.synchronized():
-        assert all(torch.equal(p, g) for p, g in zip(net.parameters(), shared))
-    assert all(torch.equal(p, a) for p, a in zip(net.parameters(), local))  # bit for bit
+        assert all(torch.equal(p, g) for p, g in zip(net.parameters(), shared, strict=True))
+    assert all(torch.equal(p, a) for p, a in zip(net.parameters(), local, strict=True))  # bit for bit
 
 
 @pytest.mark.parametrize("dct", [False, True])
@@ -591,7 +593,7 @@ def test_the_triton_kernels_give_the_sync_of_the_torch_references(dct, monkeypat
             opt.step()
         assert opt.syncs == 1
         out[interpret] = [p.detach().clone() for p in params] + [opt.state[params[0]]["error"].clone()]
-    for a, b in zip(out["1"], out["0"]):
+    for a, b in zip(out["1"], out["0"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

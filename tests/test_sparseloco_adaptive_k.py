@@ -1,4 +1,5 @@
-"""SparseLoCo's ``adaptive_topk`` (issue 35) on real gloo groups (world 2 and 3): the top-k
+"""SparseLoCo's ``adaptive_topk`` (against the gap that grows with training) on real gloo groups
+(world 2 and 3): the top-k
 budget redistributed by the energy each selection captures. Replicas and k's bit-identical on
 every rank, the captured shares against a float64 reference, bytes per step from first
 principles (payloads from the current k's + the shares' all-gather), the budget kept, exact
@@ -255,7 +256,7 @@ def test_replicas_and_ks_stay_identical_and_bytes_follow_the_current_ks(results)
             assert got["syncs"] == len(syncs)
             assert got["topks"] == first["topks"] and got["shares"] == first["shares"], name
             for s in syncs:
-                for a, b in zip(got["snaps"][s], first["snaps"][s]):
+                for a, b in zip(got["snaps"][s], first["snaps"][s], strict=True):
                     assert torch.equal(a, b), f"{name}: ranks differ after step {s + 1}"
             expected = _expected_sent(world, got["topks"])
             assert got["sent"] == expected, name
@@ -310,11 +311,11 @@ def test_resume_right_after_a_k_change_and_mid_period_is_exact(world2):
         assert r["saved topks"][H] != [[0, K], [1, K]]  # the first sync changed the k's
         assert r["saved topks"][H] == r["saved topks"][H + 2]
         for at, (params, sent, topks) in r["resumed"].items():
-            for a, b in zip(params, r["final"]):
+            for a, b in zip(params, r["final"], strict=True):
                 assert torch.equal(a, b), f"resumed at step {at}"
             assert sent == r["sent"]
             assert topks == r["topks"][at:]
-    for a, b in zip(world2[0]["resume"]["final"], world2[1]["resume"]["final"]):
+    for a, b in zip(world2[0]["resume"]["final"], world2[1]["resume"]["final"], strict=True):
         assert torch.equal(a, b)  # the run ends with a sync
 
 
@@ -336,7 +337,7 @@ def test_a_small_regression_with_adaptive_topk_trains_to_a_low_loss(world2):
         assert reg["losses"][-1] < 0.02 * reg["losses"][0], (reg["losses"][0], reg["losses"][-1])
         assert reg["syncs"] == 30 and reg["compressed"] == 5  # the weights, biases and norm
         assert reg["topk"] == world2[0]["regression"]["topk"]
-    for a, b in zip(world2[0]["regression"]["params"], world2[1]["regression"]["params"]):
+    for a, b in zip(world2[0]["regression"]["params"], world2[1]["regression"]["params"], strict=True):
         assert torch.equal(a, b)  # step 150 is a sync
 
 
@@ -372,7 +373,7 @@ def test_the_rule_settles_instead_of_swinging_between_syncs():
     counts, sizes = [4, 4], [256, 256]
     ks, history = [K, K], []
     for _ in range(12):
-        missed = [min(1.0, c / k) for c, k in zip(hardness, ks)]
+        missed = [min(1.0, c / k) for c, k in zip(hardness, ks, strict=True)]
         ks = redistribute_topk([1 - m for m in missed], counts, sizes, K, current=ks)
         history.append(ks)
     assert history[-1] == history[-2] == history[-3], history
@@ -390,9 +391,9 @@ def test_the_rule_keeps_the_budget_and_the_range_on_random_shares_deterministica
         shares = [rng.random() for _ in range(n)]
         ks = redistribute_topk(shares, counts, sizes, topk, k_range)
         assert ks == redistribute_topk(list(shares), list(counts), list(sizes), topk, k_range)
-        budget = sum(c * min(topk, s) for c, s in zip(counts, sizes))
-        assert sum(c * k for c, k in zip(counts, ks)) <= budget
-        for k, s in zip(ks, sizes):
+        budget = sum(c * min(topk, s) for c, s in zip(counts, sizes, strict=True))
+        assert sum(c * k for c, k in zip(counts, ks, strict=True)) <= budget
+        for k, s in zip(ks, sizes, strict=True):
             low = min(s, max(1, math.ceil(k_range[0] * topk - 1e-9)))
             assert low <= k <= min(s, max(low, math.floor(k_range[1] * topk + 1e-9)))
 
@@ -449,7 +450,7 @@ def test_bad_adaptive_input_fails_clearly_before_anything_changes(kwargs, error,
     before = [p.detach().clone() for p in params]
     with pytest.raises(error, match=match):
         SparseLoCo(params, topk=kwargs.pop("topk", K), **kwargs)
-    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
 
 
 def test_the_option_off_keeps_settings_and_plan_and_a_changed_option_refuses_to_load():
@@ -477,7 +478,7 @@ def test_the_option_off_keeps_settings_and_plan_and_a_changed_option_refuses_to_
         before = [p.detach().clone() for p in opt._model_params]
         with pytest.raises(ValueError, match=match):
             opt.load_state_dict(sd)
-        assert all(torch.equal(a, p) for a, p in zip(before, opt._model_params))
+        assert all(torch.equal(a, p) for a, p in zip(before, opt._model_params, strict=True))
         assert opt._steps == 0 and opt.current_topk == {0: K, 1: K}
 
     refused(_opt(_params(), adaptive_topk=False), state, "setting 'adaptive_topk' was True, is False now")

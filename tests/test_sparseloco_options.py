@@ -1,4 +1,5 @@
-"""SparseLoCo's issue-35 options on real gloo groups (world 2 and 3): a dense warm-up, per-layer
+"""SparseLoCo's options against the gap that grows with training, on real gloo groups (world 2
+and 3): a dense warm-up, per-layer
 dense exchange (``dense_params``) and the hybrid Muon inner optimizer. Replicas bit-identical,
 bytes per step from first principles, float64 references, exact resume, bad input."""
 
@@ -34,7 +35,7 @@ CONFIGS = {
 
 
 def _named(params):
-    return list(zip(NAMES, params))
+    return list(zip(NAMES, params, strict=True))
 
 
 def _opt(params, inner: str = "sgd", **kwargs) -> SparseLoCo:
@@ -105,7 +106,9 @@ def _warmup_faults(rank: int, world: int) -> dict:
                 except FloatingPointError as exc:
                     out[f"{case} message"] = str(exc)
                 if step == 1:
-                    out[f"{case} unchanged"] = all(torch.equal(a, p) for a, p in zip(before, params))
+                    out[f"{case} unchanged"] = all(
+                        torch.equal(a, p) for a, p in zip(before, params, strict=True)
+                    )
                     del opt.grad_scale, opt.found_inf
                     if case == "error":
                         break
@@ -227,12 +230,19 @@ def _expected_sent(world: int, options: dict, steps: int) -> list[int]:
     warm = options.get("dense_warmup", 0)
     forced = [any(s in name for s in options.get("dense_params", ())) for name in NAMES]
     codec = get_codec("int2")
-    dense = [f or sends_dense(s, CHUNK, K, codec, torch.bfloat16, world) for s, f in zip(SHAPES, forced)]
-    dense_numel = sum(math.prod(s) for s, d in zip(SHAPES, dense) if d)
+    dense = [
+        f or sends_dense(s, CHUNK, K, codec, torch.bfloat16, world)
+        for s, f in zip(SHAPES, forced, strict=True)
+    ]
+    dense_numel = sum(math.prod(s) for s, d in zip(SHAPES, dense, strict=True) if d)
     total_numel = sum(math.prod(s) for s in SHAPES)
     ring = lambda numel: (2 * (world - 1) * 4 * numel) // world  # noqa: E731
     row = (world - 1) * STATUS_ROW
-    sync = row + (world - 1) * _int2_bytes([s for s, d in zip(SHAPES, dense) if not d]) + ring(dense_numel)
+    sync = (
+        row
+        + (world - 1) * _int2_bytes([s for s, d in zip(SHAPES, dense, strict=True) if not d])
+        + ring(dense_numel)
+    )
     sent = [0] * steps
     sent[0] += (world - 1) * (STATUS_ROW + 8 * len(SHAPES))
     for step in range(warm):
@@ -265,7 +275,9 @@ def _sgd_reference(world: int, steps: int, warm: int, dense: tuple[int, ...] = (
 def _identical(res_list, name: str, steps: list[int]) -> None:
     for res in res_list:
         for s in steps:
-            for a, b in zip(res["configs"][name]["snaps"][s], res_list[0]["configs"][name]["snaps"][s]):
+            for a, b in zip(
+                res["configs"][name]["snaps"][s], res_list[0]["configs"][name]["snaps"][s], strict=True
+            ):
                 assert torch.equal(a, b), f"{name}: ranks differ after step {s + 1}"
 
 
@@ -285,7 +297,7 @@ def test_dense_warmup_keeps_replicas_identical_and_counts_ring_all_reduce_bytes(
         assert not got["follows"][WARM]  # then local steps
         # the warm-up is data-parallel SGD on the mean gradient (float64 reference)
         want = _sgd_reference(world, WARM, WARM)
-        for a, b in zip(got["snaps"][WARM - 1], want):
+        for a, b in zip(got["snaps"][WARM - 1], want, strict=True):
             torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-6)
         # the compressed sync that follows starts from there: the dense tensor (5,) averages exactly
         want = _sgd_reference(world, steps, WARM, dense=(2,))
@@ -340,7 +352,7 @@ def test_a_nonfinite_gradient_or_found_inf_in_the_warmup_raises_or_skips_on_ever
         assert "at dense warm-up step 2" in f["skip warnings"][0]
         assert f["found_inf warnings"] == []
         for case in ("skip", "found_inf"):
-            for a, b in zip(f[f"{case} params"], res_list[0]["faults"][f"{case} params"]):
+            for a, b in zip(f[f"{case} params"], res_list[0]["faults"][f"{case} params"], strict=True):
                 assert torch.equal(a, b)  # the warm-up goes on, replicas identical
 
 
@@ -353,11 +365,13 @@ def test_resume_mid_warmup_and_mid_period_is_exact(world2):
             assert {at: c["steps"] for at, c in r["counters"].items()} == {2: 2, 5: 5}
             assert r["counters"][5]["since_sync"] == 2
             for at, (params, sent) in r["resumed"].items():
-                for a, b in zip(params, r["final"]):
+                for a, b in zip(params, r["final"], strict=True):
                     assert torch.equal(a, b), f"{inner}: resumed at step {at}"
                 assert sent == r["sent"]
     for inner in ("muon", "sgd"):
-        for a, b in zip(world2[0]["resume"][inner]["final"], world2[1]["resume"][inner]["final"]):
+        for a, b in zip(
+            world2[0]["resume"][inner]["final"], world2[1]["resume"][inner]["final"], strict=True
+        ):
             assert torch.equal(a, b)  # the run ends with a sync
 
 
@@ -367,7 +381,7 @@ def test_a_small_regression_with_every_option_trains_to_a_low_loss(world2):
         losses = res["regression"]["losses"]
         assert losses[-1] < 0.02 * losses[0], (losses[0], losses[-1])
         assert res["regression"]["syncs"] == (150 - 10) // 5
-    for a, b in zip(world2[0]["regression"]["params"], world2[1]["regression"]["params"]):
+    for a, b in zip(world2[0]["regression"]["params"], world2[1]["regression"]["params"], strict=True):
         assert torch.equal(a, b)  # step 150 is a sync
 
 
@@ -402,7 +416,7 @@ def test_bad_option_input_fails_clearly_before_anything_changes(kwargs, named, e
     before = [p.detach().clone() for p in params]
     with pytest.raises(error, match=match):
         SparseLoCo(_named(params) if named else params, **kwargs)
-    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
 
 
 def test_options_off_keep_the_settings_and_a_changed_option_refuses_to_load():
@@ -479,7 +493,12 @@ def test_muon_steps_vectors_embeddings_and_heads_with_adamw_exactly():
         ("c", col),
     ]
     params = [torch.nn.Parameter(t.clone()) for _, t in named]
-    opt = Muon([(n, p) for (n, _), p in zip(named, params)], lr=0.04, adamw_lr_ratio=0.25, weight_decay=0.1)
+    opt = Muon(
+        [(n, p) for (n, _), p in zip(named, params, strict=True)],
+        lr=0.04,
+        adamw_lr_ratio=0.25,
+        weight_decay=0.1,
+    )
     group = opt.param_groups[0]
     assert [opt.uses_muon(p, group) for p in params] == [False, True, False, False, False]
     assert set(EXCLUDE) >= {"embed", "head"}
@@ -488,13 +507,13 @@ def test_muon_steps_vectors_embeddings_and_heads_with_adamw_exactly():
     ref = torch.optim.AdamW(twins, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
     for _ in range(3):
         grads = [torch.randn(p.shape) for p in params]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
-        for p, g in zip(twins, [g for i, g in enumerate(grads) if i != 1]):
+        for p, g in zip(twins, [g for i, g in enumerate(grads) if i != 1], strict=True):
             p.grad = g.clone()
         opt.step()
         ref.step()
-    for p, t in zip([p for i, p in enumerate(params) if i != 1], twins):
+    for p, t in zip([p for i, p in enumerate(params) if i != 1], twins, strict=True):
         assert torch.equal(p, t)
     # without names only the shape decides; a group flag overrides it
     plain = Muon([torch.nn.Parameter(emb.clone())])
@@ -544,7 +563,7 @@ def test_muon_state_dict_round_trips_exactly():
     opt2 = Muon(again, weight_decay=0.01)
     opt2.load_state_dict(saved)
     run(opt2, again, range(3, 6))
-    for a, b in zip(params, again):
+    for a, b in zip(params, again, strict=True):
         assert torch.equal(a, b)
 
 

@@ -9,7 +9,8 @@ fp32 accumulation. The interpreter stores bf16 as its raw 16 bits and multiplies
 the tensor cores multiply (bf16 products are exact in fp32). The interpreter rounds fp32 to
 bf16 by truncation where the GPU rounds to nearest even; either way the three terms leave
 less than 2^-24 of each operand out. Results are checked against
-float64 at the fp32 accuracy class of the tolerance table (relative error <= 1e-5).
+float64 at the fp32 accuracy class, ``FP32_CLASS`` in tests/tolerances.py (relative error
+<= 1e-5).
 """
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 import triton.language as tl
 from helpers import SHAPES, poison, rel_err  # noqa: F401
+from tolerances import FP32_CLASS
 
 from cokit.triton_kernels import compress_config, dct
 from cokit.triton_kernels.error_feedback import (
@@ -25,8 +27,6 @@ from cokit.triton_kernels.error_feedback import (
     ef_encode,
     ef_encode_reference,
 )
-
-FP32_CLASS = 1e-5
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_bf16x6_error_feedback_matches_float64(device):
     grads = [torch.randn(s, device=device) for s in SHAPES]
     deltas = [torch.randn(s, device=device) for s in SHAPES]
     ref = [d.double() for d in deltas]
-    before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads)]
+    before = [0.9 * d.double() + 0.05 * g.double() for d, g in zip(deltas, grads, strict=True)]
     idx, vals = ef_encode(deltas, grads, beta=0.9, lr=0.05, chunk=64, k=32, alpha=0.8)
     ref_idx, ref_vals = ef_encode_reference(
         ref,
@@ -84,7 +84,7 @@ def test_bf16x6_error_feedback_matches_float64(device):
     )
     assert torch.equal(idx.long(), ref_idx.long())
     assert rel_err(vals, ref_vals) <= FP32_CLASS
-    for d, r, b in zip(deltas, ref, before):
+    for d, r, b in zip(deltas, ref, before, strict=True):
         assert (d.double() - r).norm() <= FP32_CLASS * b.norm()
 
     params = [torch.randn(s, device=device) for s in SHAPES]
@@ -104,5 +104,5 @@ def test_bf16x6_error_feedback_matches_float64(device):
         use_sign=False,
         dtype=torch.float64,
     )
-    for p, r in zip(params, ref_params):
+    for p, r in zip(params, ref_params, strict=True):
         assert rel_err(p, r) <= FP32_CLASS

@@ -349,7 +349,7 @@ def test_gloo_demo_run_writes_one_file_per_rank_and_rank0_summaries(tmp_path):
         assert kinds.count("step") == 3
         assert kinds.count("summary") == (3 if rank == 0 else 0)
         steps = [r for r in records if r["kind"] == "step"]
-        for rec, stats in zip(steps, results[rank]):
+        for rec, stats in zip(steps, results[rank], strict=True):
             comm = rec["comm"]
             assert comm["sent_bytes"] == stats["step_sent_bytes"] > 0
             assert comm["received_bytes"] == stats["step_received_bytes"]
@@ -365,7 +365,7 @@ def test_gloo_demo_run_writes_one_file_per_rank_and_rank0_summaries(tmp_path):
     summaries = [r for r in by_rank[0] if r["kind"] == "summary"]
     steps0 = [r for r in by_rank[0] if r["kind"] == "step"]
     steps1 = [r for r in by_rank[1] if r["kind"] == "step"]
-    for s, a, b in zip(summaries, steps0, steps1):
+    for s, a, b in zip(summaries, steps0, steps1, strict=True):
         assert s["step"] == a["step"] == b["step"] and s["ranks"] == 2
         assert s["step_s_max"] == max(a["step_s"], b["step_s"])
         assert s["step_s_min"] == min(a["step_s"], b["step_s"])
@@ -386,7 +386,7 @@ def _train_worker(rank: int, world: int, out: str):
 
 def test_training_runner_writes_telemetry_per_method(tmp_path):
     results = run_gloo(2, _train_worker, str(tmp_path))
-    for run, (bytes_sent, evals) in zip(("t-AdamW", "t-DeMo"), results[0]):
+    for run, (bytes_sent, evals) in zip(("t-AdamW", "t-DeMo"), results[0], strict=True):
         records = _lines(tmp_path, run, 0)
         assert records[0]["method"] == run.split("-")[1].lower()
         steps = [r for r in records if r["kind"] == "step"]

@@ -163,7 +163,7 @@ def test_export_csv_round_trip_equals_the_jsonl(tmp_path, capsys):
     for rank, records in enumerate(per_rank):
         rows = _csv_rows(_run_folder(tmp_path) / f"rank{rank}.csv")
         assert [r["kind"] for r in rows] == ["meta", "step", "step", "end"]
-        for row, record in zip(rows, records):
+        for row, record in zip(rows, records, strict=True):
             flat = table_row(record)
             assert {k: v for k, v in row.items() if v != ""} == {
                 k: _as_csv(v) for k, v in flat.items() if v is not None

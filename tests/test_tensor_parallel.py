@@ -59,7 +59,7 @@ def error_bounds(x, weights, biases, r, world):
     M = x.shape[0]
     a, ea = x, torch.zeros_like(x)
     acts, pre = [], []
-    for i, (w, b) in enumerate(zip(weights, biases)):
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
         w = w.detach().double()
         bd = b.detach().double() if b is not None else torch.zeros(w.shape[0], dtype=torch.float64)
         h = a @ w.T + bd
@@ -171,7 +171,7 @@ def _case(
         check("grad_x", xt.grad, xd.grad[x_region], full(bounds["x"])[x_region])
     else:
         out["grad_x_none"] = (xt.grad is None, 0.0, 0)
-    for i, (t, d) in enumerate(zip(tp, dense)):
+    for i, (t, d) in enumerate(zip(tp, dense, strict=True)):
         wsl = (feats(d.out_features),) if t.partition_dim == 0 else (slice(None), feats(d.in_features))
         check(f"grad_w{i}", t.weight.grad, d.weight.grad[wsl], bounds[f"w{i}"][wsl])
         if bias:

@@ -1,4 +1,4 @@
-"""DeMo's inner update rules and precision modes (issue 13) on real gloo groups.
+"""DeMo's inner update rules and precision modes (quality beyond sign and fp32) on real gloo groups.
 
 Each rule against a float64 simulation, replicas bit-identical, exact resume, a regression
 that trains with every rule, bf16 parameters with a master copy or stochastic rounding, and
@@ -69,7 +69,7 @@ def _rule_steps(rank: int, world: int):
         params = _params()
         opt = DeMo(params, **SETTINGS, payload="reference", dense_fallback=True, update_rule=rule)
         for step in range(STEPS):
-            for p, g in zip(params, _grads(rank, step)):
+            for p, g in zip(params, _grads(rank, step), strict=True):
                 p.grad = g
             opt.step()
         entries = opt.plan.entries()
@@ -200,7 +200,9 @@ def _trains_and_resumes(rank: int, world: int):
         out[rule] = {
             "losses": losses,
             "params": [p.detach().clone() for p in model.parameters()],
-            "resume_exact": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())),
+            "resume_exact": all(
+                torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True)
+            ),
             "state_keys": keys,
         }
     return out
@@ -214,7 +216,7 @@ def test_every_rule_trains_a_regression_ranks_agree_and_resume_is_exact(world2):
         losses = got["losses"]
         assert losses[-1] < 0.05 * losses[0], (rule, losses[::10])
         assert got["resume_exact"] and results[1][rule]["resume_exact"], rule
-        for a, b in zip(got["params"], results[1][rule]["params"]):
+        for a, b in zip(got["params"], results[1][rule]["params"], strict=True):
             assert torch.equal(a, b), rule
         expected = {"delta_rank0"} | ({"rule_step", "v"} if rule in ("adam", "newton_schulz") else set())
         assert set(got["state_keys"]) == expected, (rule, got["state_keys"])
@@ -241,7 +243,7 @@ def _synthetic_runs(rank: int) -> dict[str, list[torch.Tensor]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LowPrecisionWarning)
             for step in range(8):
-                for p, g in zip(params, _grads(rank, step)):
+                for p, g in zip(params, _grads(rank, step), strict=True):
                     p.grad = g.bfloat16().to(dtype)  # the same gradient values in both runs
                 opt.step()
         out[name] = [p.detach().double() for p in params]
@@ -283,14 +285,16 @@ def _precision_runs(rank: int, world: int):
             "params": [p.detach().clone() for p in model.parameters()],
             "masters": [opt.state[p].get("master") for p in model.parameters()],
             "warnings": sum(issubclass(w.category, LowPrecisionWarning) for w in caught),
-            "resume_exact": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())),
+            "resume_exact": all(
+                torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True)
+            ),
         }
     out["synthetic"] = _synthetic_runs(rank)  # after the warning counts: it warns once per process
     return out
 
 
 def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return sum(float((x.double() - y.double()).norm() ** 2) for x, y in zip(a, b)) ** 0.5
+    return sum(float((x.double() - y.double()).norm() ** 2) for x, y in zip(a, b, strict=True)) ** 0.5
 
 
 @pytest.mark.distributed
@@ -299,7 +303,7 @@ def test_bf16_master_tracks_fp32_stochastic_keeps_replicas_identical_and_nearest
     runs = {k: v for k, v in results[0].items() if k != "synthetic"}
     for name, run in runs.items():  # every run is exact on resume and the same on both ranks
         assert run["resume_exact"], name
-        for a, b in zip(run["params"], results[1][name]["params"]):
+        for a, b in zip(run["params"], results[1][name]["params"], strict=True):
             assert torch.equal(a, b), name
         assert run["losses"][-1] < 0.7 * run["losses"][0], (name, run["losses"][::5])
     assert all(m is not None and m.dtype == torch.float32 for m in runs["master"]["masters"])
@@ -309,12 +313,12 @@ def test_bf16_master_tracks_fp32_stochastic_keeps_replicas_identical_and_nearest
     # same start, same gradients: the master is the fp32 run, bit for bit, and the bf16
     # weights are its rounding; round-to-nearest loses the small updates
     syn = results[0]["synthetic"]
-    assert all(torch.equal(m, p) for m, p in zip(syn["master_state"], syn["fp32"]))
-    for p, m in zip(syn["master"], syn["master_state"]):
+    assert all(torch.equal(m, p) for m, p in zip(syn["master_state"], syn["fp32"], strict=True))
+    for p, m in zip(syn["master"], syn["master_state"], strict=True):
         assert torch.equal(p, m.to(torch.bfloat16).double())
     lost = [
         (n != f.to(torch.bfloat16).double()).double().mean().item()
-        for n, f in zip(syn["nearest"], syn["fp32"])
+        for n, f in zip(syn["nearest"], syn["fp32"], strict=True)
     ]
     assert min(lost) > 0.2, lost  # nearest: many weights miss where the fp32 run went
 
@@ -347,10 +351,10 @@ def test_bf16_gradients_work_with_every_rule_and_precision(rule, monkeypatch):
             warnings.simplefilter("ignore", LowPrecisionWarning)
             opt = DeMo(params, **{**SETTINGS, "lr": 0.05}, update_rule=rule, precision=precision)
             for step in range(3):
-                for p, g in zip(params, _grads(0, step)):
+                for p, g in zip(params, _grads(0, step), strict=True):
                     p.grad = g.bfloat16()
                 opt.step()
-        for p, p0 in zip(params, start):
+        for p, p0 in zip(params, start, strict=True):
             assert p.dtype == torch.bfloat16 and torch.isfinite(p).all(), (rule, precision)
             assert not torch.equal(p, p0), (rule, precision, tuple(p.shape))
 
@@ -360,7 +364,7 @@ def test_damaged_rule_state_in_a_checkpoint_is_rejected_before_anything_changes(
     params = [torch.nn.Parameter(p.detach().bfloat16()) for p in _params()]
     opt = DeMo(params, **SETTINGS, update_rule="adam", precision="master")
     for step in range(2):
-        for p, g in zip(params, _grads(0, step)):
+        for p, g in zip(params, _grads(0, step), strict=True):
             p.grad = g.bfloat16()
         opt.step()
     sd = opt.state_dict()
@@ -429,13 +433,13 @@ def _rule_mismatch(rank: int, world: int):
     _torch_path()
     params = _params()
     opt = DeMo(params, **SETTINGS, update_rule=("adam", "rms")[rank])
-    for p, g in zip(params, _grads(rank, 0)):
+    for p, g in zip(params, _grads(rank, 0), strict=True):
         p.grad = g
     before = [p.detach().clone() for p in params]
     try:
         opt.step()
     except ValueError as exc:
-        return str(exc), all(torch.equal(a, b) for a, b in zip(before, params)), len(opt.state)
+        return str(exc), all(torch.equal(a, b) for a, b in zip(before, params, strict=True)), len(opt.state)
     return None, False, len(opt.state)
 
 

@@ -201,7 +201,7 @@ def test_digits_split_and_batches_are_deterministic():
     rows = {tuple(r.tolist()) for r in w.train_x[shard]}
     assert all(tuple(r.tolist()) in rows for r in x)  # sampled from this rank's shard
     m1, m2 = w.build_model(3), w.build_model(3)
-    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
     assert sum(b[1].numel() for b in w.heldout_batches()) == w.heldout_y.numel()
     assert w.loss(m1, (x, lab)).ndim == 0
     acc = heldout_accuracy(m1, [(x, lab)], rank=0, world=1)

@@ -88,7 +88,7 @@ def test_each_rank_reads_its_own_shard(workload):
 def test_heldout_batches_are_fixed_and_from_heldout_text(workload):
     a, b = workload.heldout_batches(), workload.heldout_batches()
     assert len(a) == 3
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     held = decode(workload.corpus.heldout)
     assert decode(a[1][0][0]) in held
@@ -99,7 +99,7 @@ def test_model_shapes_params_and_seeded_init():
     state = torch.random.get_rng_state()
     m1, m2, m3 = CharTransformer(cfg, seed=1), CharTransformer(cfg, seed=1), CharTransformer(cfg, seed=2)
     assert torch.equal(state, torch.random.get_rng_state())  # init leaves the global RNG alone
-    for (n, p1), p2, p3 in zip(m1.named_parameters(), m2.parameters(), m3.parameters()):
+    for (n, p1), p2, p3 in zip(m1.named_parameters(), m2.parameters(), m3.parameters(), strict=True):
         assert torch.equal(p1, p2), n
         if p1.dim() == 2:
             assert not torch.equal(p1, p3), n
@@ -165,7 +165,7 @@ def test_autoencoder_init_is_seeded_and_leaves_the_global_rng_alone():
     state = torch.get_rng_state()
     a, b, c = DigitsAutoencoder(seed=3), DigitsAutoencoder(seed=3), DigitsAutoencoder(seed=4)
     assert torch.equal(torch.get_rng_state(), state)
-    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(p, q), name
         if not name.endswith("bias"):
             assert not torch.equal(p, r), name
@@ -204,7 +204,7 @@ def test_autoencoder_heldout_split_is_fixed_and_disjoint_from_training():
     )
     assert [b.shape[0] for b in w.heldout_batches()] == [128, 128, 128, 66]
     again = _ae()
-    assert all(torch.equal(a, b) for a, b in zip(held.split(128), again.heldout_batches()))
+    assert all(torch.equal(a, b) for a, b in zip(held.split(128), again.heldout_batches(), strict=True))
 
 
 def test_autoencoder_info_reports_the_mean_image_baseline():
@@ -300,7 +300,7 @@ def test_cnn_workload_shares_the_digits_batches_and_split_with_a_seeded_conv_mod
     assert isinstance(a, DigitsCNN) and a(xa).shape == (16, 10)
     shapes = {n: tuple(p.shape) for n, p in a.named_parameters()}
     assert shapes["conv2.weight"] == (64, 32, 3, 3) and shapes["head.weight"] == (10, 1024)
-    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(p, q), name
         assert name.endswith("bias") or not torch.equal(p, r), name
     with torch.no_grad():

@@ -296,7 +296,7 @@ def compile_all(targets: list[str], jobs: int = 1) -> list[CompiledKernel]:
     # spawn, not fork: the parent may hold torch's and Triton's threads and locks.
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        return list(pool.map(_compile_spec, *zip(*work)))
+        return list(pool.map(_compile_spec, *zip(*work, strict=True)))
 
 
 def spill_problems(rows: list[dict[str, Any]]) -> list[str]:

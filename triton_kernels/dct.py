@@ -373,7 +373,7 @@ def _decode_impl(
     coeffs = [c.contiguous() for c in coeffs]
     device = coeffs[0].device
     if kernel_path(device) == "torch":
-        return [dct_decode_reference(c, s, chunk).to(dtype) for c, s in zip(coeffs, shapes)]
+        return [dct_decode_reference(c, s, chunk).to(dtype) for c, s in zip(coeffs, shapes, strict=True)]
     plan = tiling.tile_plan(shapes, chunk, device=device, groups=[c.dtype for c in coeffs])
     outs = [tiling.empty_output(s, dtype, device) for s in shapes]
     _launch(plan, coeffs, outs, inverse=True)
@@ -545,7 +545,9 @@ def _dct_decode_multi_op(
 
 @_dct_decode_multi_op.register_fake
 def _(coeffs, dims, ranks, chunk, dtype):
-    return [c.new_empty(tuple(s), dtype=dtype) for c, s in zip(coeffs, unpack_shapes(dims, ranks))]
+    return [
+        c.new_empty(tuple(s), dtype=dtype) for c, s in zip(coeffs, unpack_shapes(dims, ranks), strict=True)
+    ]
 
 
 def _check_inputs(name: str, xs: list[torch.Tensor], chunk: int) -> None:
@@ -569,7 +571,7 @@ def _check_coeffs(
 def _check_coeff_shapes(coeffs: list[torch.Tensor], shapes: list[list[int]], chunk: int) -> None:
     """Each coefficient tensor has its shape's tile grid; checked inside the op, where sizes
     are concrete even in a ``torch.compile(dynamic=True)`` graph."""
-    for i, (c, s) in enumerate(zip(coeffs, shapes)):
+    for i, (c, s) in enumerate(zip(coeffs, shapes, strict=True)):
         t = tiling.TensorTiling.of(s, chunk)
         if tuple(c.shape) != (t.n_tiles, t.tile_numel):
             raise ValueError(

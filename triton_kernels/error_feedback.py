@@ -497,7 +497,7 @@ def _encode_impl(deltas, grads, beta, lr, alpha, chunk, k, value_dtype):
         _encode_class(
             plan, cls, [work[i] for i in members], [grads[i] for i in members], idx, vals, beta, lr, alpha
         )
-    for d, wk in zip(deltas, work):
+    for d, wk in zip(deltas, work, strict=True):
         if wk is not d:
             d.copy_(wk)
     return idx, vals
@@ -602,7 +602,7 @@ def _decode_impl(params, indices, values, chunk, k, lr, weight_decay, use_sign):
             ALIGNED=aligned,
             **cfg.launch_options(),
         )
-    for p, wk in zip(params, work):
+    for p, wk in zip(params, work, strict=True):
         if wk is not p:
             p.copy_(wk)
 
@@ -625,7 +625,7 @@ def ef_encode_reference(
     """Pure-torch encode, math in ``dtype``; updates ``deltas`` in place, returns the payload."""
     all_idx, all_vals = [], []
     plan = tiling.tile_plan([d.shape for d in deltas], chunk, k)
-    for d, g, t in zip(deltas, grads, plan.tilings):
+    for d, g, t in zip(deltas, grads, plan.tilings, strict=True):
         # in place when the buffer already has the math dtype (the CPU training path)
         buf = d if d.dtype == dtype else d.to(dtype)
         buf.mul_(beta).add_(g.to(dtype), alpha=lr)
@@ -655,7 +655,7 @@ def ef_decode_reference(
     """Pure-torch decode, math in ``dtype``: DeMo's mean over ranks, IDCT, sign, update."""
     plan = tiling.tile_plan([p.shape for p in params], chunk, k)
     ranks = indices.shape[0]
-    for p, t, off in zip(params, plan.tilings, plan.payload_offsets):
+    for p, t, off in zip(params, plan.tilings, plan.payload_offsets, strict=True):
         ke = t.k_eff(k)
         span = slice(off, off + t.n_tiles * ke)
         idx = indices[:, span].reshape(ranks, t.n_tiles, ke).transpose(0, 1).reshape(t.n_tiles, -1)
@@ -692,7 +692,7 @@ def ef_encode_fast(
     (:func:`~cokit.triton_kernels.topk.chunk_topk_fast`)."""
     plan = tiling.tile_plan([d.shape for d in deltas], chunk, k)
     all_idx, all_vals = [], []
-    for d, g, t in zip(deltas, grads, plan.tilings):
+    for d, g, t in zip(deltas, grads, plan.tilings, strict=True):
         d.mul_(beta).add_(g.to(torch.float32), alpha=lr)
         n = t.numel
         a, b, c = (WORKSPACE.get(slot, n, torch.float32, d.device) for slot in range(3))
@@ -727,7 +727,7 @@ def ef_decode_fast(
     value. Other payloads take the reference's mean."""
     plan = tiling.tile_plan([p.shape for p in params], chunk, k)
     ranks = indices.shape[0]
-    for p, t, off in zip(params, plan.tilings, plan.payload_offsets):
+    for p, t, off in zip(params, plan.tilings, plan.payload_offsets, strict=True):
         ke = t.k_eff(k)
         span = slice(off, off + t.n_tiles * ke)
         idx = indices[:, span].reshape(ranks, t.n_tiles, ke).transpose(0, 1).reshape(t.n_tiles, -1).long()
@@ -823,7 +823,7 @@ def ef_encode(
     )
     if value_dtype not in FLOAT_DTYPES:
         raise TypeError(f"value_dtype must be torch.float32, float16 or bfloat16, got {value_dtype}")
-    for i, (d, g) in enumerate(zip(deltas, grads)):
+    for i, (d, g) in enumerate(zip(deltas, grads, strict=True)):
         check_float_tensor(f"deltas[{i}]", d, (torch.float32,))
         check_float_tensor(f"grads[{i}]", g)
         if d.shape != g.shape:
@@ -849,7 +849,7 @@ def _check_payload(plan: tiling.TilePlan, indices: torch.Tensor, values: torch.T
             f"payload has {indices.shape[1]} slots per rank, but these parameters with chunk={plan.chunk}, "
             f"k={plan.k} need {plan.payload_numel}: payload and tensors do not match"
         )
-    for t, off in zip(plan.tilings, plan.payload_offsets):
+    for t, off in zip(plan.tilings, plan.payload_offsets, strict=True):
         span = indices[:, off : off + t.n_tiles * t.k_eff(plan.k)]
         bad = (span < 0) | (span >= t.tile_numel)
         if bool(bad.any()):

@@ -337,7 +337,7 @@ def pointer_table(columns: Sequence[Sequence[torch.Tensor]], device: torch.devic
     step), so a repeated launch neither builds nor copies one to the device again. The
     kernels only read them; callers must not write to the returned tensor.
     """
-    rows = tuple(tuple(t.data_ptr() for t in row) for row in zip(*columns))
+    rows = tuple(tuple(t.data_ptr() for t in row) for row in zip(*columns, strict=True))
     return _pointer_table(rows, str(torch.device(device)))
 
 

@@ -96,7 +96,7 @@ def _print_kernels(targets: list[str], as_json: bool) -> int:
     print(f"compiling every shipped kernel config for {', '.join(targets)} ...", file=sys.stderr, flush=True)
     rows = kernel_resources(targets)
     if as_json:
-        for row, est in zip(rows, estimates(rows)):
+        for row, est in zip(rows, estimates(rows), strict=True):
             row["estimate"] = {k: est[k] for k in ("blocks_per_sm", "limited_by", "roofline_ms_per_1e9")}
         print(json.dumps(rows, indent=2))
         return 0

@@ -254,7 +254,9 @@ def _print_report(args: argparse.Namespace, limits: Any, configs: list[Any], row
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     left = (0, 8, 9)
     for row in table:
-        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
         print("  ".join(cells).rstrip())
     for r in rows:
         if r.error is not None:

@@ -243,7 +243,8 @@ def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
             "decode": "decode",
             "exposed": "exposed communication",
         }
-        for (key, _), y in zip(parts.items(), ys):
+        *stacked, hid = ys  # the four parts, then the hidden band drawn over them
+        for key, y in zip(parts, stacked, strict=True):
             _add_line(  # missing values are 0 here: every step keeps its place in the stack
                 fig,
                 x,
@@ -260,7 +261,6 @@ def time_split_panel(runs: list[RunSeries], max_points: int) -> Panel:
                 stackgroup=f"run{row}",
                 hovertemplate=f"{names[key]} %{{y:.3g}} ms<extra>{r.label}</extra>",
             )
-        hid = ys[-1]
         if np.isfinite(hid).any():
             _add_line(
                 fig,
@@ -506,7 +506,7 @@ def ranks_panel(runs: list[RunSeries], max_points: int) -> Panel:
         color = run_color(i)
         n = len(r.ranks)
         x, ys, _ = downsample(r.steps, list(r.per_rank["step_s"]), max_points)
-        for k, (rank, y) in enumerate(zip(r.ranks, ys)):
+        for k, (rank, y) in enumerate(zip(r.ranks, ys, strict=True)):
             _add_line(
                 fig,
                 x,
@@ -576,7 +576,7 @@ def tuner_panel(runs: list[RunSeries], max_points: int) -> Panel:
         if not r.decisions:
             continue
         total += len(r.decisions)
-        at = {int(s): v for s, v in zip(r.steps, step_ms)}
+        at = {int(s): v for s, v in zip(r.steps, step_ms, strict=True)}
         for event in sorted({d.event for d in r.decisions}):
             ds = [d for d in r.decisions if d.event == event]
             fig.add_trace(

@@ -120,7 +120,7 @@ def prepare(accelerator: Any, *objects: Any, device_placement: bool | None = Non
     if rest:
         prepared = accelerator.prepare(*(objects[i] for i in rest), device_placement=device_placement)
         prepared = prepared if len(rest) > 1 else (prepared,)
-        for i, p in zip(rest, prepared):
+        for i, p in zip(rest, prepared, strict=True):
             out[i] = p
     return out[0] if len(out) == 1 else tuple(out)
 

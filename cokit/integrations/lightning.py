@@ -106,7 +106,7 @@ class CokitStrategy(DDPStrategy):
                 f"CokitStrategy: the checkpoint has {len(states)} optimizer states, configure_optimizers "
                 f"returned {len(self.optimizers)} optimizers"
             )
-        for optimizer, state in zip(self.optimizers, states):
+        for optimizer, state in zip(self.optimizers, states, strict=True):
             optimizer.load_state_dict(own_state_dict(state) if is_cokit_optimizer(optimizer) else state)
             _optimizers_to_device([optimizer], self.root_device)
 
