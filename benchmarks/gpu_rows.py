@@ -27,4 +27,4 @@ def print_rows(rows: list[dict], cols: list[str]) -> None:
     table = [cols] + [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
     for t in table:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths)))
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)))

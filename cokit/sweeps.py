@@ -232,7 +232,7 @@ def timeline_figure(row: dict[str, Any], *, title: str | None = None) -> Any:
     ax.set_yticks(range(len(lanes)), [n for n, _ in lanes])
     ax.set_xlabel("ms (medians)")
     handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
+    uniq = dict(zip(labels, handles, strict=True))
     ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     knobs = ", ".join(
         f"{k}={row.get(k)}"

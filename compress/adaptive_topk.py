@@ -109,17 +109,17 @@ def redistribute_topk(
     if n == 0:
         return []
     limits = [k_limits(topk, size, k_range) for size in tile_numels]
-    budget = sum(t * min(topk, size) for t, size in zip(tiles, tile_numels))
-    weights = [k * max(1.0 - float(f), MIN_WEIGHT) for k, f in zip(ks_now, captured)]
+    budget = sum(t * min(topk, size) for t, size in zip(tiles, tile_numels, strict=True))
+    weights = [k * max(1.0 - float(f), MIN_WEIGHT) for k, f in zip(ks_now, captured, strict=True)]
 
     def targets(lam: float) -> list[float]:
-        return [min(max(lam * w, float(lo)), float(hi)) for w, (lo, hi) in zip(weights, limits)]
+        return [min(max(lam * w, float(lo)), float(hi)) for w, (lo, hi) in zip(weights, limits, strict=True)]
 
     def total(xs: list[float]) -> float:
-        return sum(t * x for t, x in zip(tiles, xs))
+        return sum(t * x for t, x in zip(tiles, xs, strict=True))
 
     # total(targets(lam)) grows with lam, from sum tiles * low <= B to sum tiles * high >= B
-    below, above = 0.0, max(hi / w for w, (_, hi) in zip(weights, limits))
+    below, above = 0.0, max(hi / w for w, (_, hi) in zip(weights, limits, strict=True))
     for _ in range(200):
         mid = (below + above) / 2
         if mid in (below, above):
@@ -129,8 +129,8 @@ def redistribute_topk(
         else:
             above = mid
     xs = targets(below)
-    ks = [max(lo, min(hi, math.floor(x))) for x, (lo, hi) in zip(xs, limits)]
-    left = budget - sum(t * k for t, k in zip(tiles, ks))
+    ks = [max(lo, min(hi, math.floor(x))) for x, (lo, hi) in zip(xs, limits, strict=True)]
+    left = budget - sum(t * k for t, k in zip(tiles, ks, strict=True))
     order = sorted(range(n), key=lambda i: (-(xs[i] - math.floor(xs[i])), -weights[i], i))
     grown = True
     while grown and left > 0:
@@ -166,5 +166,5 @@ def average_shares(gathered: torch.Tensor, owner: str, rank_of: Callable[[int], 
     rows = gathered.double().tolist()
     shares = [0.0] * gathered.shape[1]
     for row in rows:
-        shares = [s + x for s, x in zip(shares, row)]
+        shares = [s + x for s, x in zip(shares, row, strict=True)]
     return [s / len(rows) for s in shares]

@@ -300,7 +300,7 @@ def mismatch_message(comm: Communicator, everyone: list[Any]) -> str:
 
 def _first_difference(everyone: list[Any], ranks: list[int]) -> str | None:
     if not all(isinstance(d, dict) for d in everyone):
-        bad = next(r for r, d in zip(ranks, everyone) if not isinstance(d, dict))
+        bad = next(r for r, d in zip(ranks, everyone, strict=True) if not isinstance(d, dict))
         return f"rank {bad} sent a settings report of another shape"
 
     def part(key: str) -> list[Any]:
@@ -357,7 +357,7 @@ def per_rank(values: Sequence[object], ranks: list[int]) -> str:
     """``0.01 on ranks [0, 2], 0.02 on rank [1]`` (``values[j]`` is rank ``ranks[j]``'s; at most
     8 ranks listed per value)."""
     by_value: dict[str, list[int]] = {}
-    for r, v in zip(ranks, values):
+    for r, v in zip(ranks, values, strict=True):
         by_value.setdefault(repr(v), []).append(r)
     parts = []
     for v, rs in by_value.items():

@@ -86,7 +86,7 @@ def pack(opt: DeMo, sd: dict[str, Any]) -> dict[str, Any]:
     params = [p for g in opt.param_groups for p in g["params"]]
     ids = [i for g in sd["param_groups"] for i in g["params"]]
     state: dict[Any, dict[str, torch.Tensor]] = {}
-    for i, p in zip(ids, params):
+    for i, p in zip(ids, params, strict=True):
         delta = opt.state[p].get("delta") if p in opt.state else None
         if delta is None:  # no gradient yet: the buffer is zero (present, so DCP can load it)
             shard = local(p)
@@ -185,7 +185,7 @@ def check_load(opt: DeMo, sd: object, strict: bool) -> LoadPlan:
             "otherwise start DeMo afresh and save again"
         )
     groups = _check_groups(opt, saved_groups)
-    id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), _params(opt)))
+    id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), _params(opt), strict=True))
     who = identity(opt)
     keep_rank = True
     if fmt == 1:
@@ -260,7 +260,7 @@ def _check_groups(opt: DeMo, saved: list[Mapping[str, Any]]) -> list[dict[str, A
             "build the optimizer with the param groups it was saved with"
         )
     out = []
-    for gi, (s, g) in enumerate(zip(saved, live)):
+    for gi, (s, g) in enumerate(zip(saved, live, strict=True)):
         if len(s["params"]) != len(g["params"]):
             raise ValueError(
                 f"{_WHERE}: param group {gi} has {len(s['params'])} parameters in the checkpoint, "
@@ -268,7 +268,7 @@ def _check_groups(opt: DeMo, saved: list[Mapping[str, Any]]) -> list[dict[str, A
             )
         names, saved_names = g.get("param_names"), s.get("param_names")
         if names is not None and saved_names is not None and list(names) != list(saved_names):
-            n = next(i for i, (a, b) in enumerate(zip(names, saved_names)) if a != b)
+            n = next(i for i, (a, b) in enumerate(zip(names, saved_names, strict=True)) if a != b)
             raise ValueError(
                 f"{_WHERE}: param group {gi} parameter {n} is {saved_names[n]!r} in the checkpoint but "
                 f"{names[n]!r} here; build the same model, with its parameters in the same order"

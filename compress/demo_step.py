@@ -87,7 +87,7 @@ def demo_step(
 def accumulate(inputs: list[BucketInput]) -> None:
     """A skipped sync: the gradients only enter the error buffers (``delta = decay*delta + lr*g``)."""
     for i in inputs:
-        for d, g in zip(i.deltas, i.grads):
+        for d, g in zip(i.deltas, i.grads, strict=True):
             d.mul_(i.group["compression_decay"]).add_(g.float(), alpha=i.group["lr"])
 
 
@@ -100,7 +100,7 @@ def launch(i: BucketInput, exchange: Exchange) -> Launched:
         wire = functools.reduce(torch.promote_types, (p.dtype for p in i.params))
         with timer.span("encode", device):
             parts = []
-            for d, grad in zip(i.deltas, i.grads):
+            for d, grad in zip(i.deltas, i.grads, strict=True):
                 d.mul_(beta).add_(grad.float(), alpha=lr)
                 parts.append(d.reshape(-1).clone())
                 d.mul_(1.0 - alpha)
@@ -147,7 +147,7 @@ def _apply(item: Launched, precision: str, generator: GeneratorFor | None) -> No
     if i.bucket.dense:
         mean = item.received[0]
         if fused:
-            for p, update in zip(i.params, split_like(mean, i.params)):
+            for p, update in zip(i.params, split_like(mean, i.params), strict=True):
                 p.copy_(p.float() * (1.0 - lr * wd) - lr * update.sign())
         else:
             directions = [u.float() for u in split_like(mean, i.params)]
@@ -179,7 +179,7 @@ def apply_rule(
     """``p = p * (1 - lr * wd) - lr * rule(u)`` for decoded directions ``u`` (fp32), computed
     from the fp32 master when there is one and written with ``precision``."""
     lr, wd = float(group["lr"]), float(group["weight_decay"])
-    for p, state, u in zip(params, states, directions):
+    for p, state, u in zip(params, states, directions, strict=True):
         update = rules.apply_rule(u, state, group)
         master = None
         if precision == "master" and p.dtype != torch.float32:
@@ -195,7 +195,9 @@ def apply_rule(
 
 def split_like(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like each of ``params``, in order."""
-    return [part.view(p.shape) for p, part in zip(params, flat.split([p.numel() for p in params]))]
+    return [
+        part.view(p.shape) for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True)
+    ]
 
 
 def full_sync(params: list[torch.Tensor], exchange: Exchange) -> None:
@@ -210,5 +212,7 @@ def full_sync(params: list[torch.Tensor], exchange: Exchange) -> None:
             flat = torch.cat([p.reshape(-1) for p in ps])
             pending.append((ps, exchange.comm.all_reduce_mean(flat, "full parameter sync")))
         for ps, pend in pending:
-            for p, avg in zip(ps, split_like(exchange.dense(pend, "the full parameter sync"), ps)):
+            for p, avg in zip(
+                ps, split_like(exchange.dense(pend, "the full parameter sync"), ps), strict=True
+            ):
                 p.copy_(avg)

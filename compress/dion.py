@@ -149,11 +149,14 @@ def dion_step(
     )
     if n == 0:
         return
-    bs = [m.reshape(m.shape[0], -1) + g.reshape(g.shape[0], -1).float() for m, g in zip(momenta, grads)]
-    ps = [orthonormalize(p) for p in mean([b @ q for b, q in zip(bs, qs)], "P")]
-    rs = mean([b.T @ p for b, p in zip(bs, ps)], "R")
+    bs = [
+        m.reshape(m.shape[0], -1) + g.reshape(g.shape[0], -1).float()
+        for m, g in zip(momenta, grads, strict=True)
+    ]
+    ps = [orthonormalize(p) for p in mean([b @ q for b, q in zip(bs, qs, strict=True)], "P")]
+    rs = mean([b.T @ p for b, p in zip(bs, ps, strict=True)], "R")
     # every result is in: write
-    for x, m, q, b, p, r, lr_, mu_, wd in zip(params, momenta, qs, bs, ps, rs, lrs, mus, wds):
+    for x, m, q, b, p, r, lr_, mu_, wd in zip(params, momenta, qs, bs, ps, rs, lrs, mus, wds, strict=True):
         m.copy_(b.sub_(p @ r.T, alpha=1.0 - mu_).view(m.shape))
         q.copy_(r / r.norm(dim=0, keepdim=True).clamp_min(NORM_EPS))
         rows, cols = b.shape
@@ -403,7 +406,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
             )
         else:
             dense_means.extend(self._finish(dense_pending, rest_grads, "gradients"))
-        for n, m in zip(rest, dense_means):
+        for n, m in zip(rest, dense_means, strict=True):
             p, g = params[n], group_of[id(params[n])]
             s = self.state[p]
             beta1, beta2 = g["adamw_betas"]
@@ -453,7 +456,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         out = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in like]
         for b, (members, pending) in enumerate(launched):
             mean = self.exchange.dense(pending, f"{label} bucket {b}")
-            for i, part in zip(members, split_like(mean, [like[i] for i in members])):
+            for i, part in zip(members, split_like(mean, [like[i] for i in members]), strict=True):
                 out[i] = part.view(like[i].shape)
         return out
 
@@ -479,7 +482,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
             "groups": [{k: plain(g[k]) for k in _GROUP_KEYS} for g in self.param_groups],
             "layout": [
                 [self._name(n), f"{tuple(p.shape)} {p.dtype} " + (f"r={r}" if r else "adamw")]
-                for n, (p, r) in enumerate(zip(self._model_params, self._ranks))
+                for n, (p, r) in enumerate(zip(self._model_params, self._ranks, strict=True))
             ],
             "counters": self._counters(),
         }
@@ -565,7 +568,7 @@ def _load(opt: Dion, sd: object) -> None:
             raise ValueError(f"{_LOAD}: saved {exc}") from None
     keys_in_order = [k for g in groups for k in g["params"]]
     loaded: list[dict[str, torch.Tensor]] = []
-    for n, (p, key_n) in enumerate(zip(opt._model_params, keys_in_order)):
+    for n, (p, key_n) in enumerate(zip(opt._model_params, keys_in_order, strict=True)):
         entry = rec.state.get(key_n)
         if not isinstance(entry, Mapping):
             raise ValueError(f"{_LOAD}: no state for {opt._name(n)}: the file is damaged or of another model")
@@ -599,9 +602,9 @@ def _load(opt: Dion, sd: object) -> None:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{_LOAD}: the saved comm_stats do not load ({exc}); the file is damaged") from None
     # everything checked: load
-    for g, h in zip(opt.param_groups, hyper):
+    for g, h in zip(opt.param_groups, hyper, strict=True):
         g.update(h)
-    for p, ours in zip(opt._model_params, loaded):
+    for p, ours in zip(opt._model_params, loaded, strict=True):
         opt.state[p] = ours
     opt._steps, opt.skipped_steps = counters["steps"], counters["skipped_steps"]
     opt._checked = bool(counters.get("checked", False))

@@ -172,7 +172,9 @@ class Exchange:
     # ------------------------------------------------------------------ payloads
     def gather(self, codec: PayloadCodec, wires: Sequence[torch.Tensor]) -> list[Pending]:
         """Start one all-gather per wire tensor of ``codec``."""
-        return [self.comm.all_gather(t, f"{w.name} all-gather") for w, t in zip(codec.wire, wires)]
+        return [
+            self.comm.all_gather(t, f"{w.name} all-gather") for w, t in zip(codec.wire, wires, strict=True)
+        ]
 
     def selection(
         self,

@@ -164,7 +164,9 @@ class GradMarks:
     def _moved(self) -> list[bool]:
         return [
             p.grad is not g or s._version != v or s.data_ptr() != ptr
-            for p, g, s, v, ptr in zip(self.params, self.grads, self.shards, self.versions, self.pointers)
+            for p, g, s, v, ptr in zip(
+                self.params, self.grads, self.shards, self.versions, self.pointers, strict=True
+            )
         ]
 
     def changed(self) -> torch.Tensor:
@@ -263,7 +265,7 @@ def sync_decay(groups: Sequence[dict[str, Any]], default: float) -> None:
                 f"(they were {seen}); they are one setting (momentum is the alias that schedulers "
                 "cycle): set one of them, or both to the same value"
             )
-    for group, value in zip(groups, agreed):
+    for group, value in zip(groups, agreed, strict=True):
         group["compression_decay"] = group["momentum"] = group[SYNCED_KEY] = value
 
 

@@ -319,7 +319,7 @@ class DCTTopKState:
         if not bad:
             for d in rnd.done:
                 if d.layout is not None:
-                    self._errors.update(zip(d.layout.keys, d.work))
+                    self._errors.update(zip(d.layout.keys, d.work, strict=True))
             return
         if self.nonfinite == "skip":
             self.skipped_steps += 1
@@ -407,7 +407,7 @@ class _BucketLayout:
             plan = payload_layout([shapes[i] for i in sparse_idx], state.chunk, state.topk)
             codec = codec_cls(plan, state.value_dtype)
         keys = [id(params[i]) for i in sparse_idx]
-        for i, key in zip(sparse_idx, keys):
+        for i, key in zip(sparse_idx, keys, strict=True):
             ref = state._params.get(key)
             if ref is None or ref() is not params[i]:  # new (or an id reused after its parameter died)
                 state._errors[key] = torch.zeros(shapes[i], dtype=torch.float32, device=device)
@@ -479,9 +479,9 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
             if layout is None:
                 buffer.copy_(mean)
             else:
-                for i, part in zip(dense_idx, mean.split([grads[i].numel() for i in dense_idx])):
+                for i, part in zip(dense_idx, mean.split([grads[i].numel() for i in dense_idx]), strict=True):
                     grads[i].copy_(part.view(grads[i].shape))
-                for i, d in zip(layout.sparse_idx, decoded):
+                for i, d in zip(layout.sparse_idx, decoded, strict=True):
                     grads[i].copy_(d)
             buffer.masked_fill_(summed_flags.ne(0).any(), float("nan"))  # non-finite on every rank
         state._bucket_done(rnd, _Done(bucket.index(), layout, work, summed_flags.ne(0), dense))
@@ -501,7 +501,7 @@ def _average_decoded(
     world = indices.shape[0]
     plan = codec.plan
     coeffs = []
-    for t, off in zip(plan.tilings, plan.payload_offsets):
+    for t, off in zip(plan.tilings, plan.payload_offsets, strict=True):
         ke = t.k_eff(plan.k)
         span = slice(off, off + t.n_tiles * ke)
         dense = torch.zeros(t.n_tiles, t.tile_numel, dtype=torch.float32, device=values.device)

@@ -272,6 +272,6 @@ def check_adamw_settings(group: Mapping[str, Any], where: str) -> None:
     betas = group["adamw_betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{where}: adamw_betas must be a pair (beta1, beta2), got {betas!r}")
-    for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas):
+    for name, b in zip(("adamw_betas[0]", "adamw_betas[1]"), betas, strict=True):
         check_number(name, b, 0.0, 1.0, high_open=True, where=where)
     check_number("adamw_eps", group["adamw_eps"], 0.0, low_open=True, where=where)

@@ -326,7 +326,7 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         name = functools.partial(self.plan.entry_name, entries=entries)
         has_grad = check_gradients("DeMo", [p for _, _, p in entries], name)
         rnd = self.open_round(
-            [local(p.grad) if has else None for (_, _, p), has in zip(entries, has_grad)],
+            [local(p.grad) if has else None for (_, _, p), has in zip(entries, has_grad, strict=True)],
             amp,
             fingerprints=self._fingerprints(),
             describe=self._describe,
@@ -337,7 +337,7 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         if not self._skip_or_raise(rnd, entries):
             return None
         self._driver.decide(rnd.extras if self.policy.observes else None, self._steps + 1)
-        return [e for e, has in zip(entries, has_grad) if has]
+        return [e for e, has in zip(entries, has_grad, strict=True) if has]
 
     def _status_round(self, events: int = 0, bad: list[int] | None = None) -> Round:
         """The status round of the overlapped strategy, whose buckets left during backward."""

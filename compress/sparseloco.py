@@ -220,7 +220,8 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         if self._masters:
             self.param_groups = [
-                {**hyper(ig), "params": g["params"]} for g, ig in zip(groups, self.inner.param_groups)
+                {**hyper(ig), "params": g["params"]}
+                for g, ig in zip(groups, self.inner.param_groups, strict=True)
             ]
         self.defaults = self.inner.defaults
         lowp.warn_if_unmastered("SparseLoCo", model_params, self.precision)
@@ -356,9 +357,9 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         ]
         means = [self.exchange.dense(p_, f"bucket {b} (dense warm-up)") for b, p_ in enumerate(pending)]
         master_grads: dict[int, torch.Tensor] = {}
-        for bucket, mean in zip(plan, means):
+        for bucket, mean in zip(plan, means, strict=True):
             members = [params[i] for i in bucket.members]
-            for i, p, m in zip(bucket.members, members, split_like(mean, members)):
+            for i, p, m in zip(bucket.members, members, split_like(mean, members), strict=True):
                 if not has_grad[i]:
                     continue
                 grad = p.grad
@@ -417,7 +418,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self.syncs += 1
         generator = self._generator(params[0].device)
         mu, lr = self.outer_momentum, self.outer_lr
-        for p, received in zip(params, means):
+        for p, received in zip(params, means, strict=True):
             g = self.state[p]["global"]
             if received is not None:
                 mean, positions = received

@@ -94,7 +94,7 @@ def step_inner(
     ``master_grads``: the fp32 gradients of the masters (by parameter id) instead of their
     parameters' gradients. The parameters then hold their masters' rounding."""
     if groups is not inner.param_groups:
-        for outer, group in zip(groups, inner.param_groups):
+        for outer, group in zip(groups, inner.param_groups, strict=True):
             group.update(hyper(outer))
     for p in params:
         m = masters.get(id(p))

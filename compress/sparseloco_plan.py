@@ -104,7 +104,7 @@ class SyncPlan:
             self.adaptive_range,
             [in_force[i] for i in order],
         )
-        return dict(zip(order, ks))
+        return dict(zip(order, ks, strict=True))
 
     def _adaptive(self) -> list[Bucket]:
         ks = self.topks()

@@ -151,7 +151,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     keys = {"global", "momentum", f"error_rank{rank}", f"master_rank{rank}", f"local_rank{rank}"}
     # the saved groups list each parameter's key in order (indices, or names after DCP)
     keys_in_order = [k for g in groups for k in g["params"]]
-    for n, (p, key_n) in enumerate(zip(params, keys_in_order)):
+    for n, (p, key_n) in enumerate(zip(params, keys_in_order, strict=True)):
         entry = rec.state.get(key_n, {})
         if not isinstance(entry, Mapping):
             raise ValueError(f"{_WHERE}: the state of {opt._name(n)} is {type(entry).__name__}, not a dict")
@@ -196,10 +196,12 @@ def load(opt: SparseLoCo, sd: object) -> None:
     opt.inner.load_state_dict(
         {
             "state": inner_state,
-            "param_groups": [{**h, "params": ig["params"]} for h, ig in zip(hyper, inner_groups)],
+            "param_groups": [
+                {**h, "params": ig["params"]} for h, ig in zip(hyper, inner_groups, strict=True)
+            ],
         }
     )
-    for g, h in zip(opt.param_groups, hyper):
+    for g, h in zip(opt.param_groups, hyper, strict=True):
         g.update(h)
     for n, p in enumerate(params):
         ours = loaded[n]

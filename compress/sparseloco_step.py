@@ -80,9 +80,9 @@ def exchange_means(
     shares = None
     if pending is not None:  # checked before any bucket is decoded
         agreed = average_shares(exchange.wait(pending), exchange.owner, exchange.comm.global_rank)
-        shares = dict(zip(order, agreed))
-    for bucket, finish in zip(buckets, received):
-        for i, mean in zip(bucket.members, finish()):
+        shares = dict(zip(order, agreed, strict=True))
+    for bucket, finish in zip(buckets, received, strict=True):
+        for i, mean in zip(bucket.members, finish(), strict=True):
             means[i] = mean
     return means, shares
 
@@ -119,7 +119,7 @@ def launch_bucket(
     codec, k = bucket.codec, bucket.topk
     assert codec is not None and k is not None and bucket.plan is not None
     plan = bucket.plan
-    for e, i in zip(errors, members):
+    for e, i in zip(errors, members, strict=True):
         e.mul_(error_decay).add_(deltas[i])
     tilings = plan.tilings
     # in place: the tile matrices of contiguous error buffers go into the pseudo-gradients'
@@ -128,12 +128,14 @@ def launch_bucket(
     if dct:
         coeffs = dct_encode_multi(errors, chunk)
     elif in_place:
-        coeffs = [tiling.tiles_into(deltas[i], e, t) for i, e, t in zip(members, errors, tilings)]
+        coeffs = [
+            tiling.tiles_into(deltas[i], e, t) for i, e, t in zip(members, errors, tilings, strict=True)
+        ]
     else:
-        coeffs = [tiling.to_tiles(e, t) for e, t in zip(errors, tilings)]
+        coeffs = [tiling.to_tiles(e, t) for e, t in zip(errors, tilings, strict=True)]
     picks = [chunk_topk(c, k) for c in coeffs]
     if captured is not None:  # before the coefficient matrices are reused below
-        for i, c, (_, v) in zip(members, coeffs, picks):
+        for i, c, (_, v) in zip(members, coeffs, picks, strict=True):
             captured[i] = captured_share(c, v)
     idx = torch.cat([ix.reshape(-1).to(plan.index_dtype) for ix, _ in picks])
     vals = torch.cat([v.reshape(-1) for _, v in picks]).to(codec.encode_dtype)
@@ -145,7 +147,7 @@ def launch_bucket(
     if in_place:
         # ``e -= sparse(sent)`` at the picked positions only: everywhere else it subtracts
         # zero, which leaves every value (and the sign of a zero) as it was
-        for e, (ix, _), part, t in zip(errors, picks, sent[0].split(spans), tilings):
+        for e, (ix, _), part, t in zip(errors, picks, sent[0].split(spans), tilings, strict=True):
             flat, pos = e.view(-1), tiling.flat_positions(ix, t)
             flat.index_put_((pos,), flat[pos] - part.view(ix.shape).float().view(-1))
         sparse = coeffs  # dead once picked: the decode's sums
@@ -156,9 +158,9 @@ def launch_bucket(
             (torch.zeros_like(c) if aliases(c, e) else c.zero_()).scatter_(
                 1, ix.long(), part.view(ix.shape).float()
             )
-            for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans))
+            for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans), strict=True)
         ]
-        for e, s in zip(errors, from_coeffs(sparse, errors, tilings, chunk=chunk, dct=dct)):
+        for e, s in zip(errors, from_coeffs(sparse, errors, tilings, chunk=chunk, dct=dct), strict=True):
             e.sub_(s)
     # the "average" outer step needs the mean only where some rank sent a value
     at_positions = in_place and at_positions
@@ -171,11 +173,15 @@ def launch_bucket(
             if at_positions:
                 return [
                     mean_at_positions(s, ix, v, t, world)
-                    for s, ix, v, t in zip(sparse, indices.split(spans, 1), values.split(spans, 1), tilings)
+                    for s, ix, v, t in zip(
+                        sparse, indices.split(spans, 1), values.split(spans, 1), tilings, strict=True
+                    )
                 ]
             sums = [s.zero_() for s in sparse]  # dead since the launch: reused
             for r in range(world):  # rank order, one add per position per rank: deterministic
-                for s, ix_r, v_r, t in zip(sums, indices[r].split(spans), values[r].split(spans), tilings):
+                for s, ix_r, v_r, t in zip(
+                    sums, indices[r].split(spans), values[r].split(spans), tilings, strict=True
+                ):
                     s.scatter_add_(1, ix_r.long().view(t.n_tiles, -1), v_r.float().view(t.n_tiles, -1))
             if world > 1:  # x / 1 == x
                 for s in sums:
@@ -198,7 +204,7 @@ def from_coeffs(
     """Tile matrices (DCT coefficients when ``dct``) -> tensors shaped like ``like``."""
     if dct:
         return dct_decode_multi(mats, [list(x.shape) for x in like], chunk)
-    return [tiling.from_tiles(m, t) for m, t in zip(mats, tilings)]
+    return [tiling.from_tiles(m, t) for m, t in zip(mats, tilings, strict=True)]
 
 
 def mean_at_positions(

@@ -100,7 +100,7 @@ def check_settings(
 def check_groups(saved: list[Mapping[str, Any]], param_groups: list[dict[str, Any]], where: str) -> None:
     """Raise unless the saved groups hold as many parameters, group by group, as ours."""
     if len(saved) != len(param_groups) or any(
-        len(s["params"]) != len(g["params"]) for s, g in zip(saved, param_groups)
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved, param_groups, strict=True)
     ):
         raise ValueError(
             f"{where}: the saved param groups do not match this optimizer's (build the same model)"

@@ -185,7 +185,7 @@ class Hierarchical(Strategy):
             for b in buckets
         ]
         owned = []
-        for b, (bucket, pending) in enumerate(zip(buckets, averages)):
+        for b, (bucket, pending) in enumerate(zip(buckets, averages, strict=True)):
             mean = self.exchange.dense(pending, f"the node average of bucket {b}")
             if self._owner(b) == self.intra.rank:
                 params = [local(active[i][2]) for i in bucket.members]
@@ -205,7 +205,7 @@ class Hierarchical(Strategy):
         for params, pend, owner in pending:
             flat = self.exchange.wait(pend)
             if owner != self.intra.rank:
-                for p, new in zip(params, split_like(flat, params)):
+                for p, new in zip(params, split_like(flat, params), strict=True):
                     p.copy_(new)
 
 
@@ -324,7 +324,7 @@ class Overlapped(Strategy):
                 receive(run.launched, self.exchange)
             for run in runs:
                 apply(run.launched, precision=ctx.precision, generator=ctx.generator)
-                for p, delta in zip(run.params, run.work):
+                for p, delta in zip(run.params, run.work, strict=True):
                     self.plan.set_error_buffer(p, delta)
         return ctx.entries
 
@@ -356,7 +356,7 @@ class Overlapped(Strategy):
             members += buckets[b].members
             finite.append(torch.stack([all_finite(local(entries[i][2].grad)) for i in buckets[b].members]))
         ok = torch.cat(finite).cpu().tolist() if finite else []
-        bad = sorted(m for m, fine in zip(members, ok) if not fine)
+        bad = sorted(m for m, fine in zip(members, ok, strict=True) if not fine)
         events = (EDITED if edited else 0) | (SCALED if amp.scale is not None else 0)
         rnd = ctx.status(events | (FOUND_INF if amp.found_inf else 0), bad)
         if rnd.any_event(SCALED):

@@ -498,7 +498,7 @@ def summary(rows: Sequence[dict[str, Any]], rank: int = 0) -> str:
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(SUMMARY_COLUMNS))]
     lines = [f"rank {rank} (times: medians in ms; T_seq_meas = both run back to back, unchunked):"]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in table]
     for r in rows:
         if r.get("error"):
             lines.append(f"  error at {r['collective']} size {r['size']} chunks {r['chunks']}: {r['error']}")

@@ -295,7 +295,7 @@ class OverlapTuning:
         locked, re-explore every class when the locked time drifted."""
         cls = self.classes[self.active]
         was_locked = cls.tuner.state == "locked"
-        for candidate, t in zip(self._batch, agreed):
+        for candidate, t in zip(self._batch, agreed, strict=True):
             if cls.tuner.choose() != candidate:  # the tuner decided mid-batch (drift): the rest is stale
                 break
             cls.tuner.record(candidate, t)

@@ -20,6 +20,7 @@ These folders are checked as they are on disk (files move between them and the a
 from __future__ import annotations
 
 import ast
+import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -212,7 +213,7 @@ def describe_cycles(
     for component in cyclic_components(graph):
         chain = shortest_cycle(graph, component[0])
         lines = ["import cycle: " + " -> ".join(chain)]
-        for a, b in zip(chain, chain[1:]):
+        for a, b in itertools.pairwise(chain):
             imp = graph[a][b]
             where = f"{modules[a].relative_to(root)}:{imp.line}"
             how = "loads by name" if imp.line == 0 else "imports"

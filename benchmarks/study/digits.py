@@ -17,6 +17,7 @@ import functools
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ class DigitsMLP(nn.Module):
         super().__init__()
         sizes = (NUM_FEATURES, *hidden, NUM_CLASSES)
         with torch.random.fork_rng(devices=[]):
-            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+            self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
         self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int) -> None:

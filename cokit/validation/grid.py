@@ -395,7 +395,7 @@ def execute(cfg: Any, wl: WorkloadDef, jobs: list, phase: str, run: bool = True)
     from cokit.validation.runs import run_jobs
 
     docs = [load_run(j.path, j.key) for j in jobs]
-    todo = [j for j, doc in zip(jobs, docs) if doc is None]
+    todo = [j for j, doc in zip(jobs, docs, strict=True) if doc is None]
     if not run:
         return [doc for doc in docs if doc is not None]
     print(
@@ -417,7 +417,7 @@ def execute(cfg: Any, wl: WorkloadDef, jobs: list, phase: str, run: bool = True)
             # 1.28M-parameter model on a loaded 2-core machine (about 500 s each there)
             timeout=600.0 + len(todo) * max(300.0, 2.0 * wl.steps),
         )
-    docs = [doc if doc is not None else load_run(j.path, j.key) for j, doc in zip(jobs, docs)]
+    docs = [doc if doc is not None else load_run(j.path, j.key) for j, doc in zip(jobs, docs, strict=True)]
     return [doc for doc in docs if doc is not None]
 
 

@@ -86,7 +86,7 @@ def plot_curves(
             steps, loss = _evals(rec)
             if kind == "bytes":
                 cum = list(accumulate(rec["series"]["bytes_sent"]))
-                pts = [(cum[s - 1], v) for s, v in zip(steps, loss) if s > 0 and cum[s - 1] > 0]
+                pts = [(cum[s - 1], v) for s, v in zip(steps, loss, strict=True) if s > 0 and cum[s - 1] > 0]
                 if not pts:
                     continue
                 steps, loss = [p[0] for p in pts], [p[1] for p in pts]
