@@ -196,6 +196,28 @@ def test_export_parquet_round_trip_equals_the_jsonl_and_out_dir(tmp_path, capsys
     ]
 
 
+def test_export_skips_a_line_nested_too_deep_and_names_its_file_and_line(tmp_path, capsys):
+    """A line nested 1,100 deep ended `cokit telemetry export` in RecursionError; it is skipped
+    like a truncated line, and stderr names the file and line."""
+    _recorded_run(tmp_path, world=1)
+    path = _run_folder(tmp_path) / "rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    lines.insert(2, '{"schema": "cokit.telemetry/1", "x": ' + "[" * 1100 + "]" * 1100 + "}\n")
+    path.write_text("".join(lines))
+    assert main(["telemetry", "export", str(tmp_path), "--format", "csv", "--kinds", "all"]) == 0
+    captured = capsys.readouterr()
+    assert "rank0.csv (4 rows; 1 unreadable line(s) skipped)" in captured.out
+    assert f"{path}: 1 line(s) skipped (line 3: 1 nested deeper than 100 arrays/objects)" in captured.err
+    assert "Traceback" not in captured.err
+    assert [r["kind"] for r in _csv_rows(_run_folder(tmp_path) / "rank0.csv")] == [
+        "meta",
+        "step",
+        "step",
+        "end",
+    ]
+    assert read_jsonl(path)[1] == 1
+
+
 # ----------------------------------------------------------------------------- time_iso
 
 

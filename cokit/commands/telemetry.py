@@ -9,13 +9,15 @@ sinks write: <run>/rank<r>.csv or .parquet (every row carries its run and rank, 
 concatenate). Rows: the step and summary records (--kinds all: every record), flattened
 (comm.exposed_s columns; lists as JSON text), with every column any record has and time_iso
 (ISO-8601 UTC) beside time. Each table is written atomically; a killed run's partial last
-line is skipped and counted. Exporting Parquet beside the JSONL replaces the part files a
+line, and any other line that is not JSON (or is nested deeper than 100 levels), is skipped
+and counted, and stderr names its file and line. Exporting Parquet beside the JSONL replaces the part files a
 killed run's Parquet sink left (rank<r>.part-NNNNN.parquet).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from cokit.cli import CliError
@@ -82,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             done = export_table(path, target, args.format, kinds)
             note = f"; {done.skipped} unreadable line(s) skipped" if done.skipped else ""
             print(f"wrote {done.path} ({done.rows} rows{note})")
+            if done.skipped and done.lines is not None:
+                print(f"cokit telemetry export: {done.lines.describe()}", file=sys.stderr)
     except (ImportError, OutputError, WriteError) as exc:
         raise CliError(str(exc)) from None
     return 0

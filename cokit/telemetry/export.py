@@ -4,7 +4,7 @@ The JSONL stream is the source of truth (every sink gets the same records, and i
 kill line by line); :func:`export_table` turns one rank's file into one CSV or Parquet table
 (records of ``kinds``, flattened like the table sinks, with every column any record has and
 ``time_iso``), written atomically. A partial last line (a killed run) and other unreadable
-lines are skipped and counted. Exporting Parquet into the sink's own path also removes the
+lines (not JSON, nested too deep) are skipped and counted by line number. Exporting Parquet into the sink's own path also removes the
 part files a killed :class:`~cokit.telemetry.sinks.ParquetSink` left there (the export holds
 their rows and more).
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cokit.files import atomic_write_bytes, atomic_write_text, storage_errors
-from cokit.telemetry.schema import order_columns, read_jsonl, table_row
+from cokit.telemetry.schema import Skipped, order_columns, read_records, table_row
 from cokit.telemetry.sinks import TABLE_KINDS, arrow_table, csv_text, parquet_bytes, part_paths
 
 __all__ = ["FORMATS", "Exported", "export_table", "run_files"]
@@ -56,11 +56,13 @@ def run_files(run_dir: str | os.PathLike) -> list[tuple[str, Path, int]]:
 
 @dataclass(frozen=True)
 class Exported:
-    """One table written: where, how many rows, how many JSONL lines were skipped."""
+    """One table written: where, how many rows, how many JSONL lines were skipped, and which
+    (``lines.describe()`` names the file, the first line numbers and the reasons)."""
 
     path: Path
     rows: int
     skipped: int
+    lines: Skipped | None = None
 
 
 def export_table(
@@ -76,7 +78,8 @@ def export_table(
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     wanted = None if kinds is None else frozenset(kinds)
-    records, skipped = read_jsonl(jsonl)
+    skipped = Skipped(Path(jsonl))
+    records = read_records(jsonl, skipped)
     rows = [table_row(r) for r in records if wanted is None or r.get("kind") in wanted]
     columns = order_columns(key for row in rows for key in row)
     out = Path(out)
@@ -88,4 +91,4 @@ def export_table(
             for part in part_paths(out):
                 with contextlib.suppress(FileNotFoundError):
                     part.unlink()
-    return Exported(out, len(rows), skipped)
+    return Exported(out, len(rows), skipped.count, skipped)
