@@ -131,6 +131,26 @@ def test_a_line_nested_too_deep_is_skipped_like_any_malformed_line(tmp_path, cap
     assert log.meta is not None and [r["step"] for r in log.steps] == [0, 1]
 
 
+def test_inline_frame_keeps_the_page_itself_so_moving_the_file_breaks_nothing(tmp_path):
+    """What notebooks show: an iframe whose srcdoc is the whole page (an IFrame of the file's
+    path broke once the HTML moved); bad input is a clear error."""
+    import html
+
+    from cokit.dashboard import build_dashboard, inline_frame
+
+    page = build_dashboard([_two_runs(tmp_path / "out", steps=10)], tmp_path / "page.html", log=None)
+    text = page.read_text(encoding="utf-8")
+    frame = inline_frame(page, height=500)
+    page.rename(tmp_path / "moved.html")  # the output no longer needs the file
+    assert frame.startswith('<iframe srcdoc="') and 'height="500"' in frame and " src=" not in frame
+    assert html.unescape(frame.split('"')[1]) == text  # the attribute holds the page exactly
+    with pytest.raises(FileNotFoundError, match="build_dashboard"):
+        inline_frame(page)
+    for bad in (0, True, 720.0, 10**6):
+        with pytest.raises(ValueError, match="height must be an integer from 100 to 10000"):
+            inline_frame(tmp_path / "moved.html", height=bad)
+
+
 def test_nan_literals_and_unknown_keys_are_tolerated(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
