@@ -118,9 +118,12 @@ COUNT_WIDTH = 4096
 
 
 def counted_model(params: int) -> Model:
-    """A bare parameter count, laid out as ``COUNT_WIDTH``-square matrices and a remainder."""
-    if isinstance(params, bool) or not isinstance(params, int) or params <= 0:
-        raise ValueError(f"parameter count must be a positive integer, got {params!r}")
+    """A bare parameter count, laid out as ``COUNT_WIDTH``-square matrices and a remainder.
+    The count must be in :data:`cokit.plan.LIMITS`' range (1 to 10**13; a
+    :class:`cokit.plan.PlanInputError` otherwise)."""
+    from cokit.plan import check_input
+
+    check_input("counted_model", "params", params)
     square = COUNT_WIDTH * COUNT_WIDTH
     full, rest = divmod(params, square)
     shapes: list[tuple[int, ...]] = [(COUNT_WIDTH, COUNT_WIDTH)] * full
@@ -134,8 +137,8 @@ def counted_model(params: int) -> Model:
 
 
 def parse_count(text: str) -> int:
-    """``"124M"``, ``"7B"``, ``"350k"`` or ``"1200000"`` -> a parameter count."""
-    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+    """``"124M"``, ``"7B"``, ``"1.8T"``, ``"350k"`` or ``"1200000"`` -> a parameter count."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
     t = text.strip().lower().replace("_", "").replace(",", "")
     mult = scale.get(t[-1:], 1)
     body = t[:-1] if t[-1:] in scale else t
@@ -143,6 +146,8 @@ def parse_count(text: str) -> int:
         value = float(body) * mult
     except ValueError:
         raise ValueError(f"parameter count {text!r} is not a number like 124M, 7B or 350000") from None
-    if not math.isfinite(value) or value < 1:
+    if not math.isfinite(value):
+        raise ValueError(f"parameter count {text!r} is not a finite number; give one like 124M, 7B or 350000")
+    if value < 1:
         raise ValueError(f"parameter count {text!r} must be at least 1")
     return int(round(value))

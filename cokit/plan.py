@@ -23,12 +23,19 @@ For AdamW with DDP's dense all-reduce, DeMo, SparseLoCo and DeMo's two-level exc
 
 The result is a :class:`Plan` (rows, JSON, CSV, a table). ``benchmarks/plan_validation.py``
 checks the predictions against real gloo runs on the netbed's rate-limited links.
+
+Every input has a range, in one table, :data:`LIMITS`: :class:`Link`, :class:`Workload`,
+:class:`Methods`, :func:`plan`, :func:`cokit.model_shapes.counted_model` and ``cokit plan``
+check their inputs against it (:func:`check_input`) before planning anything, and an input
+outside it raises :class:`PlanInputError`, a ``ValueError`` naming the input, the range and
+what to give (the CLI names its option instead).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,12 +48,16 @@ from cokit.model_shapes import Model
 __all__ = [
     "GPU",
     "GPUS",
+    "LIMITS",
     "METHODS",
     "TCP_EFFICIENCY",
+    "Limit",
     "Link",
     "Methods",
     "Plan",
+    "PlanInputError",
     "Workload",
+    "check_input",
     "parse_rate",
     "plan",
 ]
@@ -86,6 +97,237 @@ GPUS: dict[str, GPU] = {
 _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
 
+def _rate_text(bits_per_s: float) -> str:
+    """``2.5e10`` -> ``"25gbit"`` (tc's decimal units, as ``--bandwidth`` takes them)."""
+    for unit, scale in sorted(_RATE_UNITS.items(), key=lambda kv: -kv[1]):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:g}{unit}"
+    return f"{bits_per_s:g}bit"
+
+
+def _as_number(value: Any) -> int | float | None:
+    """``value`` as a Python int (any integral type: numpy's too) or float (any real), else
+    None (a bool, text, None)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def _finite(value: float) -> bool:
+    """Whether a number is finite (integers always are, even beyond float's range)."""
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def _number_text(value: float) -> str:
+    """``1048576`` -> ``"1,048,576"``, ``0.5`` -> ``"0.5"``, ``10**30`` -> ``"1e+30"``, an
+    integer beyond float's range -> ``"about 10**400"``."""
+    if isinstance(value, int):
+        v = value
+        if abs(v) < 10**16:
+            return f"{v:,}"
+        if abs(v) < 10**300:
+            return f"{float(v):g}"
+        return f"{'-' if v < 0 else ''}about 10**{int(abs(v).bit_length() * math.log10(2))}"
+    if abs(value) < 1e16 and float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{float(value):g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The range one plan input may take, and what to give when it is outside.
+
+    ``low`` to ``high`` inclusive (``low`` excluded when ``low_open``), an integer when
+    ``integer``; ``choices``, when given, the only values. ``flag`` is the ``cokit plan``
+    option that sets it (``flag_scale``: the option's value is the input times it, e.g.
+    milliseconds for seconds); ``rate``: shown as a rate like ``25gbit``.
+    """
+
+    low: float
+    high: float
+    integer: bool
+    advice: str
+    flag: str | None = None
+    flag_scale: float = 1.0
+    low_open: bool = False
+    rate: bool = False
+    choices: tuple[int, ...] = ()
+
+    def allows(self, value: Any, high: float | None = None) -> bool:
+        """Whether ``value`` is in range (``high`` overrides :attr:`high`)."""
+        number = _as_number(value)
+        if number is None or (self.integer and not isinstance(number, int)) or not _finite(number):
+            return False
+        if self.choices:
+            return number in self.choices
+        top = self.high if high is None else high
+        return (self.low < number if self.low_open else self.low <= number) and number <= top
+
+    def describe(self, high: float | None = None, cli: bool = False) -> str:
+        """The range in words, e.g. ``an integer from 2 to 1,048,576``."""
+        scale = self.flag_scale if cli else 1.0
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+
+        def show(v: float) -> str:
+            return _rate_text(v) if self.rate else _number_text(v * scale)
+
+        top = self.high if high is None else high
+        kind = "an integer" if self.integer else "a rate" if self.rate else "a finite number"
+        if self.low_open:
+            return f"{kind} above {show(self.low)} and at most {show(top)}"
+        return f"{kind} from {show(self.low)} to {show(top)}"
+
+
+#: the largest parameter count planned: a bare count is laid out as 4096x4096 matrices, and
+#: the payload layout is built tensor by tensor (10T parameters: ~600k tensors, under a minute)
+MAX_PARAMS = 10**13
+#: every input's range (keys: the API's argument or field names)
+LIMITS: dict[str, Limit] = {
+    "params": Limit(
+        1,
+        MAX_PARAMS,
+        True,
+        "give the model's parameter count, e.g. 124M, 7B or 1.8T",
+        "--params",
+    ),
+    "world": Limit(2, 2**20, True, "give the ranks (GPUs) in all; one rank exchanges nothing", "--world"),
+    "ranks_per_node": Limit(1, 1024, True, "give the ranks (GPUs) in one node, e.g. 8", "--ranks-per-node"),
+    "bits_per_s": Limit(
+        1e3,
+        1e15,
+        False,
+        "give each rank's link rate like 100mbit, 25gbit or 400gbit",
+        "--bandwidth",
+        rate=True,
+    ),
+    "latency_s": Limit(
+        0,
+        10,
+        False,
+        "give the one-way latency of one hop",
+        "--latency-ms",
+        flag_scale=1e3,
+    ),
+    "efficiency": Limit(
+        0, 1, False, "give the link's goodput / line rate (0.94 for TCP)", "--efficiency", low_open=True
+    ),
+    "burst_bytes": Limit(0, 10**15, True, "give the shaper's burst in bytes (0: no burst)", "--burst-bytes"),
+    "samples_per_step": Limit(1, 10**9, True, "give the samples each rank takes per step", "--batch"),
+    "dataset_samples": Limit(1, 10**15, True, "give the samples in one epoch", "--dataset-size"),
+    "tokens_per_sample": Limit(
+        1,
+        10**9,
+        True,
+        "give the tokens in one sample (its sequence length), or a measured --compute-ms",
+        "--tokens-per-sample",
+    ),
+    "tokens_per_step": Limit(
+        1,
+        10**15,
+        True,
+        "give the tokens one rank computes per step (tokens per sample x samples), or a measured compute_ms",
+        "--tokens-per-sample x --batch",
+    ),
+    "compute_ms": Limit(
+        0,
+        1e9,
+        False,
+        "give the measured forward + backward + optimizer time of one step, in milliseconds",
+        "--compute-ms",
+    ),
+    "mfu": Limit(
+        0,
+        1,
+        False,
+        "give the share of the GPU's peak the model reaches (0.4 is typical)",
+        "--mfu",
+        low_open=True,
+    ),
+    "price_per_hour": Limit(
+        0, 1e6, False, "give the price of one GPU for an hour, or leave it out", "--price-per-hour"
+    ),
+    "exposed": Limit(
+        0,
+        1,
+        False,
+        "give the measured share of communication left exposed after overlap, e.g. 0.6",
+        "--exposed",
+    ),
+    "demo_topk": Limit(
+        1,
+        2**20,
+        True,
+        "give DeMo's coefficients kept per chunk (default 32; a chunk holds chunk**2)",
+        "--demo-topk",
+    ),
+    "sparseloco_topk": Limit(
+        1,
+        2**20,
+        True,
+        "give SparseLoCo's coefficients kept per chunk (default 64; a chunk holds chunk**2)",
+        "--sparseloco-topk",
+    ),
+    "demo_chunk": Limit(1, 1024, True, "give DeMo's DCT chunk side (default 64)"),
+    "sparseloco_chunk": Limit(1, 1024, True, "give SparseLoCo's DCT chunk side (default 64)"),
+    "sync_every": Limit(1, 10**6, True, "give SparseLoCo's steps between syncs (default 5)", "--sync-every"),
+    "grad_itemsize": Limit(
+        1,
+        8,
+        True,
+        "give the gradient dtype's element size in bytes (4: fp32, 2: bf16)",
+        "--grad-dtype",
+        choices=(1, 2, 4, 8),
+    ),
+    "bucket_cap_mb": Limit(
+        0, 1e6, False, "give the exchange's bucket cap in MiB (default 25)", low_open=True
+    ),
+}
+
+
+class PlanInputError(ValueError):
+    """A plan input outside its :data:`LIMITS` range. The message names the input (``owner:
+    name``), the range, the value given and what to give; :meth:`cli_message` says the same
+    with ``cokit plan``'s option."""
+
+    def __init__(self, owner: str, name: str, value: Any, high: float | None = None, key: str = "") -> None:
+        self.owner, self.name, self.value, self.high, self.key = owner, name, value, high, key
+        super().__init__(self._text(f"{owner}: {name}" + (f"[{key!r}]" if key else ""), cli=False))
+
+    def _text(self, label: str, cli: bool) -> str:
+        limit = LIMITS[self.name]
+        value = _as_number(self.value)
+        if value is None:
+            shown = repr(self.value)
+        elif limit.rate and 0 < value < 1e300:
+            shown = _rate_text(float(value))
+        elif cli and limit.flag_scale != 1.0 and abs(value) < 1e300:
+            shown = _number_text(float(value) * limit.flag_scale)
+        else:
+            shown = _number_text(value)
+        return f"{label} must be {limit.describe(self.high, cli)}, got {shown}; {limit.advice}"
+
+    def cli_message(self, flags: Mapping[str, str] | None = None) -> str:
+        """The message with the option that sets the input (``flags`` overrides
+        :attr:`Limit.flag`, e.g. ``--intra-bandwidth`` for a second link; an empty flag keeps
+        the API's wording)."""
+        flag = (flags or {}).get(self.name, LIMITS[self.name].flag)
+        if not flag:
+            return str(self)
+        return self._text(flag + (f" ({self.key})" if self.key else ""), cli=True)
+
+
+def check_input(owner: str, name: str, value: Any, *, high: float | None = None, key: str = "") -> None:
+    """Raise :class:`PlanInputError` unless ``value`` is in ``LIMITS[name]``'s range (``high``:
+    a tighter top, e.g. a top-k's chunk**2; ``key``: which entry of a per-method mapping)."""
+    if not LIMITS[name].allows(value, high):
+        raise PlanInputError(owner, name, value, high, key)
+
+
 def parse_rate(text: str) -> float:
     """``"10gbit"``, ``"100mbit"``, ``"400gbit"`` -> bits per second (tc's decimal units)."""
     t = str(text).strip().lower()
@@ -113,20 +355,8 @@ class Link:
     burst_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("bits_per_s", 0.0), ("latency_s", -1.0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= low:
-                raise ValueError(f"Link: {name} must be a finite number > {max(low, 0):g}, got {v!r}")
-        if self.latency_s < 0:
-            raise ValueError(f"Link: latency_s must be >= 0, got {self.latency_s!r}")
-        if not (0 < self.efficiency <= 1):
-            raise ValueError(f"Link: efficiency must be in (0, 1], got {self.efficiency!r}")
-        if (
-            isinstance(self.burst_bytes, bool)
-            or not isinstance(self.burst_bytes, int)
-            or self.burst_bytes < 0
-        ):
-            raise ValueError(f"Link: burst_bytes must be an integer >= 0, got {self.burst_bytes!r}")
+        for name in ("bits_per_s", "latency_s", "efficiency", "burst_bytes"):
+            check_input("Link", name, getattr(self, name))
 
     def seconds(self, nbytes: float, hops: int, idle_s: float = 0.0) -> float:
         """Time to move ``nbytes`` in ``hops`` latency-bound steps, after ``idle_s`` seconds
@@ -153,24 +383,23 @@ class Workload:
     mfu: float = 0.4
 
     def __post_init__(self) -> None:
-        for name in ("samples_per_step", "dataset_samples"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Workload: {name} must be a positive integer, got {v!r}")
+        for name in ("samples_per_step", "dataset_samples", "mfu"):
+            check_input("Workload", name, getattr(self, name))
+        if self.tokens_per_step is not None:
+            check_input("Workload", "tokens_per_step", self.tokens_per_step)
         if self.gpu is not None and self.gpu not in GPUS:
             raise ValueError(f"Workload: unknown gpu {self.gpu!r}; choose one of {', '.join(GPUS)}")
-        if not (0 < self.mfu <= 1):
-            raise ValueError(f"Workload: mfu must be in (0, 1], got {self.mfu!r}")
         given = self.compute_ms
-        values = list(given.values()) if isinstance(given, Mapping) else [given]
         if given is not None:
-            if isinstance(given, Mapping) and (unknown := set(given) - set(METHODS)):
-                raise ValueError(
-                    f"Workload: compute_ms for unknown method(s) {sorted(unknown)}; known: {METHODS}"
-                )
-            for v in values:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise ValueError(f"Workload: compute_ms must be finite numbers >= 0, got {v!r}")
+            if isinstance(given, Mapping):
+                if unknown := set(given) - set(METHODS):
+                    raise ValueError(
+                        f"Workload: compute_ms for unknown method(s) {sorted(unknown)}; known: {METHODS}"
+                    )
+                for method, v in given.items():
+                    check_input("Workload", "compute_ms", v, key=method)
+            else:
+                check_input("Workload", "compute_ms", given)
         elif self.tokens_per_step is None or self.gpu is None:
             raise ValueError(
                 "Workload: give compute_ms (measured forward + backward + optimizer per step), or "
@@ -209,6 +438,13 @@ class Methods:
     sync_every: int = 5
     grad_itemsize: int = 4  # fp32 gradients (bf16: 2)
     bucket_cap_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        for name in ("demo_chunk", "sparseloco_chunk", "sync_every", "grad_itemsize", "bucket_cap_mb"):
+            check_input("Methods", name, getattr(self, name))
+        # a chunk holds chunk**2 coefficients: a larger top-k keeps them all (dense)
+        check_input("Methods", "demo_topk", self.demo_topk, high=self.demo_chunk**2)
+        check_input("Methods", "sparseloco_topk", self.sparseloco_topk, high=self.sparseloco_chunk**2)
 
     def demo(self) -> Setup:
         codec = get_codec(self.demo_payload, owner="plan")
@@ -285,22 +521,24 @@ def plan(
     ``price_per_hour``: per GPU. ``exposed``: per method, the measured share of communication
     left after overlap.
     """
-    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
-        raise ValueError(f"plan: world must be an integer >= 2 (one rank exchanges nothing), got {world!r}")
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"plan: ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    check_input("plan", "world", world)
+    check_input("plan", "ranks_per_node", ranks_per_node)
     if world % ranks_per_node:
-        raise ValueError(f"plan: world {world} is not a multiple of ranks_per_node {ranks_per_node}")
-    if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour >= 0):
-        raise ValueError(f"plan: price_per_hour must be a finite number >= 0, got {price_per_hour!r}")
+        raise ValueError(
+            f"plan: world {world} is not a multiple of ranks_per_node {ranks_per_node}; give whole nodes"
+        )
+    if price_per_hour is not None:
+        check_input("plan", "price_per_hour", price_per_hour)
     unknown = [m for m in which if m not in METHODS]
     if unknown or not which:
         raise ValueError(f"plan: methods must be some of {', '.join(METHODS)}, got {list(which)}")
     for name, share in (exposed or {}).items():
-        if name not in METHODS or not (0 <= share <= 1):
-            raise ValueError(f"plan: exposed must map methods to shares in [0, 1], got {name!r}: {share!r}")
+        if name not in METHODS:
+            raise ValueError(f"plan: exposed names unknown method {name!r}; known: {', '.join(METHODS)}")
+        check_input("plan", "exposed", share, key=name)
     if model.params == 0:
         raise ValueError("plan: the model has no parameters")
+    check_input("plan", "params", model.params)
     methods = methods or Methods()
     if intra is None:
         gpu = GPUS.get(workload.gpu or "")

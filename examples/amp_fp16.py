@@ -3,18 +3,28 @@
     torchrun --standalone --nproc-per-node 2 examples/amp_fp16.py              # DeMo
     torchrun --standalone --nproc-per-node 2 examples/amp_fp16.py --optimizer sparseloco
     torchrun --standalone --nproc-per-node 2 examples/amp_fp16.py --overflow-step 3
+    torchrun --standalone --nproc-per-node 2 examples/amp_fp16.py --optimizer sparseloco --overflow-step 2
 
 The forward runs in fp16 under autocast and the loss is scaled by a GradScaler. Both
 optimizers take GradScaler's protocol: ``scaler.step(opt)`` hands them the scale and each
-rank's ``found_inf``; they unscale the gradients themselves and every rank agrees (the exchange
-core's status row) to skip a step where any rank overflowed, so the ranks' collectives stay
-paired and the replicas identical. ``--overflow-step N`` makes rank 0's gradients overflow at
-step N to show it: every rank skips that step and the scale halves on every rank.
+rank's ``found_inf``, and they unscale the gradients themselves. ``--overflow-step N`` makes
+rank 0's gradients overflow at step N to show what happens; each line prints every rank's
+scale (rank 0 first) and, on an overflow, which ranks skipped their step:
+
+* DeMo: every rank agrees (the exchange core's status row) to skip that step, so the ranks'
+  collectives stay paired and the replicas identical: no rank's weights change.
+* SparseLoCo: only rank 0 skips its local (inner) step; the other ranks take theirs, and the
+  next sync brings the replicas back together (with ``dense_warmup``, a warm-up step is
+  skipped on every rank, like DeMo's).
+* The GradScaler is per rank: only rank 0 saw the inf, so only rank 0's scale halves (1024 to
+  512); the other ranks' stays at 1024. Nothing needs the scales to agree: each rank unscales
+  its own gradients before anything is exchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -55,12 +65,16 @@ def main() -> None:
         if step == args.overflow_step and rank == 0:
             model[0].weight.grad[0, 0] = float("inf")  # an fp16 overflow on this rank only
         scale = scaler.get_scale()
-        scaler.step(opt)  # unscales, and skips on every rank if any rank found an inf
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)  # unscales; DeMo skips on every rank, SparseLoCo on the rank that overflowed
         scaler.update()
         opt.zero_grad()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        facts = torch.tensor([scale, scaler.get_scale(), float(moved)], dtype=torch.float64, device=device)
+        every = [torch.zeros_like(facts) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, facts)
         if rank == 0:
-            note = "  (skipped on every rank: an inf on rank 0)" if scaler.get_scale() < scale else ""
-            print(f"step {step:3d}  loss {loss.item():.4f}  scale {scale:g}{note}", flush=True)
+            print(f"step {step:3d}  loss {loss.item():.4f}  {_note(every)}", flush=True)
 
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     seen = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
@@ -68,9 +82,32 @@ def main() -> None:
     same = all(torch.equal(seen[0], s) for s in seen[1:])
     if rank == 0:
         print("replicas: bit-identical weights" if same else "replicas: DIFFER", flush=True)
+    # every rank done with the group, and the optimizer (its timeout watchdog) gone, before any
+    # rank tears it down: a group torn down under a peer can abort that peer at exit
+    del opt, scaler
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     if not same:
         raise SystemExit(1)
+
+
+def _note(every: list[torch.Tensor]) -> str:
+    """Each rank's scale (rank 0 first), e.g. ``scale 1024/1024``; on an overflow, before ->
+    after, and which ranks skipped their step (their weights did not change)."""
+    before, after, moved = ([int(t[i].item()) for t in every] for i in range(3))
+    text = "scale " + "/".join(map(str, before))
+    if before == after:
+        return text
+    halved = [r for r, (b, a) in enumerate(zip(before, after)) if a < b]
+    still = [r for r, m in enumerate(moved) if not m]
+    if len(still) == len(moved):
+        skipped = "skipped on every rank, no rank's weights changed"
+    elif still:
+        skipped = f"skipped on rank {', '.join(map(str, still))} only, the other ranks stepped"
+    else:
+        skipped = "every rank's weights changed: a sync followed the skipped local step"
+    return f"{text} -> {'/'.join(map(str, after))}  (an inf on rank {', '.join(map(str, halved))}: {skipped})"
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 ``--mode cokit``: DeMo or SparseLoCo from ``configure_optimizers`` under ``CokitStrategy`` with an
 LR scheduler, gradient accumulation and clipping; ``--phase ref`` trains 2 epochs saving after
-each, ``--phase resume`` resumes from the first epoch's checkpoint in fresh processes.
-``--mode hook``: the same with AdamW on DDP and the cokit hook through ``CommHookDDPStrategy``.
+each (and, in ``<mode>_ckpt_mid``, every 2 optimizer steps: mid-epoch, an epoch has 3),
+``--phase resume`` resumes from the first epoch's checkpoint in fresh processes, ``--phase
+resume-mid`` from the mid-epoch one at step 2.
+``--mode hook``: the same with AdamW on DDP and the cokit hook through ``CommHookDDPStrategy``;
+``--mode ddp``: AdamW on Lightning's own ``DDPStrategy``, for comparison.
 Each rank writes its facts to ``<out>/<mode>_<phase>_rank<R>.pt``.
 """
 
@@ -84,9 +87,9 @@ def refusals(out: str, rank: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["cokit", "hook", "refusals"], required=True)
+    ap.add_argument("--mode", choices=["cokit", "hook", "ddp", "refusals"], required=True)
     ap.add_argument("--optimizer", choices=["demo", "sparseloco", "adamw"], required=True)
-    ap.add_argument("--phase", choices=["ref", "resume"], required=True)
+    ap.add_argument("--phase", choices=["ref", "resume", "resume-mid"], required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
@@ -101,10 +104,17 @@ def main() -> None:
         hook_state = None
         if args.mode == "cokit":
             strategy: pl.strategies.Strategy = CokitStrategy()
+        elif args.mode == "ddp":
+            strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
         else:
             hook_state = DCTTopKState(topk=8, chunk=16, warmup_steps=0)
             strategy = CommHookDDPStrategy(ddp_comm_state=hook_state, ddp_comm_hook=dct_topk_hook)
         ckpt_dir = os.path.join(args.out, f"{args.mode}_ckpt")
+        callbacks = [pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)]
+        if args.phase == "ref":  # mid-epoch checkpoints too (saving changes nothing in training)
+            callbacks.append(
+                pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir + "_mid", save_top_k=-1, every_n_train_steps=2)
+            )
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
@@ -115,10 +125,14 @@ def main() -> None:
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)],
+            callbacks=callbacks,
             deterministic=True,
         )
-        resume = os.path.join(ckpt_dir, "epoch=0-step=3.ckpt") if args.phase == "resume" else None
+        resume = {
+            "ref": None,
+            "resume": os.path.join(ckpt_dir, "epoch=0-step=3.ckpt"),
+            "resume-mid": os.path.join(ckpt_dir + "_mid", "epoch=0-step=2.ckpt"),
+        }[args.phase]
         trainer.fit(model, data(), ckpt_path=resume)
     opt = trainer.optimizers[0]
     facts = {
@@ -126,7 +140,9 @@ def main() -> None:
         "wrapper": model.wrapper,
         "global_step": trainer.global_step,
         "lr": [g["lr"] for g in opt.param_groups],
-        "bytes_sent": (hook_state or opt).comm_stats.as_dict()["total_sent_bytes"],
+        "bytes_sent": None
+        if args.mode == "ddp"  # DDP's own all-reduce counts nothing
+        else (hook_state or opt).comm_stats.as_dict()["total_sent_bytes"],
         "hook_iterations": hook_state.iteration if hook_state is not None else None,
         "files": sorted(os.listdir(ckpt_dir)),
         "warnings": [f"{type(w.message).__name__}: {w.message}" for w in caught],

@@ -106,6 +106,51 @@ def test_damaged_lines_are_skipped_and_counted(tmp_path, capsys):
     assert "6 unreadable line(s) skipped" in out.read_text()
 
 
+@pytest.mark.parametrize("depth", [101, 1100, 200_000])
+def test_a_line_nested_too_deep_is_skipped_like_any_malformed_line(tmp_path, capsys, depth):
+    """JSON nested past MAX_DEPTH (100) is a malformed line, skipped and named by file and line;
+    past ~1,000 levels Python's decoder ended the command in RecursionError. Brackets inside
+    strings do not count, and a line exactly MAX_DEPTH deep is read."""
+    from cokit.telemetry.schema import MAX_DEPTH
+
+    folder = tmp_path / "out" / "telemetry" / "hand"
+    folder.mkdir(parents=True)
+    deep = '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}\n"
+    at_limit = _rec(
+        "meta", method="x", config={"n": json.loads("[" * (MAX_DEPTH - 2) + "]" * (MAX_DEPTH - 2))}
+    )
+    brackets_in_text = _rec("step", step=1, loss=1.0, note="[" * 5000 + "{" * 5000)
+    path = folder / "rank0.jsonl"
+    path.write_text(at_limit + _rec("step", step=0, loss=2.0) + deep + brackets_in_text)
+    out = tmp_path / "page.html"
+    assert main(["dashboard", str(tmp_path / "out"), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}: 1 line(s) skipped (line 3: 1 nested deeper than {MAX_DEPTH} arrays/objects)" in err
+    assert "Traceback" not in err and out.exists()
+    log = load_telemetry(tmp_path / "out").runs[0].ranks[0]
+    assert log.meta is not None and [r["step"] for r in log.steps] == [0, 1]
+
+
+def test_inline_frame_keeps_the_page_itself_so_moving_the_file_breaks_nothing(tmp_path):
+    """What notebooks show: an iframe whose srcdoc is the whole page (an IFrame of the file's
+    path broke once the HTML moved); bad input is a clear error."""
+    import html
+
+    from cokit.dashboard import build_dashboard, inline_frame
+
+    page = build_dashboard([_two_runs(tmp_path / "out", steps=10)], tmp_path / "page.html", log=None)
+    text = page.read_text(encoding="utf-8")
+    frame = inline_frame(page, height=500)
+    page.rename(tmp_path / "moved.html")  # the output no longer needs the file
+    assert frame.startswith('<iframe srcdoc="') and 'height="500"' in frame and " src=" not in frame
+    assert html.unescape(frame.split('"')[1]) == text  # the attribute holds the page exactly
+    with pytest.raises(FileNotFoundError, match="build_dashboard"):
+        inline_frame(page)
+    for bad in (0, True, 720.0, 10**6):
+        with pytest.raises(ValueError, match="height must be an integer from 100 to 10000"):
+            inline_frame(tmp_path / "moved.html", height=bad)
+
+
 def test_nan_literals_and_unknown_keys_are_tolerated(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()

@@ -1,6 +1,7 @@
-"""The docs: README.md is a short front page that leads to every docs page, its links work, and
-the mkdocs site (docs/, mkdocs.yml) builds with --strict (broken links, anchors and docstring
-references fail it)."""
+"""The docs: README.md is a short front page that leads to every docs page, its links work, every
+``#anchor`` link of README.md and docs/ lands on a heading by GitHub's rules (where readers
+follow them; mkdocs checks its own), and the mkdocs site (docs/, mkdocs.yml) builds with
+--strict (broken links, anchors and docstring references fail it)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,63 @@ def test_readme_relative_links_point_to_existing_files() -> None:
     assert targets, "no relative links found in README.md"
     broken = [t for t in targets if not (ROOT / t.split("#", 1)[0]).exists()]
     assert not broken, f"README.md links to files that do not exist: {broken}"
+
+
+# GitHub's heading anchors (github-slugger): the heading's text (markup dropped, code spans kept)
+# lowercased, every character but letters, digits, '_', '-' and spaces removed, each space a
+# '-' (so "a: `--b`" is "a---b"; mkdocs' own slugs collapse the hyphens); the n-th repeat of a
+# slug gets "-n"
+_NOT_SLUG = re.compile(r"[^\w\- ]")
+
+
+def github_slug(heading: str) -> str:
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links and images: their text
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "").replace("*", "")
+    return _NOT_SLUG.sub("", text.strip().lower()).replace(" ", "-")
+
+
+def github_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of the markdown file ``path``."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    anchors = set()
+    for m in re.finditer(r"^#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", text, re.M):
+        slug = github_slug(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def test_github_slug_rules() -> None:
+    assert github_slug("Held-out protocol: `--protocol transfer`") == "held-out-protocol---protocol-transfer"
+    assert github_slug("Calibrate on your own model: `cokit bench validate --on`") == (
+        "calibrate-on-your-own-model-cokit-bench-validate---on"
+    )
+    assert github_slug("10. The exchange core, the strategies and the threat model") == (
+        "10-the-exchange-core-the-strategies-and-the-threat-model"
+    )
+    assert github_slug("[Link](x.md) and **bold** `dense_params`") == "link-and-bold-dense_params"
+
+
+def test_anchor_links_land_on_a_github_heading() -> None:
+    """README.md's ``docs/validation-study.md#held-out-protocol-protocol-transfer`` did not land on
+    GitHub (whose anchor for "Held-out protocol: `--protocol transfer`" keeps three hyphens)."""
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    checked, bad = 0, []
+    for page in pages:
+        for target in (m.group(1) for m in LINK.finditer(_prose(page.read_text(encoding="utf-8")))):
+            if "#" not in target or re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+                continue
+            file, anchor = target.split("#", 1)
+            dest = (page.parent / file).resolve() if file else page
+            if dest.suffix != ".md" or not dest.is_file():
+                continue  # a missing file is test_readme_relative_links_point_to_existing_files' (and mkdocs')
+            checked += 1
+            if anchor not in github_anchors(dest):
+                bad.append(f"{page.relative_to(ROOT)}: {target}")
+    assert checked >= 10, checked  # the links were found
+    assert not bad, f"these #anchors match no heading by GitHub's rules: {bad}"
 
 
 def test_link_parser() -> None:

@@ -4,7 +4,9 @@ gradient accumulation and clipping, and a resume from a checkpoint in fresh proc
 bit-identical to the uninterrupted run on every rank; ``CommHookDDPStrategy`` registers the
 cokit DDP hook on CPU (Lightning's ``DDPStrategy`` skips it there) and checkpoints every rank's
 hook state, so its resume is bit-identical too; each refuses the other's
-optimizers, and bad arguments are clear errors."""
+optimizers, and bad arguments are clear errors. Bit-identical means from an end-of-epoch
+checkpoint: a mid-epoch one resumes to other weights, under CokitStrategy as under Lightning's
+own DDPStrategy (what docs/recipes.md says)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,33 @@ def test_cokit_strategy_resume_is_bit_identical_at_world_2(tmp_path, optimizer):
     assert_resumed_like_the_reference(ref, res)
     for a, b in zip(ref[0]["params"], ref[1]["params"], strict=True):  # ranks started from rank 0's weights
         assert torch.equal(a, b)
+    if optimizer == "demo":  # from a mid-epoch checkpoint: other weights (see the next test)
+        _torchrun(
+            "--mode", "cokit", "--optimizer", optimizer, "--phase", "resume-mid", "--out", str(tmp_path)
+        )
+        _assert_mid_epoch_resume_differs(ref, _facts(tmp_path, "cokit_resume-mid"))
+
+
+def _assert_mid_epoch_resume_differs(ref: list[dict], mid: list[dict]) -> None:
+    for r in range(2):
+        assert mid[r]["global_step"] == ref[r]["global_step"] == 6 and mid[r]["lr"] == ref[r]["lr"]
+        same = all(torch.equal(a, b) for a, b in zip(ref[r]["params"], mid[r]["params"]))
+        assert not same, f"rank {r}: a mid-epoch resume ended bit-identical; update docs/recipes.md"
+    # Lightning itself says why (rank 0 only): the dataloader's place in the epoch is not restored
+    assert any("ended before the epoch ended" in w for w in mid[0]["warnings"]), mid[0]["warnings"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_plain_lightning_ddp_resumes_bit_identically_from_an_epoch_end_only(tmp_path):
+    """docs/recipes.md: a bit-exact resume needs an end-of-epoch checkpoint, with Lightning's
+    own DDPStrategy as with CokitStrategy: from a checkpoint at step 2 of a 3-step epoch, the
+    run ends at the same step and lr with other weights, and Lightning warns that the
+    dataloader is not resumable mid-epoch."""
+    pytest.importorskip("lightning", reason=SKIP)
+    for phase in ("ref", "resume-mid"):
+        _torchrun("--mode", "ddp", "--optimizer", "adamw", "--phase", phase, "--out", str(tmp_path))
+    _assert_mid_epoch_resume_differs(_facts(tmp_path, "ddp_ref"), _facts(tmp_path, "ddp_resume-mid"))
 
 
 @pytest.mark.distributed

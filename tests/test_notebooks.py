@@ -9,8 +9,11 @@ outputs as it displays, and a final probe cell checks the backend is still inlin
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,31 @@ def _count(cell, mime: str) -> int:
     return sum(1 for o in cell.outputs if mime in o.get("data", {}))
 
 
+#: the results folder a notebook writes by default: OUT = os.environ.get("COKIT_NOTEBOOK_OUT", "...")
+DEFAULT_OUT = re.compile(r"""os\.environ\.get\(\s*["']COKIT_NOTEBOOK_OUT["']\s*,\s*["']([^"']+)["']""")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_what_a_notebook_writes_by_default_is_gitignored(path):
+    """A notebook run from Jupyter (whose working folder is the notebook's) writes its results
+    beside it, under notebooks/results/, which git ignores: running them leaves no untracked
+    files (they used to leave notebooks/results/ untracked)."""
+    nb = nbformat.read(path, as_version=4)
+    source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    outs = DEFAULT_OUT.findall(source)
+    if not outs:
+        assert "open(" not in source and "savefig" not in source, f"{path.name} writes files: give OUT"
+        return
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for out in outs:
+        target = (path.parent / out / "dashboard.html").resolve().relative_to(ROOT)
+        assert str(target).startswith("notebooks/results/"), target
+        ignored = subprocess.run([git, "check-ignore", "-q", str(target)], cwd=ROOT, check=False)
+        assert ignored.returncode == 0, f"{path.name} writes {target}, which .gitignore does not ignore"
+
+
 @pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in FIGURE_NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_is_tagged_where_it_draws(path):
     """Cells that draw are tagged ``figures`` (so the run below counts their images)."""
@@ -108,3 +136,9 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
         assert "note: no dashboard" not in _text(dash)
         pages = list((tmp_path / "out").rglob("dashboard.html"))
         assert pages and all(p.stat().st_size > 100_000 for p in pages)  # plotly.js inline: offline
+        # the frame holds the page itself (srcdoc), not a path that breaks once the file moves
+        (frame,) = [
+            o.data["text/html"] for o in dash.outputs if "<iframe" in o.get("data", {}).get("text/html", "")
+        ]
+        assert frame.startswith("<iframe srcdoc=") and " src=" not in frame, frame[:200]
+        assert html.unescape(frame.split('"')[1]) == pages[0].read_text(encoding="utf-8")

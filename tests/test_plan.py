@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 
 import pytest
@@ -17,7 +18,7 @@ from cokit.cli import main as cli
 from cokit.compress import DeMo, SparseLoCo
 from cokit.compress.stats import ring_allreduce_bytes
 from cokit.model_shapes import Model, counted_model, parse_count
-from cokit.plan import GPUS, Link, Methods, Workload, parse_rate, plan
+from cokit.plan import GPUS, LIMITS, Link, Methods, PlanInputError, Workload, parse_rate, plan
 
 SHAPES = tuple(tuple(p.shape) for p in SmallNet().parameters())
 MODEL = Model("small", "SmallNet", SHAPES)
@@ -138,7 +139,7 @@ def test_compute_from_flops_uses_6n_per_token_at_the_mfu_of_the_gpus_peak():
         (lambda: Link(1e9, burst_bytes=-1), "burst_bytes"),
         (lambda: parse_rate("fast"), "not a positive rate"),
         (lambda: parse_count("7X"), "not a number"),
-        (lambda: counted_model(0), "positive integer"),
+        (lambda: counted_model(0), "params must be an integer from 1 to"),
     ],
 )
 def test_bad_input_is_refused_with_what_to_give(call, message):
@@ -146,9 +147,128 @@ def test_bad_input_is_refused_with_what_to_give(call, message):
         call()
 
 
+def _api_call(name: str, value):
+    """Build what takes input ``name`` with ``value`` (everything else valid)."""
+    work = {"compute_ms": 10.0}
+    if name in ("samples_per_step", "dataset_samples", "mfu", "tokens_per_step", "compute_ms"):
+        kw = {"samples_per_step": 1, "dataset_samples": 1, **work, name: value}
+        if name == "tokens_per_step":
+            kw.update(compute_ms=None, gpu="h100")
+        return lambda: Workload(**kw)
+    if name in ("bits_per_s", "latency_s", "efficiency", "burst_bytes"):
+        return lambda: Link(**{"bits_per_s": 1e9, name: value})
+    if name in ("world", "ranks_per_node", "price_per_hour"):
+        kw = {"world": 2048 if name == "ranks_per_node" else 2, name: value}
+        return lambda: plan(MODEL, kw.pop("world"), Workload(1, 1, compute_ms=1.0), Link(1e9), **kw)
+    if name == "exposed":
+        return lambda: plan(MODEL, 2, Workload(1, 1, compute_ms=1.0), Link(1e9), exposed={"demo": value})
+    if name == "params":
+        return lambda: counted_model(value)
+    if name.endswith("_chunk"):  # a chunk of 1 holds one coefficient: top-k 1
+        return lambda: Methods(**{name: value, name.replace("chunk", "topk"): 1})
+    return lambda: Methods(**{name: value})
+
+
+def _outside(name: str) -> list:
+    limit = LIMITS[name]
+    high = 64**2 if name.endswith("topk") else limit.high
+    bad = [float("nan"), "1", True]
+    if limit.choices:
+        return [*bad, 3, 16, 0]
+    below = limit.low if limit.low_open else limit.low - (1 if limit.integer else 1e-9 * max(1, limit.low))
+    above = int(high) + 1 if limit.integer else high * 1.000001
+    bad += [below, above, -(10**400), 10**400]
+    if limit.integer:
+        bad.append(limit.low + 0.5)
+    else:
+        bad += [float("inf"), -float("inf")]
+    return bad
+
+
+@pytest.mark.parametrize("name", sorted(set(LIMITS) - {"tokens_per_sample"}))  # that one: the CLI's own
+def test_every_plan_input_is_range_checked_with_its_range_and_what_to_give(name):
+    """Each input of LIMITS, just outside its range, at +-10**400, NaN, inf, a bool or text, is
+    refused with a PlanInputError naming it, the range and advice; its bounds are accepted."""
+    for value in _outside(name):
+        with pytest.raises(PlanInputError) as caught:
+            _api_call(name, value)()
+        message = str(caught.value)
+        assert f"{name}" in message and " must be " in message and "; give " in message, message
+        assert caught.value.name == name
+    limit = LIMITS[name]
+    for ok in ([*limit.choices] or [limit.high if not name.endswith("topk") else 64**2]) + (
+        [] if limit.low_open or limit.choices else [limit.low]
+    ):
+        _api_call(name, int(ok) if limit.integer else ok)()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--params", "1e30"], "--params must be an integer from 1 to 10,000,000,000,000, got 1e+30"),
+        (["--params", "7B", "--tokens-per-sample", "-1"], "--tokens-per-sample must be an integer from 1 to"),
+        (
+            ["--params", "7B", "--tokens-per-sample", "1000000000", "--batch", "10000000"],
+            "--tokens-per-sample x --batch",
+        ),
+        (
+            ["--params", "7B", "--latency-ms", "-5"],
+            "--latency-ms must be a finite number from 0 to 10,000, got -5",
+        ),
+        (["--params", "7B", "--latency-ms", "nan"], "--latency-ms must be a finite number"),
+        (["--params", "7B", "--bandwidth", "0.5bit"], "--bandwidth must be a rate from 1kbit to 1000tbit"),
+        (["--params", "7B", "--intra-bandwidth", "1e20gbit"], "--intra-bandwidth must be a rate from 1kbit"),
+        (
+            ["--params", "7B", "--efficiency", "0"],
+            "--efficiency must be a finite number above 0 and at most 1",
+        ),
+        (["--params", "7B", "--burst-bytes", "-1"], "--burst-bytes must be an integer from 0"),
+        (["--params", "7B", "--world", "1"], "--world must be an integer from 2 to 1,048,576, got 1"),
+        (
+            ["--params", "7B", "--world", "1" + "0" * 400],
+            "--world must be an integer from 2 to 1,048,576, got about 10**400",
+        ),
+        (["--params", "7B", "--world", "4096", "--ranks-per-node", "4096"], "--ranks-per-node must be"),
+        (["--params", "7B", "--batch", "0"], "--batch must be an integer from 1 to"),
+        (["--params", "7B", "--dataset-size", str(10**16)], "--dataset-size must be an integer from 1 to"),
+        (["--params", "7B", "--mfu", "1.5"], "--mfu must be"),
+        (["--params", "7B", "--compute-ms", "-1"], "--compute-ms must be a finite number from 0"),
+        (["--params", "7B", "--compute-ms", "demo=inf"], "--compute-ms (demo) must be"),
+        (["--params", "7B", "--exposed", "demo=2"], "--exposed (demo) must be a finite number from 0 to 1"),
+        (["--params", "7B", "--price-per-hour", "-1"], "--price-per-hour must be"),
+        (["--params", "7B", "--demo-topk", "5000"], "--demo-topk must be an integer from 1 to 4,096"),
+        (["--params", "7B", "--sparseloco-topk", "0"], "--sparseloco-topk must be"),
+        (["--params", "7B", "--sync-every", "0"], "--sync-every must be an integer from 1 to"),
+        (["--model", "gpt2-124m", "--sync-every", "10000000"], "--sync-every must be"),
+    ],
+)
+def test_the_cli_range_checks_every_number_with_its_option_and_range(extra, message, capsys):
+    """--params 1e30 ended in OverflowError and --tokens-per-sample -1 planned from negative
+    FLOPs; every number is checked against the same LIMITS as the API, before planning."""
+    base = ["plan", "--world", "16", "--bandwidth", "25gbit", "--gpu", "h100", "--tokens-per-sample"]
+    base += ["1024", "--batch", "8", "--dataset-size", "1000000"]
+    assert cli([*base, *extra]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert message in err and "; give " in err and len(err.splitlines()) == 1, err
+    assert captured.out == ""
+
+
+def test_docs_plan_lists_every_input_range():
+    """docs/plan.md's range table says what LIMITS enforces, input by input."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "plan.md").read_text()
+    rows = {m.group(1): m.group(3) for m in re.finditer(r"^\| `(\w+)` \| (.*?) \| (.*) \|$", text, re.M)}
+    assert set(rows) == set(LIMITS)
+    for name, limit in LIMITS.items():
+        assert rows[name].startswith(limit.describe()), (name, rows[name])
+
+
 def test_rates_and_counts_parse_in_decimal_units():
     assert parse_rate("10mbit") == 1e7 and parse_rate("2.5gbit") == 2.5e9
     assert parse_count("124M") == 124_000_000 and parse_count("7b") == 7 * 10**9
+    assert parse_count("1.8T") == 1_800_000_000_000
     m = counted_model(2 * 4096 * 4096 + 5 * 4096 + 7)
     assert (
         m.shapes == ((4096, 4096), (4096, 4096), (5, 4096), (7,)) and m.params == 2 * 4096**2 + 5 * 4096 + 7

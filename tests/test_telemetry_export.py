@@ -196,6 +196,63 @@ def test_export_parquet_round_trip_equals_the_jsonl_and_out_dir(tmp_path, capsys
     ]
 
 
+def test_export_skips_a_line_nested_too_deep_and_names_its_file_and_line(tmp_path, capsys):
+    """A line nested 1,100 deep ended `cokit telemetry export` in RecursionError; it is skipped
+    like a truncated line, and stderr names the file and line."""
+    _recorded_run(tmp_path, world=1)
+    path = _run_folder(tmp_path) / "rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    lines.insert(2, '{"schema": "cokit.telemetry/1", "x": ' + "[" * 1100 + "]" * 1100 + "}\n")
+    path.write_text("".join(lines))
+    assert main(["telemetry", "export", str(tmp_path), "--format", "csv", "--kinds", "all"]) == 0
+    captured = capsys.readouterr()
+    assert "rank0.csv (4 rows; 1 unreadable line(s) skipped)" in captured.out
+    assert f"{path}: 1 line(s) skipped (line 3: 1 nested deeper than 100 arrays/objects)" in captured.err
+    assert "Traceback" not in captured.err
+    assert [r["kind"] for r in _csv_rows(_run_folder(tmp_path) / "rank0.csv")] == [
+        "meta",
+        "step",
+        "step",
+        "end",
+    ]
+    assert read_jsonl(path)[1] == 1
+
+
+def test_parquet_export_warns_of_integers_beyond_int64_that_it_writes_as_null(tmp_path, capsys):
+    """CSV keeps an integer beyond int64; Parquet's int64 columns cannot, and used to write null
+    without a word. The export names the column and the count; a float column (metrics.*)
+    keeps the value as its nearest float."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    _recorded_run(tmp_path, world=1)
+    path = _run_folder(tmp_path) / "rank0.jsonl"
+    records = read_jsonl(path)[0]
+    big = dict(records[1], step=2**70, process={"max_memory_bytes": 2**64, "device": "cpu"})
+    big["metrics"] = {"tokens": 2**70}
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*records[:2], big, *records[2:]]))
+    assert main(["telemetry", "export", str(tmp_path), "--format", "csv"]) == 0
+    assert [r["step"] for r in _csv_rows(_run_folder(tmp_path) / "rank0.csv")] == ["1", str(2**70), "2"]
+    capsys.readouterr()
+    assert main(["telemetry", "export", str(tmp_path), "--format", "parquet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "rank0.parquet" in err and "beyond int64" in err, err
+    assert "step (1 value), process.max_memory_bytes (1 value)" in err, err
+    table = pq.read_table(_run_folder(tmp_path) / "rank0.parquet").to_pylist()
+    assert [r["step"] for r in table] == [1, None, 2] and table[1]["metrics.tokens"] == float(2**70)
+    # the API: a TableWarning, and the counts on the result
+    from cokit.telemetry.sinks import TableWarning
+
+    with pytest.warns(TableWarning, match=r"step \(1 value\)"):
+        done = export_table(path, tmp_path / "x.parquet", "parquet")
+    assert done.nulled == {"step": 1, "process.max_memory_bytes": 1}
+    # the sink, whose first part fixed the columns' types, counts and warns at close too
+    sink = ParquetSink(tmp_path / "s.parquet", rows_per_part=1)
+    for record in [*records[:2], big]:
+        sink.write(record)
+    with pytest.warns(TableWarning, match="s.parquet"):
+        sink.close()
+    assert sink.nulled == {"step": 1, "process.max_memory_bytes": 1}
+
+
 # ----------------------------------------------------------------------------- time_iso
 
 

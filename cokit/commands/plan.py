@@ -134,11 +134,16 @@ def _compute(text: str | None) -> float | dict[str, float] | None:
 
 
 def build(args: argparse.Namespace):
-    """The :class:`cokit.plan.Plan` the arguments ask for (CliError on bad input)."""
+    """The :class:`cokit.plan.Plan` the arguments ask for (CliError on bad input). Every
+    number is range-checked by :data:`cokit.plan.LIMITS` before anything is planned; the
+    message names the option, its range and what to give."""
     from cokit.model_shapes import counted_model, factory_model, named_model, parse_count
-    from cokit.plan import Link, Methods, Workload, parse_rate, plan
+    from cokit.plan import Link, Methods, PlanInputError, Workload, check_input, parse_rate, plan
 
+    flags = {"params": "--params" if args.params is not None else ""}
     try:
+        if args.tokens_per_sample is not None:
+            check_input("cokit plan", "tokens_per_sample", args.tokens_per_sample)
         if args.params is not None:
             model = counted_model(parse_count(args.params))
         elif ":" in args.model:
@@ -146,14 +151,16 @@ def build(args: argparse.Namespace):
         else:
             model = named_model(args.model)
         inter = Link(parse_rate(args.bandwidth), args.latency_ms / 1e3, args.efficiency, args.burst_bytes)
-        intra = None if args.intra_bandwidth is None else Link(parse_rate(args.intra_bandwidth), 0.0, 1.0)
+        if args.intra_bandwidth is None:
+            intra = None
+        else:
+            flags["bits_per_s"] = "--intra-bandwidth"
+            intra = Link(parse_rate(args.intra_bandwidth), 0.0, 1.0)
+            del flags["bits_per_s"]
         tokens = None if args.tokens_per_sample is None else args.tokens_per_sample * args.batch
         workload = Workload(
             args.batch, args.dataset_size, _compute(args.compute_ms), tokens, args.gpu, args.mfu
         )
-        for name in ("demo_topk", "sparseloco_topk", "sync_every"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         methods = Methods(
             demo_topk=args.demo_topk,
             sparseloco_topk=args.sparseloco_topk,
@@ -174,6 +181,8 @@ def build(args: argparse.Namespace):
             exposed=exposed,
             which=which,
         )
+    except PlanInputError as exc:
+        raise CliError(exc.cli_message(flags)) from None
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

@@ -9,13 +9,18 @@ sinks write: <run>/rank<r>.csv or .parquet (every row carries its run and rank, 
 concatenate). Rows: the step and summary records (--kinds all: every record), flattened
 (comm.exposed_s columns; lists as JSON text), with every column any record has and time_iso
 (ISO-8601 UTC) beside time. Each table is written atomically; a killed run's partial last
-line is skipped and counted. Exporting Parquet beside the JSONL replaces the part files a
-killed run's Parquet sink left (rank<r>.part-NNNNN.parquet).
+line, and any other line that is not JSON (or is nested deeper than 100 levels), is skipped
+and counted, and stderr names its file and line. Exporting Parquet beside the JSONL replaces the part files a
+killed run's Parquet sink left (rank<r>.part-NNNNN.parquet). Parquet columns are typed
+(step, rank... int64): an integer beyond int64 there is written as null, and a warning names
+the column and the count (CSV keeps such integers).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 from pathlib import Path
 
 from cokit.cli import CliError
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     """Find the rank files, check --out, write one table per rank, print each path."""
     from cokit.files import OutputError, WriteError, prepare_out_dir
     from cokit.telemetry.export import export_table, run_files
+    from cokit.telemetry.sinks import TableWarning
 
     if not Path(args.run_dir).is_dir():
         what = "does not exist" if not Path(args.run_dir).exists() else "is a file"
@@ -79,9 +85,18 @@ def run(args: argparse.Namespace) -> int:
         for folder in dict.fromkeys(t.parent for _, t in targets):
             prepare_out_dir(folder, (), overwrite=True, flag="--out")
         for path, target in targets:
-            done = export_table(path, target, args.format, kinds)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", TableWarning)
+                done = export_table(path, target, args.format, kinds)
             note = f"; {done.skipped} unreadable line(s) skipped" if done.skipped else ""
             print(f"wrote {done.path} ({done.rows} rows{note})")
+            if done.skipped and done.lines is not None:
+                print(f"cokit telemetry export: {done.lines.describe()}", file=sys.stderr)
+            for w in caught:
+                if issubclass(w.category, TableWarning):
+                    print(f"cokit telemetry export: warning: {w.message}", file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     except (ImportError, OutputError, WriteError) as exc:
         raise CliError(str(exc)) from None
     return 0

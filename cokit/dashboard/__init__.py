@@ -10,11 +10,13 @@ with hidden communication; bytes and compression ratio; kernel configs and block
 beside the exposed-communication fraction; per-rank step time; tuner decisions. The panels
 share one step axis (zoom, reset and hover move together; :mod:`cokit.dashboard.axes` makes
 the log-axis, sync-marker and first-step-outlier decisions). :func:`figures` gives the same
-panels as plotly figures (for a notebook).
+panels as plotly figures (for a notebook), and :func:`inline_frame` a written page as HTML a
+notebook shows inline that keeps the page itself.
 """
 
 from __future__ import annotations
 
+import html
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -31,6 +33,7 @@ __all__ = [
     "TelemetryError",
     "build_dashboard",
     "figures",
+    "inline_frame",
     "load_telemetry",
     "render_html",
 ]
@@ -52,6 +55,25 @@ def figures(
     if not isinstance(telemetry, Telemetry):
         telemetry = load_telemetry(telemetry)
     return build_panels([run_series(r) for r in telemetry.runs], max_points=max_points)
+
+
+def inline_frame(page: str | os.PathLike, *, height: int = 720) -> str:
+    """HTML for a notebook (``IPython.display.HTML``) that shows the dashboard page ``page``
+    inline: an ``<iframe>`` whose ``srcdoc`` holds the page itself (plotly.js included), so the
+    saved output still shows it after the notebook or the page's file moves, or on another
+    machine; an ``IFrame`` of the file's path breaks then. ``height`` is in pixels."""
+    if isinstance(height, bool) or not isinstance(height, int) or not 100 <= height <= 10_000:
+        raise ValueError(f"inline_frame: height must be an integer from 100 to 10000 pixels, got {height!r}")
+    path = Path(page)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"inline_frame: no dashboard page at {path}; write one first with build_dashboard(run_dirs, out)"
+        )
+    text = path.read_text(encoding="utf-8")
+    return (
+        f'<iframe srcdoc="{html.escape(text, quote=True)}" width="100%" height="{height}" '
+        'style="border: 0"></iframe>'
+    )
 
 
 def render_html(

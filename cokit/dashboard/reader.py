@@ -2,8 +2,9 @@
 
 A RUN_DIR may be a results folder holding ``telemetry/<run>/rank<r>.jsonl``, the
 ``telemetry`` folder itself, or one ``<run>`` folder. Lines that are not JSON objects of this
-schema (a truncated last line of a killed run, a corrupt byte) are skipped and counted per
-file, so a damaged file still shows what it holds. So are records whose numbers a page cannot
+schema (a truncated last line of a killed run, a corrupt byte, JSON nested deeper than
+:data:`~cokit.telemetry.schema.MAX_DEPTH` levels) are skipped and counted per file, with their
+line numbers, so a damaged file still shows what it holds. So are records whose numbers a page cannot
 hold (an integer beyond float64's range; a step or slowest rank outside 0..2**53-1, a world
 size outside 1..2**53-1; an end record's wall time that is not a finite number). Unknown
 kinds and keys are ignored (forward compatible).
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cokit.telemetry.export import run_files
+from cokit.telemetry.schema import BadLine, Skipped, decode_line
 
 SCHEMA_PREFIX = "cokit.telemetry/"
 
@@ -65,29 +67,6 @@ class RunLog:
 
 
 @dataclass
-class Skipped:
-    """Lines of one file that could not be read: how many, the first few line numbers, why."""
-
-    path: Path
-    count: int = 0
-    lines: list[int] = field(default_factory=list)
-    reasons: dict[str, int] = field(default_factory=dict)
-
-    def add(self, lineno: int, reason: str) -> None:
-        self.count += 1
-        if len(self.lines) < 5:
-            self.lines.append(lineno)
-        self.reasons[reason] = self.reasons.get(reason, 0) + 1
-
-    def describe(self) -> str:
-        more = ", ..." if self.count > len(self.lines) else ""
-        why = "; ".join(f"{n} {r}" for r, n in self.reasons.items())
-        return (
-            f"{self.path}: {self.count} line(s) skipped (line {', '.join(map(str, self.lines))}{more}: {why})"
-        )
-
-
-@dataclass
 class Telemetry:
     """Everything read from the RUN_DIRs: the runs with at least one record, and what was skipped."""
 
@@ -105,17 +84,16 @@ def _no_constant(name: str) -> None:
     return None
 
 
-class _OutOfRange(ValueError):
-    """A number in a line that no float64 holds."""
+BEYOND_FLOAT64 = "a number beyond float64's range"
 
 
 def _bounded_int(text: str) -> int:
     """JSON integers beyond float64's range make the line unreadable (the arrays are float64)."""
     if len(text) > 320:  # also spares int() its 4300-digit limit
-        raise _OutOfRange(text)
+        raise BadLine(BEYOND_FLOAT64)
     value = int(text)
     if abs(value) > sys.float_info.max:
-        raise _OutOfRange(text)
+        raise BadLine(BEYOND_FLOAT64)
     return value
 
 
@@ -161,12 +139,9 @@ def read_rank_file(path: Path, rank: int, skipped: Skipped) -> RankLog:
             if not raw.strip():
                 continue
             try:
-                rec = _DECODER.decode(raw.decode("utf-8"))
-            except _OutOfRange:
-                skipped.add(lineno, "a number beyond float64's range")
-                continue
-            except (ValueError, UnicodeDecodeError):
-                skipped.add(lineno, "not JSON (truncated or corrupt)")
+                rec = decode_line(raw, _DECODER)
+            except BadLine as exc:
+                skipped.add(lineno, str(exc))
                 continue
             if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
                 skipped.add(lineno, "not a telemetry record")

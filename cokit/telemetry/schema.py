@@ -15,7 +15,10 @@ files stay valid); the kinds add:
 * ``end`` (on close): ``steps``, ``wall_s``.
 
 Readers ignore unknown kinds and keys (forward compatible); a partial last line (a crash
-mid-write) is skipped. Floats that are NaN or infinite are written as null.
+mid-write) is skipped, and so is any other line that is not JSON, or is JSON nested deeper than
+:data:`MAX_DEPTH` arrays and objects (every reader decodes lines with :func:`decode_line`,
+which counts them in a :class:`Skipped` by file and line). Floats that are NaN or infinite are
+written as null.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import json
 import math
 import numbers
 import os
+import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +38,19 @@ __all__ = [
     "COMMON_FIELDS",
     "COMM_FIELDS",
     "KIND_FIELDS",
+    "MAX_DEPTH",
     "SCHEMA",
+    "BadLine",
+    "Skipped",
     "check_record",
     "clean",
     "column_types",
+    "decode_line",
     "flatten",
     "iso_time",
     "order_columns",
     "read_jsonl",
+    "read_records",
     "table_row",
 ]
 
@@ -289,22 +299,109 @@ def check_record(record: Mapping[str, Any]) -> None:
         raise ValueError(f"not a {SCHEMA} record: {problem}")
 
 
-def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
-    """The records of one telemetry file and the number of lines skipped (not JSON objects of
-    this schema: corrupt lines, a truncated last line)."""
+#: the deepest nesting of arrays and objects a telemetry line may have (the Monitor's records
+#: have 3: a step's ``kernels`` entries; a user's ``config`` adds its own). A deeper line is
+#: malformed, like a truncated one: Python's JSON decoder recurses per level and would end in
+#: RecursionError near 1,000 levels, and the readers and table builders recurse too.
+MAX_DEPTH = 100
+NOT_JSON = "not JSON (truncated or corrupt)"
+TOO_DEEP = f"nested deeper than {MAX_DEPTH} arrays/objects"
+#: a JSON string (an unterminated one runs to the end of the line) or one bracket
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')
+
+
+class BadLine(ValueError):
+    """A line no telemetry reader takes; its message is the reason :class:`Skipped` counts."""
+
+
+@dataclass
+class Skipped:
+    """Lines of one file that could not be read: how many, the first few line numbers, why."""
+
+    path: Path
+    count: int = 0
+    lines: list[int] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def add(self, lineno: int, reason: str) -> None:
+        self.count += 1
+        if len(self.lines) < 5:
+            self.lines.append(lineno)
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def describe(self) -> str:
+        more = ", ..." if self.count > len(self.lines) else ""
+        why = "; ".join(f"{n} {r}" for r, n in self.reasons.items())
+        return (
+            f"{self.path}: {self.count} line(s) skipped (line {', '.join(map(str, self.lines))}{more}: {why})"
+        )
+
+
+def _too_deep(text: str) -> bool:
+    """Whether ``text`` nests arrays and objects deeper than :data:`MAX_DEPTH` (brackets inside
+    strings do not count). Linear in the line's length; lines with few brackets are not scanned."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    depth = 0
+    for m in _TOKEN.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif c in "]}":
+            depth -= 1
+    return False
+
+
+_PLAIN = json.JSONDecoder()
+
+
+def decode_line(raw: bytes | str, decoder: json.JSONDecoder = _PLAIN) -> Any:
+    """One JSONL line as JSON data (with ``decoder``). Raises :class:`BadLine` when the bytes
+    are not UTF-8, the line nests deeper than :data:`MAX_DEPTH` (checked before decoding), or
+    it is not JSON; a :class:`BadLine` the decoder's hooks raise passes through."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadLine(NOT_JSON) from None
+    if _too_deep(raw):
+        raise BadLine(TOO_DEEP)
+    try:
+        return decoder.decode(raw)
+    except BadLine:
+        raise
+    except (ValueError, RecursionError):  # RecursionError: a deep line under a deep call stack
+        raise BadLine(NOT_JSON) from None
+
+
+def read_records(path: str | os.PathLike, skipped: Skipped | None = None) -> list[dict[str, Any]]:
+    """The ``cokit.telemetry/1`` records of one telemetry file, in file order. Other lines
+    (not JSON, nested too deep, not a record of this schema) are counted in ``skipped`` with
+    their line numbers and reasons."""
+    skipped = Skipped(Path(path)) if skipped is None else skipped
     records: list[dict[str, Any]] = []
-    skipped = 0
     with Path(path).open(encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except ValueError:
-                skipped += 1
+                rec = decode_line(line)
+            except BadLine as exc:
+                skipped.add(lineno, str(exc))
                 continue
             if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
                 records.append(rec)
             else:
-                skipped += 1
-    return records, skipped
+                skipped.add(lineno, f"not a {SCHEMA} record")
+    return records
+
+
+def read_jsonl(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """The records of one telemetry file and the number of lines skipped (not JSON objects of
+    this schema: corrupt lines, a truncated last line, lines nested too deep):
+    :func:`read_records` without the line numbers."""
+    skipped = Skipped(Path(path))
+    records = read_records(path, skipped)
+    return records, skipped.count

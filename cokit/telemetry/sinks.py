@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "ParquetSink",
     "PrometheusSink",
     "Sink",
+    "TableWarning",
     "TensorBoardSink",
     "make_sink",
     "require",
@@ -61,6 +63,11 @@ __all__ = [
 SINK_NAMES = ("jsonl", "csv", "parquet", "tensorboard", "prometheus")
 #: kinds the table sinks keep by default (``kinds=None`` keeps every kind)
 TABLE_KINDS = ("step", "summary")
+
+
+class TableWarning(UserWarning):
+    """A Parquet table wrote some values as null: its column's type cannot hold them (an
+    integer beyond int64 in an integer column). The message names the columns and counts."""
 
 
 class Sink(ABC):
@@ -242,11 +249,20 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def arrow_table(columns: Sequence[str], rows: Sequence[Mapping[str, Any]], schema: Any = None) -> Any:
+def arrow_table(
+    columns: Sequence[str],
+    rows: Sequence[Mapping[str, Any]],
+    schema: Any = None,
+    *,
+    nulled: dict[str, int] | None = None,
+) -> Any:
     """A ``pyarrow.Table`` of ``rows`` with ``columns``. With ``schema`` (a ``pyarrow.Schema``
-    of those columns) each column gets its type, and a value that does not fit becomes null;
-    without it, types are the schema's for the columns it fixes (``metrics.*``: float),
-    inferred for the others (text when a column mixes types or holds only nulls)."""
+    of those columns) each column gets its type; without it, types are the schema's for the
+    columns it fixes (``metrics.*``: float), inferred for the others (text when a column mixes
+    types, holds integers beyond int64, or holds only nulls). A value its column's type cannot
+    hold (an integer beyond int64 in an integer column, text in a number column) becomes null,
+    and ``nulled`` (when given) counts it under its column; a float column takes a large
+    integer as the nearest float."""
     pa = _pyarrow()
     fixed = column_types()
     arrow_type = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
@@ -265,7 +281,11 @@ def arrow_table(columns: Sequence[str], rows: Sequence[Mapping[str, Any]], schem
             if typ is None or pa.types.is_string(typ):  # mixed types: as text
                 array = pa.array([None if v is None else str(v) for v in values], type=pa.string())
             else:
-                array = pa.array([_fit(pa, v, typ) for v in values], type=typ)
+                fitted = [_fit(pa, v, typ) for v in values]
+                lost = sum(v is not None and f is None for v, f in zip(values, fitted))
+                if lost and nulled is not None:
+                    nulled[col] = nulled.get(col, 0) + lost
+                array = pa.array(fitted, type=typ)
         if typ is None and pa.types.is_null(array.type):
             array = array.cast(pa.string())
         arrays.append(array)
@@ -273,12 +293,23 @@ def arrow_table(columns: Sequence[str], rows: Sequence[Mapping[str, Any]], schem
 
 
 def _fit(pa: Any, value: Any, typ: Any) -> Any:
-    """``value`` when a column of ``typ`` holds it, else None."""
+    """``value`` as a column of ``typ`` holds it (an integer as a float in a float column),
+    else None."""
+    if pa.types.is_floating(typ) and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # beyond float64
+            return None
     try:
         pa.scalar(value, type=typ)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
         return None
     return value
+
+
+def nulled_text(nulled: Mapping[str, int]) -> str:
+    """``{"step": 2}`` as ``"step (2 values)"``, column by column, for a warning."""
+    return ", ".join(f"{col} ({n} value{'s' if n != 1 else ''})" for col, n in nulled.items())
 
 
 def parquet_bytes(table: Any) -> bytes:
@@ -307,8 +338,10 @@ class ParquetSink(_TableSink):
     :class:`CsvSink`, written as complete part files ``<stem>.part-<n>.parquet`` beside
     ``path`` every ``rows_per_part`` rows and at :meth:`flush`, merged into ``path`` at
     :meth:`close` (see the module docstring). Every part has the first part's schema: a later
-    value its column cannot hold (say a float in a column of integers) is null in the table
-    (the JSONL keeps it; ``cokit telemetry export`` types columns from every row). An earlier
+    value its column cannot hold (say a float in a column of integers, or an integer beyond
+    int64) is null in the table (the JSONL keeps it; ``cokit telemetry export`` types columns
+    from every row); :attr:`nulled` counts them per column, and :meth:`close` warns
+    (:class:`TableWarning`) when there are any. An earlier
     run's ``path`` and parts are removed at construction. Needs ``pyarrow`` (checked at
     construction)."""
 
@@ -323,6 +356,8 @@ class ParquetSink(_TableSink):
         self._rows: list[dict[str, Any]] = []
         self._schema: Any = None
         self.parts: list[Path] = []
+        #: values written as null because their column's type cannot hold them, per column
+        self.nulled: dict[str, int] = {}
         with storage_errors(self.path):
             for stale in [self.path, *part_paths(self.path)]:
                 with contextlib.suppress(FileNotFoundError):
@@ -337,7 +372,7 @@ class ParquetSink(_TableSink):
         """Write the rows since the last part as one more part file (atomically)."""
         if not self._rows or self.columns is None:
             return
-        table = arrow_table(self.columns, self._rows, self._schema)
+        table = arrow_table(self.columns, self._rows, self._schema, nulled=self.nulled)
         part = self.path.with_name(f"{self.path.stem}.part-{len(self.parts):05d}{self.path.suffix}")
         atomic_write_bytes(part, parquet_bytes(table))  # a failed write raises WriteError, keeps the rows
         self._schema = table.schema
@@ -345,7 +380,15 @@ class ParquetSink(_TableSink):
         self._rows = []
 
     def _finish(self) -> None:
-        """Merge the parts into ``path`` (atomically), then remove them."""
+        """Merge the parts into ``path`` (atomically), then remove them; warn of nulled values."""
+        if self.nulled:
+            warnings.warn(
+                f"{self.path}: values their column's type cannot hold (an integer beyond int64, "
+                f"a later row's other type) were written as null: {nulled_text(self.nulled)}; "
+                "the JSONL keeps them",
+                TableWarning,
+                stacklevel=2,
+            )
         if not self.parts:
             return
         pq = self._pa.parquet
