@@ -69,7 +69,7 @@ def main() -> None:
         scaler.step(opt)  # unscales; DeMo skips on every rank, SparseLoCo on the rank that overflowed
         scaler.update()
         opt.zero_grad()
-        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
         facts = torch.tensor([scale, scaler.get_scale(), float(moved)], dtype=torch.float64, device=device)
         every = [torch.zeros_like(facts) for _ in range(dist.get_world_size())]
         dist.all_gather(every, facts)
@@ -99,7 +99,7 @@ def _note(every: list[torch.Tensor]) -> str:
     text = "scale " + "/".join(map(str, before))
     if before == after:
         return text
-    halved = [r for r, (b, a) in enumerate(zip(before, after)) if a < b]
+    halved = [r for r, (b, a) in enumerate(zip(before, after, strict=True)) if a < b]
     still = [r for r, m in enumerate(moved) if not m]
     if len(still) == len(moved):
         skipped = "skipped on every rank, no rank's weights changed"

@@ -51,7 +51,7 @@ def test_cokit_strategy_resume_is_bit_identical_at_world_2(tmp_path, optimizer):
 def _assert_mid_epoch_resume_differs(ref: list[dict], mid: list[dict]) -> None:
     for r in range(2):
         assert mid[r]["global_step"] == ref[r]["global_step"] == 6 and mid[r]["lr"] == ref[r]["lr"]
-        same = all(torch.equal(a, b) for a, b in zip(ref[r]["params"], mid[r]["params"]))
+        same = all(torch.equal(a, b) for a, b in zip(ref[r]["params"], mid[r]["params"], strict=True))
         assert not same, f"rank {r}: a mid-epoch resume ended bit-identical; update docs/recipes.md"
     # Lightning itself says why (rank 0 only): the dataloader's place in the epoch is not restored
     assert any("ended before the epoch ended" in w for w in mid[0]["warnings"]), mid[0]["warnings"]

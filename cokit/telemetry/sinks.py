@@ -282,7 +282,7 @@ def arrow_table(
                 array = pa.array([None if v is None else str(v) for v in values], type=pa.string())
             else:
                 fitted = [_fit(pa, v, typ) for v in values]
-                lost = sum(v is not None and f is None for v, f in zip(values, fitted))
+                lost = sum(v is not None and f is None for v, f in zip(values, fitted, strict=True))
                 if lost and nulled is not None:
                     nulled[col] = nulled.get(col, 0) + lost
                 array = pa.array(fitted, type=typ)
