@@ -45,7 +45,6 @@ changes.
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import math
 import warnings
@@ -57,8 +56,7 @@ import torch
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange
-from cokit.compress.frontend import FrontEnd, check_gradients, check_nonfinite_mode, plain, run_closure
-from cokit.compress.groups import check_process_group
+from cokit.compress.frontend import FrontEnd, FrontEndOptions, check_gradients, plain, run_closure
 from cokit.compress.guards import Amp
 from cokit.compress.inner import adamw, check_adamw_settings
 from cokit.compress.named_params import (
@@ -72,7 +70,7 @@ from cokit.compress.named_params import (
 from cokit.compress.precision import LowPrecisionWarning
 from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
-from cokit.triton_kernels._checks import check_flag, check_int, check_number
+from cokit.triton_kernels._checks import check_int, check_number
 
 __all__ = ["Dion", "Mean", "dion_step", "orthonormalize"]
 
@@ -84,6 +82,8 @@ NORM_EPS = 1e-8  # a column norm of R below this divides by it (a zero column st
 FORMAT = 1
 COMMON_KEY = "dion"
 _WHERE = "Dion"
+#: the options of FrontEndOptions that Dion takes
+_OPTIONS = ("timeout", "nonfinite", "bucket_cap_mb", "seed", "validate_payload")
 _LOAD = "Dion.load_state_dict"
 #: per-group hyper-parameters: their type, and every rank must agree on them
 _GROUP_KEYS = {
@@ -190,24 +190,14 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         dense_params: None, or a tuple of name substrings (``("embed", "head")``): matrices
             whose name contains one of them take AdamW on the averaged gradient. Needs named
             parameters; every substring must match some name.
-        process_group, timeout: the group averaged over (None: the world), and seconds (or a
-            timedelta) a collective may take before ``CollectiveTimeout``.
-        nonfinite: a non-finite gradient on any rank raises ``FloatingPointError`` on every
-            rank, naming the parameter and rank (``"error"``, default) or skips the step on every
-            rank with a warning (``"skip"``, counted in ``skipped_steps``); nothing changed
-            either way. A GradScaler's ``found_inf`` on any rank skips the step on every rank.
-        bucket_cap_mb: fp32 megabytes per all-reduce bucket.
-        seed: seeds each matrix's initial ``Q`` (with its position), alike on every rank.
-        validate_payload: check every averaged result finite before it is used (default True).
+        process_group: the group averaged over (:class:`~cokit.compress.frontend.FrontEndOptions`).
+        **options: of :class:`~cokit.compress.frontend.FrontEndOptions`, Dion takes ``timeout``,
+            ``nonfinite`` (skipped steps counted in ``skipped_steps``), ``bucket_cap_mb`` (per
+            all-reduce bucket), ``seed`` (of each matrix's initial ``Q``, with its position) and
+            ``validate_payload`` (every averaged result checked finite before use).
 
     Parameters may be fp32, bf16 or fp16; the state and the update are fp32, and low-precision
-    parameters take the rounded update (a ``LowPrecisionWarning`` says so: keep fp32 parameters
-    and autocast to avoid the loss).
-
-    Every rank must use the same settings, hyper-parameters and starting parameters: each step
-    opens with a 64-bit fingerprint of them and the first step compares the parameters; a
-    difference raises ``ValueError`` on every rank, naming it. ``comm_stats`` counts each step's
-    bytes; ``bytes_per_step`` is the mean.
+    parameters take the rounded update (a ``LowPrecisionWarning`` says so).
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() on every rank
@@ -227,12 +217,9 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         dense_params: tuple[str, ...] | None = None,
         process_group: Any = None,
-        timeout: float | datetime.timedelta | None = None,
-        nonfinite: str = "error",
-        bucket_cap_mb: float = 25.0,
-        seed: int = 0,
-        validate_payload: bool = True,
+        **options: Any,
     ):
+        opts = FrontEndOptions.checked(_WHERE, options, process_group=process_group, takes=_OPTIONS)
         if rank is not None:
             check_int("rank", rank, 1, where=_WHERE, more="or None (rank_fraction decides)")
         self.rank = rank
@@ -240,11 +227,8 @@ class Dion(FrontEnd, torch.optim.Optimizer):
             "rank_fraction", rank_fraction, 0.0, 1.0, low_open=True, where=_WHERE
         )
         self.dense_params = check_dense_params(dense_params, _WHERE)
-        self.nonfinite = check_nonfinite_mode(_WHERE, nonfinite)
-        self.bucket_cap_mb = check_number("bucket_cap_mb", bucket_cap_mb, 0.0, low_open=True, where=_WHERE)
-        self.seed = check_int("seed", seed, 0, where=_WHERE)
-        check_flag("validate_payload", validate_payload, where=_WHERE)
-        check_process_group(_WHERE, process_group)
+        self.nonfinite, self.bucket_cap_mb, self.seed = opts.nonfinite, opts.bucket_cap_mb, opts.seed
+        self._cap = opts.bucket_cap_bytes
         defaults = dict(
             lr=lr,
             mu=mu,
@@ -261,8 +245,13 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         self._names = names
         self._model_params = model_params
         #: per parameter: Dion's rank r, or 0 for AdamW's parameters
-        self._ranks = [0 if n in forced else self._rank_of(p) for n, p in enumerate(model_params)]
-        self.exchange = Exchange(_WHERE + ".step", process_group, timeout, validate=validate_payload)
+        self._ranks = [
+            0 if n in forced else _rank_of(p, self.rank, self.rank_fraction)
+            for n, p in enumerate(model_params)
+        ]
+        self.exchange = Exchange(
+            _WHERE + ".step", process_group, opts.timeout, validate=opts.validate_payload
+        )
         self.comm_stats = CommStats()
         self._steps = self.skipped_steps = 0
         self._checked = False
@@ -283,18 +272,6 @@ class Dion(FrontEnd, torch.optim.Optimizer):
             )
 
     # ------------------------------------------------------------------ construction
-    def _rank_of(self, p: torch.Tensor) -> int:
-        """Dion's rank of ``p``, or 0 where ``p`` is no matrix (AdamW)."""
-        if p.dim() < 2:
-            return 0
-        m, n = p.shape[0], p.numel() // p.shape[0] if p.shape[0] else 0
-        if m < 2 or n < 2:
-            return 0
-        if self.rank is not None:
-            return min(self.rank, m, n)
-        # a hair below the product, so that 0.1 * 30 (3.0000000000000004) is 3
-        return max(1, min(math.ceil(self.rank_fraction * min(m, n) - 1e-9), m, n))
-
     def _fresh_state(self, n: int, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter ``n``'s state before its first step (a zero momentum and the seeded Q, or
         AdamW's zeros): the same on every rank, and the same after a load."""
@@ -383,13 +360,18 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         rest = [n for n in active if not self._ranks[n]]
         rest_grads = [grads[n] for n in rest]
         # the dense gradients first: their all-reduce runs while the factors are computed
-        dense_pending = self._launch(rest_grads, "gradient all-reduce")
+        dense_pending = _launch(self.exchange, rest_grads, self._cap, "gradient all-reduce")
         dense_means: list[torch.Tensor] = []
 
         def mean(tensors: list[torch.Tensor], phase: str) -> list[torch.Tensor]:
-            out = self._finish(self._launch(tensors, f"Dion {phase} all-reduce"), tensors, f"Dion {phase}")
+            out = _finish(
+                self.exchange,
+                _launch(self.exchange, tensors, self._cap, f"Dion {phase} all-reduce"),
+                tensors,
+                f"Dion {phase}",
+            )
             if phase == "R":  # the last exchange: collect the dense results before anything changes
-                dense_means.extend(self._finish(dense_pending, rest_grads, "gradients"))
+                dense_means.extend(_finish(self.exchange, dense_pending, rest_grads, "gradients"))
             return out
 
         if mats:
@@ -405,7 +387,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
                 mean=mean,
             )
         else:
-            dense_means.extend(self._finish(dense_pending, rest_grads, "gradients"))
+            dense_means.extend(_finish(self.exchange, dense_pending, rest_grads, "gradients"))
         for n, m in zip(rest, dense_means, strict=True):
             p, g = params[n], group_of[id(params[n])]
             s = self.state[p]
@@ -424,41 +406,6 @@ class Dion(FrontEnd, torch.optim.Optimizer):
             )
         nbytes = sum(g.numel() * g.element_size() for g in grads.values())
         return ring_allreduce_bytes(nbytes, self.comm.world_size)
-
-    def _buckets(self, sizes: list[int]) -> list[list[int]]:
-        """Consecutive positions packed into buckets of at most ``bucket_cap_mb`` of fp32 (a
-        larger tensor alone); empty tensors travel in no bucket."""
-        cap = int(self.bucket_cap_mb * 2**20)
-        out: list[list[int]] = []
-        used = cap
-        for i, numel in enumerate(sizes):
-            if numel == 0:
-                continue
-            if used + 4 * numel > cap or not out:
-                out.append([])
-                used = 0
-            out[-1].append(i)
-            used += 4 * numel
-        return out
-
-    def _launch(self, tensors: list[torch.Tensor], what: str) -> list[tuple[list[int], Any]]:
-        """Start one all-reduce (mean, fp32) per bucket of ``tensors``."""
-        launched = []
-        for members in self._buckets([t.numel() for t in tensors]):
-            flat = torch.cat([tensors[i].reshape(-1).float() for i in members])
-            launched.append((members, self.comm.all_reduce_mean(flat, what)))
-        return launched
-
-    def _finish(
-        self, launched: list[tuple[list[int], Any]], like: Sequence[Any], label: str
-    ) -> list[torch.Tensor]:
-        """Wait for :meth:`_launch`'s buckets; each tensor's mean (fp32, checked), shaped like ``like``."""
-        out = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in like]
-        for b, (members, pending) in enumerate(launched):
-            mean = self.exchange.dense(pending, f"{label} bucket {b}")
-            for i, part in zip(members, split_like(mean, [like[i] for i in members]), strict=True):
-                out[i] = part.view(like[i].shape)
-        return out
 
     # ------------------------------------------------------------------ agreement
     def _settings(self) -> dict[str, Any]:
@@ -503,27 +450,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         (the same on every rank); the groups' hyper-parameters; in ``param_groups[0]`` JSON
         records ``dion`` (format, world size, settings, ranks, counters) and ``dion_rank<R>``
         (this rank's ``comm_stats``)."""
-        rank = self.exchange.global_rank()
-        state: dict[int, dict[str, Any]] = {}
-        for n, p in enumerate(self._model_params):
-            s = self.state[p]
-            if self._ranks[n]:
-                state[n] = {f"momentum_buffer_rank{rank}": s["momentum_buffer"].clone(), "Q": s["Q"].clone()}
-            else:
-                state[n] = {k: s[k].clone() for k in _ADAMW_KEYS}
-        groups = indexed_groups(self.param_groups)
-        common = {
-            "format": FORMAT,
-            "optimizer": "Dion",
-            "world": self.comm.world_size,
-            "settings": json.loads(json.dumps(self._settings())),
-            "ranks": list(self._ranks),
-            "counters": self._counters(),
-        }
-        mine = {"format": FORMAT, "rank": rank, "comm_stats": self.comm_stats.as_dict()}
-        groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
-        groups[0][f"dion_rank{rank}"] = json.dumps(mine, sort_keys=True)
-        return {"state": state, "param_groups": groups}
+        return _pack(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what this rank saved. Everything is checked before anything changes: another
@@ -532,7 +459,88 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         _load(self, state_dict)
 
 
+# ---------------------------------------------------------------------------- bucketed means
+
+
+def _rank_of(p: torch.Tensor, rank: int | None, fraction: float) -> int:
+    """Dion's rank of ``p`` (``rank``, or ``fraction`` of its smaller side), or 0 where ``p``
+    is no matrix (AdamW)."""
+    if p.dim() < 2:
+        return 0
+    m, n = p.shape[0], p.numel() // p.shape[0] if p.shape[0] else 0
+    if m < 2 or n < 2:
+        return 0
+    if rank is not None:
+        return min(rank, m, n)
+    # a hair below the product, so that 0.1 * 30 (3.0000000000000004) is 3
+    return max(1, min(math.ceil(fraction * min(m, n) - 1e-9), m, n))
+
+
+def _buckets(sizes: list[int], cap: int) -> list[list[int]]:
+    """Consecutive positions packed into buckets of at most ``bucket_cap_mb`` of fp32 (a
+    larger tensor alone; ``cap`` in bytes); empty tensors travel in no bucket."""
+    out: list[list[int]] = []
+    used = cap
+    for i, numel in enumerate(sizes):
+        if numel == 0:
+            continue
+        if used + 4 * numel > cap or not out:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += 4 * numel
+    return out
+
+
+def _launch(
+    exchange: Exchange, tensors: list[torch.Tensor], cap: int, what: str
+) -> list[tuple[list[int], Any]]:
+    """Start one all-reduce (mean, fp32) per bucket of at most ``cap`` bytes of ``tensors``."""
+    launched = []
+    for members in _buckets([t.numel() for t in tensors], cap):
+        flat = torch.cat([tensors[i].reshape(-1).float() for i in members])
+        launched.append((members, exchange.comm.all_reduce_mean(flat, what)))
+    return launched
+
+
+def _finish(
+    exchange: Exchange, launched: list[tuple[list[int], Any]], like: Sequence[Any], label: str
+) -> list[torch.Tensor]:
+    """Wait for :func:`_launch`'s buckets; each tensor's mean (fp32, checked), shaped like ``like``."""
+    out = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in like]
+    for b, (members, pending) in enumerate(launched):
+        mean = exchange.dense(pending, f"{label} bucket {b}")
+        for i, part in zip(members, split_like(mean, [like[i] for i in members]), strict=True):
+            out[i] = part.view(like[i].shape)
+    return out
+
+
 # ---------------------------------------------------------------------------- state loading
+
+
+def _pack(opt: Dion) -> dict[str, Any]:
+    """The state dict of :meth:`Dion.state_dict`."""
+    rank = opt.exchange.global_rank()
+    state: dict[int, dict[str, Any]] = {}
+    for n, p in enumerate(opt._model_params):
+        s = opt.state[p]
+        if opt._ranks[n]:
+            state[n] = {f"momentum_buffer_rank{rank}": s["momentum_buffer"].clone(), "Q": s["Q"].clone()}
+        else:
+            state[n] = {k: s[k].clone() for k in _ADAMW_KEYS}
+    groups = indexed_groups(opt.param_groups)
+    common = {
+        "format": FORMAT,
+        "optimizer": "Dion",
+        "world": opt.comm.world_size,
+        "settings": json.loads(json.dumps(opt._settings())),
+        "ranks": list(opt._ranks),
+        "counters": opt._counters(),
+    }
+    mine = {"format": FORMAT, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
+    groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
+    groups[0][f"dion_rank{rank}"] = json.dumps(mine, sort_keys=True)
+    return {"state": state, "param_groups": groups}
 
 
 def _load(opt: Dion, sd: object) -> None:
