@@ -57,7 +57,6 @@ from cokit.compress.adaptive_topk import (
     check_adaptive_range,
     redistribute_topk,
 )
-from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.frontend import (
     FrontEnd,
@@ -82,7 +81,7 @@ from cokit.compress.sparseloco_local import (
     step_inner,
 )
 from cokit.compress.sparseloco_plan import SyncPlan
-from cokit.compress.sparseloco_step import Mean, exchange_means
+from cokit.compress.sparseloco_step import Mean, average_gradients, exchange_means, outer_step
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
@@ -348,23 +347,11 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             self.skipped_steps += self.comm.world_size  # the step, skipped on every rank
             self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=False)
             return
-        plan = self.plan.warmup()
-        pending = [
-            self.comm.all_reduce_mean(
-                torch.cat([_grad32(params[i]).reshape(-1) for i in bucket.members]), "gradient all-reduce"
-            )
-            for bucket in plan
-        ]
-        means = [self.exchange.dense(p_, f"bucket {b} (dense warm-up)") for b, p_ in enumerate(pending)]
+        means = average_gradients(self.plan.warmup(), params, self.exchange)
         master_grads: dict[int, torch.Tensor] = {}
-        for bucket, mean in zip(plan, means, strict=True):
-            members = [params[i] for i in bucket.members]
-            for i, p, m in zip(bucket.members, members, split_like(mean, members), strict=True):
-                if not has_grad[i]:
-                    continue
-                grad = p.grad
-                assert grad is not None
-                grad.copy_(m)
+        for i, (p, m) in enumerate(zip(params, means, strict=True)):
+            if has_grad[i]:
+                p.grad.copy_(m)
                 if id(p) in self._masters:
                     master_grads[id(p)] = m
         step_inner(self.inner, self._model_params, self._masters, self.param_groups, master_grads)
@@ -417,24 +404,10 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         means = self._exchange(deltas)
         self.syncs += 1
         generator = self._generator(params[0].device)
-        mu, lr = self.outer_momentum, self.outer_lr
-        for p, received in zip(params, means, strict=True):
-            g = self.state[p]["global"]
-            if received is not None:
-                mean, positions = received
-                if positions is not None:
-                    # "average" where the mean is not zero; elsewhere g - lr * 0 == g
-                    flat = g.view(-1)
-                    flat.index_put_((positions,), flat[positions].sub_(mean, alpha=lr))
-                elif self.outer == "nesterov":
-                    if "momentum" not in self.state[p]:
-                        self.state[p]["momentum"] = torch.zeros_like(g)
-                    m = self.state[p]["momentum"]
-                    m.mul_(mu).add_(mean)
-                    g.sub_(mean + mu * m, alpha=lr)
-                else:
-                    g.sub_(mean, alpha=lr)
-            self._write(p, g, generator)
+        states = [self.state[p] for p in params]
+        outer_step(states, means, nesterov=self.outer == "nesterov", lr=self.outer_lr, mu=self.outer_momentum)
+        for p, state in zip(params, states, strict=True):
+            self._write(p, state["global"], generator)
         self._since_sync = 0
         self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
 
@@ -535,10 +508,3 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
 def _listing(names: list[str], shown: int = 4) -> str:
     more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
-
-
-def _grad32(p: torch.Tensor) -> torch.Tensor:
-    """``p``'s gradient in fp32 (zeros where it has none)."""
-    if p.grad is None:
-        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-    return p.grad.float()

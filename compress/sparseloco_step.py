@@ -23,7 +23,16 @@ from cokit.triton_kernels import tiling
 from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
 from cokit.triton_kernels.topk import chunk_topk
 
-__all__ = ["Mean", "Receive", "exchange_means", "from_coeffs", "launch_bucket", "mean_at_positions"]
+__all__ = [
+    "Mean",
+    "Receive",
+    "average_gradients",
+    "exchange_means",
+    "from_coeffs",
+    "launch_bucket",
+    "mean_at_positions",
+    "outer_step",
+]
 
 #: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
 #: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
@@ -231,3 +240,58 @@ def mean_at_positions(
 
 def aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def outer_step(
+    states: list[dict[str, torch.Tensor]], means: list[Mean | None], *, nesterov: bool, lr: float, mu: float
+) -> None:
+    """The outer step on every parameter's ``theta_global`` (``state["global"]``, fp32, in
+    place) from its mean pseudo-gradient: ``"average"`` (``g -= lr * mean``; only at the
+    positions some rank sent when the mean comes with them: elsewhere ``g - lr * 0 == g``) or
+    Nesterov (``m = mu * m + mean; g -= lr * (mean + mu * m)``, ``m`` in ``state["momentum"]``)."""
+    for state, received in zip(states, means, strict=True):
+        if received is None:
+            continue
+        g, (mean, positions) = state["global"], received
+        if positions is not None:
+            flat = g.view(-1)
+            flat.index_put_((positions,), flat[positions].sub_(mean, alpha=lr))
+        elif nesterov:
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(g)
+            m = state["momentum"]
+            m.mul_(mu).add_(mean)
+            g.sub_(mean + mu * m, alpha=lr)
+        else:
+            g.sub_(mean, alpha=lr)
+
+
+def average_gradients(
+    buckets: list[Bucket], params: list[torch.Tensor], exchange: Exchange
+) -> list[torch.Tensor]:
+    """Every parameter's gradient averaged over the ranks (fp32; zeros stand in for a missing
+    gradient), one all-reduce per dense bucket, all launched before the first wait and each
+    result checked: the dense warm-up's step."""
+    pending = [
+        exchange.comm.all_reduce_mean(
+            torch.cat([_grad32(params[i]).reshape(-1) for i in bucket.members]), "gradient all-reduce"
+        )
+        for bucket in buckets
+    ]
+    means: list[torch.Tensor | None] = [None] * len(params)
+    for b, (bucket, pend) in enumerate(zip(buckets, pending, strict=True)):
+        members = [params[i] for i in bucket.members]
+        mean = exchange.dense(pend, f"bucket {b} (dense warm-up)")
+        for i, m in zip(bucket.members, split_like(mean, members), strict=True):
+            means[i] = m
+    return [
+        m if m is not None else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        for p, m in zip(params, means, strict=True)
+    ]
+
+
+def _grad32(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient in fp32 (zeros where it has none)."""
+    if p.grad is None:
+        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    return p.grad.float()
