@@ -435,8 +435,19 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         }
 
     def _check_start(self) -> None:
-        """First step: the replicas must start identical (checked before any change)."""
-        self.check_replicas(self._model_params, self._name, when="at the first step")
+        """First step, and the first after a load: the replicas must hold the same weights and,
+        after a load, the same replicated state (each matrix's ``Q``, the AdamW moments and
+        steps of the others), compared before any change."""
+        params = self._model_params
+        tensors, names = list(params), [f"parameter {self._name(n)}" for n in range(len(params))]
+        if self._steps:  # a load (agreed in the counters): every rank compares as many
+            for n, p in enumerate(params):
+                keys = ("Q",) if self._ranks[n] else _ADAMW_KEYS
+                tensors += [self.state[p][k] for k in keys]
+                names += [f"{k} of {self._name(n)}" for k in keys]
+        self.check_replicas(
+            tensors, names.__getitem__, when="at the first step (or the first after a load)", what=""
+        )
         self._checked = True
 
     def _name(self, n: int) -> str:
@@ -615,7 +626,7 @@ def _load(opt: Dion, sd: object) -> None:
     for p, ours in zip(opt._model_params, loaded, strict=True):
         opt.state[p] = ours
     opt._steps, opt.skipped_steps = counters["steps"], counters["skipped_steps"]
-    opt._checked = bool(counters.get("checked", False))
+    opt._checked = False  # the first step after a load compares the replicas again
     opt.comm_stats = stats
 
 

@@ -317,14 +317,17 @@ class FrontEnd(ExchangeOwner):
         self, tensors: Sequence[torch.Tensor], name: Namer, *, when: str, what: str = "parameter"
     ) -> None:
         """Raise ``ValueError`` on every rank unless every rank holds the same ``tensors`` (their
-        float64 sums compared; 0 for empty ones), naming the first that differs."""
+        float64 sums compared; 0 for empty ones), naming the first that differs (``what``
+        before its name, when given)."""
         if not tensors:
             return
         sums = torch.stack([t.detach().double().sum() for t in tensors]).to(tensors[0].device)
-        seen = self.exchange.wait(self.comm.all_gather(sums, f"{what} check")).cpu()
+        seen = self.exchange.wait(self.comm.all_gather(sums, "parameter check")).cpu()
         differ = (seen != seen[:1]).any(dim=0).nonzero().flatten().tolist()
         if differ:
+            subject = f"{what} {name(differ[0])}" if what else name(differ[0])
             raise ValueError(
-                f"{self.owner}: {what} {name(differ[0])} differs between the ranks {when}; every rank "
-                "must start from the same weights (seed the model alike or broadcast rank 0's)"
+                f"{self.owner}: {subject} differs between the ranks {when}; every rank must start "
+                "from the same weights and state (seed the model alike or broadcast rank 0's; "
+                "load each rank's own checkpoint of one run)"
             )

@@ -477,11 +477,20 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         return sparseloco_state.describe(self)
 
     def _check_start(self) -> None:
-        """First step: settings, layout and counters agree, then the replicas must start
-        identical (checked before any change)."""
+        """First step, and the first after a load: settings, layout and counters agree, then the
+        replicas must hold the same ``theta_global`` (the weights, at the first step) and, once
+        Nesterov syncs ran, outer momentum (compared before any change)."""
         self._agree(None)
+        params, n = self._model_params, len(self._model_params)
+        states = [self.state.get(p, {}) for p in params]
+        tensors = [s.get("global", self._local(p)) for s, p in zip(states, params, strict=True)]
+        if self.outer == "nesterov" and self.syncs:  # agreed above: every rank compares as many
+            zero = torch.zeros((), device=params[0].device)
+            tensors += [s.get("momentum", zero) for s in states]
+        names = [f"parameter {self._name(i)}" for i in range(n)]
+        names += [f"the outer momentum of {self._name(i)}" for i in range(len(tensors) - n)]
         self.check_replicas(
-            [self._local(p) for p in self._model_params], self._name, when="at the first step"
+            tensors, names.__getitem__, when="at the first step (or the first after a load)", what=""
         )
         self._checked = True
 

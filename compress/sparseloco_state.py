@@ -34,7 +34,14 @@ from cokit.compress.frontend import plain
 from cokit.compress.named_params import indexed_groups
 from cokit.compress.payload import wire_sizes
 from cokit.compress.sparseloco_local import hyper
-from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
+from cokit.compress.state_records import (
+    check_finite_hyper_parameters,
+    check_groups,
+    check_inner_state,
+    check_settings,
+    hyper_parameters,
+    read_records,
+)
 from cokit.compress.stats import CommStats
 
 if TYPE_CHECKING:
@@ -144,6 +151,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     groups, common = rec.groups, rec.common
     check_settings(_settings(opt), common.get("settings") or {}, _WHERE, _LOOSE, _OPTIONAL)
     check_groups(groups, opt.param_groups, _WHERE)
+    check_finite_hyper_parameters(groups, _WHERE)
     params = opt._model_params
     inner_state: dict[int, dict[str, Any]] = {}
     loaded: list[dict[str, torch.Tensor]] = []
@@ -151,6 +159,11 @@ def load(opt: SparseLoCo, sd: object) -> None:
     keys = {"global", "momentum", f"error_rank{rank}", f"master_rank{rank}", f"local_rank{rank}"}
     # the saved groups list each parameter's key in order (indices, or names after DCP)
     keys_in_order = [k for g in groups for k in g["params"]]
+    extra = sorted(map(str, set(rec.state) - set(keys_in_order)))
+    if extra:
+        raise ValueError(
+            f"{_WHERE}: the state has entries {extra} that no saved param group lists; the file is damaged"
+        )
     for n, (p, key_n) in enumerate(zip(params, keys_in_order, strict=True)):
         entry = rec.state.get(key_n, {})
         if not isinstance(entry, Mapping):
@@ -174,11 +187,13 @@ def load(opt: SparseLoCo, sd: object) -> None:
             elif not (key.startswith(("error_rank", "master_rank", "local_rank", "inner_rank"))):
                 raise ValueError(f"{_WHERE}: unknown state {key!r} for {opt._name(n)}")
         loaded.append(ours)
+    check_inner_state(inner_state, opt._name, _WHERE)
     counters = common.get("counters") or {}
     for name in _COUNTERS:
         value = counters.get(name, 0)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise ValueError(f"{_WHERE}: the saved {name} is {value!r}, not a count; the file is damaged")
+    _check_present(opt, loaded, counters)
     interval = common.get("interval", opt.sync_every)
     if not (isinstance(interval, int) and interval >= 1):
         raise ValueError(f"{_WHERE}: saved interval {interval!r} is not a positive integer")
@@ -216,13 +231,29 @@ def load(opt: SparseLoCo, sd: object) -> None:
     opt._steps, opt._since_sync = counters.get("steps", 0), counters.get("since_sync", 0)
     opt.syncs, opt.skipped_syncs = counters.get("syncs", 0), counters.get("skipped_syncs", 0)
     opt.skipped_steps, opt.inner_resets = counters.get("skipped_steps", 0), counters.get("inner_resets", 0)
-    opt._checked = bool(counters.get("checked", False))
+    opt._checked = False  # the first step after a load compares the replicas again
     opt.current_interval = interval
     if topks is not None:
         opt.plan.set_topks(topks)
     if policy is not None:
         opt._driver.load_state_dict(policy, owner="SparseLoCo")
     opt.comm_stats = stats
+
+
+def _check_present(
+    opt: SparseLoCo, loaded: list[dict[str, torch.Tensor]], counters: Mapping[str, Any]
+) -> None:
+    """Raise unless the state holds what its counters say must exist: ``theta_global`` of every
+    parameter once a step ran, and the error buffer of every compressed tensor once a sync ran."""
+    steps, syncs = counters.get("steps", 0), counters.get("syncs", 0)
+    compressed = {i for b in opt.plan.static() if not b.dense for i in b.members}
+    for n, ours in enumerate(loaded):
+        if steps and "global" not in ours:
+            raise ValueError(f"{_WHERE}: the state lacks theta_global of {opt._name(n)}; the file is damaged")
+        if syncs and n in compressed and "error" not in ours:
+            raise ValueError(
+                f"{_WHERE}: the state lacks this rank's error buffer of {opt._name(n)}; the file is damaged"
+            )
 
 
 def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:

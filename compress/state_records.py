@@ -11,12 +11,23 @@ groups with :func:`check_groups`; each raises ``ValueError`` naming what differs
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Records", "check_groups", "check_settings", "hyper_parameters", "read_records"]
+import torch
+
+__all__ = [
+    "Records",
+    "check_finite_hyper_parameters",
+    "check_groups",
+    "check_inner_state",
+    "check_settings",
+    "hyper_parameters",
+    "read_records",
+]
 
 
 @dataclass(frozen=True)
@@ -114,3 +125,40 @@ def hyper_parameters(groups: list[Mapping[str, Any]], key: str) -> list[dict[str
         {k: v for k, v in g.items() if not (k == "params" or k == key or pattern.match(str(k)))}
         for g in groups
     ]
+
+
+def check_finite_hyper_parameters(groups: list[Mapping[str, Any]], where: str) -> None:
+    """Raise unless every number among the saved groups' hyper-parameters (``lr``, betas, ...)
+    is finite and every ``lr`` is >= 0: a NaN lr would turn the weights NaN at the next step."""
+    for gi, group in enumerate(groups):
+        for name, value in group.items():
+            values = value if isinstance(value, (tuple, list)) else [value]
+            for v in values:
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    v = v.item()
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(
+                        f"{where}: saved param group {gi} has {name}={value!r}; the file is damaged"
+                    )
+        lr = group.get("lr")
+        lr = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr < 0:
+            raise ValueError(f"{where}: saved param group {gi} has lr={lr!r} < 0; the file is damaged")
+
+
+def check_inner_state(state: Mapping[int, Mapping[str, Any]], name: Callable[[int], str], where: str) -> None:
+    """Raise unless every tensor of a saved inner-optimizer state is finite and every second
+    moment (``exp_avg_sq``, ``max_exp_avg_sq``) is >= 0: a negative one turns every later
+    step's update NaN."""
+    for n, entry in state.items():
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                continue
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(
+                    f"{where}: the inner optimizer's {key} of {name(n)} is not finite; the file is damaged"
+                )
+            if key.endswith("exp_avg_sq") and bool((value < 0).any()):
+                raise ValueError(
+                    f"{where}: the inner optimizer's {key} of {name(n)} is negative; the file is damaged"
+                )
