@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from cokit.plan_limits import check_input
+
 # name -> (CharTransformer sizes, vocabulary size, note)
 MODELS: dict[str, tuple[dict[str, Any], int, str]] = {
     "gpt-50m": (
@@ -119,10 +121,8 @@ COUNT_WIDTH = 4096
 
 def counted_model(params: int) -> Model:
     """A bare parameter count, laid out as ``COUNT_WIDTH``-square matrices and a remainder.
-    The count must be in :data:`cokit.plan.LIMITS`' range (1 to 10**13; a
-    :class:`cokit.plan.PlanInputError` otherwise)."""
-    from cokit.plan import check_input
-
+    The count must be in :data:`cokit.plan_limits.LIMITS`' range (1 to 10**13; a
+    :class:`cokit.plan_limits.PlanInputError` otherwise)."""
     check_input("counted_model", "params", params)
     square = COUNT_WIDTH * COUNT_WIDTH
     full, rest = divmod(params, square)

@@ -1,4 +1,4 @@
-"""Dion: orthonormalized low-rank updates with error feedback, data-parallel (issue 35).
+"""Dion: orthonormalized low-rank updates with error feedback, data-parallel.
 
 Dion (Ahn et al. 2025, "Dion: Distributed Orthonormalized Updates", arXiv 2504.05295) replaces
 Muon's full orthogonalization by one step of power iteration on a low-rank factorization of the

@@ -17,7 +17,7 @@ error feedback. Inner optimizer state and error buffers never leave the rank; ``
 compressed payload would not be smaller than a dense all-reduce (biases, norms) send their
 pseudo-gradient dense, without error feedback (:mod:`cokit.compress.buckets`).
 
-Two options close the gap that grows with training length (issue 35), both off by default:
+Options that close the gap to AdamW that grows with training length, all off by default:
 
 * ``dense_warmup=N``: the first N steps are data-parallel: every step opens with the status row,
   all-reduces the gradients (mean, fp32, through the same exchange core) and the inner optimizer

@@ -56,7 +56,8 @@ _WHERE = "SparseLoCo.load_state_dict"
 _SHARED = ("global", "momentum")
 _COUNTERS = ("steps", "since_sync", "syncs", "skipped_syncs", "skipped_steps", "inner_resets")
 _LOOSE = ("validate_payload",)  # settings that do not change what is computed
-#: settings recorded only when they are on (issue 35), and their values when off
+#: settings recorded only when they are on (so a run without them keeps its fingerprint and saved
+#: settings), and their values when off
 _OPTIONAL: dict[str, Any] = {
     "dense_warmup": 0,
     "dense_params": None,

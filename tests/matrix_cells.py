@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from cokit import netbed
+from cokit.bench import netbed
 from tests.helpers import ROOT, script_env
 
 TIMEOUT = 3.0  # the collectives' timeout in the cells whose fault is a missing peer

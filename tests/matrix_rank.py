@@ -337,7 +337,7 @@ def become_rank(request: dict) -> None:
     os.close(null)
     os.environ.update(request["env"])
     if request["netns"]:  # the testbed's namespace for this rank (before any socket)
-        from cokit import netbed
+        from cokit.bench import netbed
 
         netbed._enter_namespace((request["netns"],), 0)
     sys.argv = [sys.argv[0], *request["argv"]]

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from cokit import netbed
+from cokit.bench import netbed
 from cokit.compress import DeMo
 from tests.helpers import byte_counts
 

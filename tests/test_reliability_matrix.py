@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from cokit import netbed
+from cokit.bench import netbed
 from tests.matrix_cells import TIMEOUT, cell_timeout, exit_bound, live_ranks, run_cell
 from tests.matrix_rank import FAULTS, FRONTS
 

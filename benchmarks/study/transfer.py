@@ -83,8 +83,9 @@ CANDIDATES = (
 )
 
 
-#: the issue-35 variants of SparseLoCo the protocol compares: options, the family whose lr
-#: grid they use (None: SparseLoCo's), and their description
+#: the variants of SparseLoCo (its options against the gap that grows with training length) the
+#: protocol compares: options, the family whose lr grid they use (None: SparseLoCo's), and their
+#: description
 VARIANTS: dict[str, tuple[tuple[tuple[str, Any], ...], str | None, str]] = {
     "warm1": ((("dense_warmup_fraction", 0.01),), None, "after 1% of the steps dense"),
     "muon": ((("inner", "muon"),), "sparseloco-muon", "Muon inner optimizer (AdamW on vectors, ends)"),

@@ -307,7 +307,7 @@ def recommend(rows: list[dict], tolerance: float, steps: int) -> str:
 
 
 def target_check(tables: dict[str, list[dict]], target: dict | None) -> dict[str, Any] | None:
-    """Issue 13's target on ``target["workload"]``: the best method (by mean held-out loss over
+    """The quality target on ``target["workload"]``: the best method (by mean held-out loss over
     its seeds) at >= ``min_ratio_to_dense`` x fewer bytes, against AdamW's mean; None without
     an AdamW row or the workload."""
     if not target or target["workload"] not in tables:
