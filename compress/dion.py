@@ -56,8 +56,7 @@ import torch
 from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange
-from cokit.compress.frontend import FrontEnd, FrontEndOptions, check_gradients, plain, run_closure
-from cokit.compress.guards import Amp
+from cokit.compress.frontend import FrontEnd, FrontEndOptions, plain, run_closure
 from cokit.compress.inner import adamw, check_adamw_settings
 from cokit.compress.named_params import (
     check_dense_params,
@@ -65,7 +64,6 @@ from cokit.compress.named_params import (
     dense_members,
     indexed_groups,
     param_groups,
-    param_name,
 )
 from cokit.compress.precision import LowPrecisionWarning
 from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
@@ -331,16 +329,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
     def _agree(self) -> list[int] | None:
         """The status round; the parameters that step (positions), or None when every rank
         skips; raises on every rank otherwise."""
-        params = self._model_params
-        has_grad = check_gradients(_WHERE, params, self._name)
-        rnd = self.open_round(
-            [p.grad for p in params],
-            Amp.of(self),
-            fingerprints=self._fingerprints(),
-            describe=self._describe,
-            name=self._name,
-            device=params[0].device,
-        )
+        rnd, has_grad = self.open_params_round(self._model_params)
         if not self.skip_or_raise(rnd, self._name, when=f"step {self._steps + 1}"):
             self.skipped_steps += 1
             return None
@@ -439,19 +428,15 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         after a load, the same replicated state (each matrix's ``Q``, the AdamW moments and
         steps of the others), compared before any change."""
         params = self._model_params
-        tensors, names = list(params), [f"parameter {self._name(n)}" for n in range(len(params))]
+        named = [(f"parameter {self._name(n)}", p) for n, p in enumerate(params)]
         if self._steps:  # a load (agreed in the counters): every rank compares as many
             for n, p in enumerate(params):
-                keys = ("Q",) if self._ranks[n] else _ADAMW_KEYS
-                tensors += [self.state[p][k] for k in keys]
-                names += [f"{k} of {self._name(n)}" for k in keys]
-        self.check_replicas(
-            tensors, names.__getitem__, when="at the first step (or the first after a load)", what=""
-        )
+                named += [(f"{k} of {self._name(n)}", self.state[p][k]) for k in ("Q",) if self._ranks[n]]
+                named += [
+                    (f"{k} of {self._name(n)}", self.state[p][k]) for k in _ADAMW_KEYS if not self._ranks[n]
+                ]
+        self.check_replicas(named)
         self._checked = True
-
-    def _name(self, n: int) -> str:
-        return param_name(self._model_params, self._names, n)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from cokit.compress.comm import parse_timeout
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, nonfinite
+from cokit.compress.named_params import param_name
 from cokit.compress.payload import VALUE_DTYPES
 from cokit.compress.precision import check_precision
 from cokit.compress.priority import check_comm_priority, priority_group
@@ -57,6 +58,8 @@ __all__ = [
 NONFINITE = ("error", "skip")
 #: what a round that stopped before its exchange changed
 NOTHING_CHANGED = "no parameter and no buffer changed"
+#: when the replicas are compared (:meth:`FrontEnd.check_replicas`)
+AT_FIRST_STEP = "at the first step (or the first after a load)"
 
 Namer = Callable[[int], str]
 
@@ -285,6 +288,24 @@ class FrontEnd(ExchangeOwner):
             names=name,
         )
 
+    def open_params_round(
+        self, params: Sequence[torch.Tensor], *, extra: torch.Tensor | None = None
+    ) -> tuple[Round, list[bool]]:
+        """:meth:`open_round` over a flat list of parameters named by ``self._name`` (Dion, the
+        dense warm-up of SparseLoCo), after :func:`check_gradients`; also which have a gradient."""
+        name: Namer = self._name
+        has_grad = check_gradients(self.owner, params, name)
+        rnd = self.open_round(
+            [p.grad for p in params],
+            Amp.of(self),
+            fingerprints=self._fingerprints(),
+            describe=self._describe,
+            name=name,
+            device=params[0].device,
+            extra=extra,
+        )
+        return rnd, has_grad
+
     def skip_or_raise(
         self,
         rnd: Round,
@@ -313,21 +334,24 @@ class FrontEnd(ExchangeOwner):
         )
         return False
 
-    def check_replicas(
-        self, tensors: Sequence[torch.Tensor], name: Namer, *, when: str, what: str = "parameter"
-    ) -> None:
-        """Raise ``ValueError`` on every rank unless every rank holds the same ``tensors`` (their
-        float64 sums compared; 0 for empty ones), naming the first that differs (``what``
-        before its name, when given)."""
-        if not tensors:
+    def _name(self, n: int) -> str:
+        """Parameter ``n`` of a front end over a flat parameter list (``_model_params``, their
+        names in ``_names``), as messages name it."""
+        return param_name(self._model_params, self._names, n)
+
+    def check_replicas(self, named: Sequence[tuple[str, torch.Tensor]], *, when: str = AT_FIRST_STEP) -> None:
+        """Raise ``ValueError`` on every rank unless every rank holds the same tensors (``(name,
+        tensor)`` pairs; their float64 sums compared, 0 for empty ones), naming the first that
+        differs. Every rank must pass as many (decide from agreed settings and counters)."""
+        if not named:
             return
+        tensors = [t for _, t in named]
         sums = torch.stack([t.detach().double().sum() for t in tensors]).to(tensors[0].device)
         seen = self.exchange.wait(self.comm.all_gather(sums, "parameter check")).cpu()
         differ = (seen != seen[:1]).any(dim=0).nonzero().flatten().tolist()
         if differ:
-            subject = f"{what} {name(differ[0])}" if what else name(differ[0])
             raise ValueError(
-                f"{self.owner}: {subject} differs between the ranks {when}; every rank must start "
-                "from the same weights and state (seed the model alike or broadcast rank 0's; "
+                f"{self.owner}: {named[differ[0]][0]} differs between the ranks {when}; every rank must "
+                "start from the same weights and state (seed the model alike or broadcast rank 0's; "
                 "load each rank's own checkpoint of one run)"
             )

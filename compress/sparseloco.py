@@ -61,7 +61,6 @@ from cokit.compress.eager import eager
 from cokit.compress.frontend import (
     FrontEnd,
     FrontEndOptions,
-    check_gradients,
     run_closure,
 )
 from cokit.compress.guards import Amp, nonfinite
@@ -70,7 +69,6 @@ from cokit.compress.named_params import (
     check_replicated,
     dense_members,
     param_groups,
-    param_name,
 )
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.sparseloco_local import (
@@ -333,16 +331,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         rank alike; ``theta_global`` follows the weights. Nothing changes before every result
         is in."""
         params = self._model_params
-        has_grad = check_gradients("SparseLoCo", params, self._name)
-        rnd = self.open_round(
-            [p.grad for p in params],
-            Amp.of(self),
-            fingerprints=self._fingerprints(),
-            describe=self._describe,
-            name=self._name,
-            device=params[0].device,
-            extra=self._driver.measurement(torch.device("cpu")),
-        )
+        rnd, has_grad = self.open_params_round(params, extra=self._driver.measurement(torch.device("cpu")))
         if not self.skip_or_raise(rnd, self._name, when=f"dense warm-up step {self._steps + 1}"):
             self.skipped_steps += self.comm.world_size  # the step, skipped on every rank
             self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=False)
@@ -481,21 +470,20 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         replicas must hold the same ``theta_global`` (the weights, at the first step) and, once
         Nesterov syncs ran, outer momentum (compared before any change)."""
         self._agree(None)
-        params, n = self._model_params, len(self._model_params)
+        params = self._model_params
         states = [self.state.get(p, {}) for p in params]
-        tensors = [s.get("global", self._local(p)) for s, p in zip(states, params, strict=True)]
+        named = [
+            (f"parameter {self._name(i)}", s.get("global", self._local(p)))
+            for i, (s, p) in enumerate(zip(states, params, strict=True))
+        ]
         if self.outer == "nesterov" and self.syncs:  # agreed above: every rank compares as many
             zero = torch.zeros((), device=params[0].device)
-            tensors += [s.get("momentum", zero) for s in states]
-        names = [f"parameter {self._name(i)}" for i in range(n)]
-        names += [f"the outer momentum of {self._name(i)}" for i in range(len(tensors) - n)]
-        self.check_replicas(
-            tensors, names.__getitem__, when="at the first step (or the first after a load)", what=""
-        )
+            named += [
+                (f"the outer momentum of {self._name(i)}", s.get("momentum", zero))
+                for i, s in enumerate(states)
+            ]
+        self.check_replicas(named)
         self._checked = True
-
-    def _name(self, n: int) -> str:
-        return param_name(self._model_params, self._names, n)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
