@@ -132,7 +132,7 @@ class FrontEndOptions:
             )
         out = cls(process_group=process_group, **options)
         check_process_group(where, out.process_group)
-        parse_timeout(out.timeout, where)
+        parse_timeout(out.timeout, f"{where}.step")  # named as the exchange names its collectives
         check_flag("validate_payload", out.validate_payload, where=where)
         if not callable(out.clock):
             raise TypeError(f"{where}: clock must be a callable returning seconds, got {out.clock!r}")

@@ -374,7 +374,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         if bad:  # a NaN gradient or an overflow reached some rank's inner optimizer
             reset = self._recover(params)
             recovered = (
-                "the sync was not applied (theta_global, error buffers and outer momentum as they were); "
+                "a non-finite gradient or an overflow reached an inner optimizer; the sync was not applied (theta_global, error buffers and outer momentum as they were); "
                 "every rank's weights are back at the last sync's"
                 + (f", and this rank reset the inner optimizer's state of {_listing(reset)}" if reset else "")
                 + ", so training can go on"
