@@ -64,7 +64,7 @@ for line in sys.stdin:
             "AdamW": (torch.optim.AdamW(params, lr=1e-4, foreach=True), 1),
             "DeMo compact": (DeMo(params, lr=1e-4, compression_topk=32), 1),
             "DeMo sign": (DeMo(params, lr=1e-4, compression_topk=32, payload="sign"), 1),
-            "SparseLoCo": (SparseLoCo(params), 15),  # one sync period: 15 steps
+            "SparseLoCo": (SparseLoCo(params), 15),  # 15 steps: three syncs at the default H=5
         }
         for opt, period in cases.values():  # warm up: first-step work (buffers, checks) is not timed
             for _ in range(period):
