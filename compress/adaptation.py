@@ -142,6 +142,17 @@ class PolicyDriver:
         self.decision = decision
         return decision
 
+    def sync_scale(self, rows: torch.Tensor | None, sync: int, owner: str) -> int:
+        """:meth:`decide` for a front end that follows only the sync interval (SparseLoCo's):
+        the decision's ``sync_scale``; any other decision raises."""
+        decision = self.decide(rows, sync)
+        if decision.dense or decision.skip_sync or decision.topk_scale != 1 or decision.payload is not None:
+            raise ValueError(
+                f"{owner}: policy {self.policy.describe()} decided {decision.describe()!r}; "
+                f"{owner} follows only sync_scale decisions (IntervalPolicy)"
+            )
+        return decision.sync_scale
+
     def step_done(self, sent: int, dense: int, synced: bool) -> None:
         """Close a step: remember its bytes and, once a previous step end is known, its times."""
         now = self.clock()

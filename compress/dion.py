@@ -296,11 +296,6 @@ class Dion(FrontEnd, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ public
     @property
-    def bytes_per_step(self) -> float:
-        """Bytes this rank sent per step, the mean over every step so far."""
-        return self.comm_stats.total_sent_bytes / max(self.comm_stats.steps, 1)
-
-    @property
     def ranks(self) -> list[int]:
         """Per parameter (in order), Dion's rank ``r``, or 0 for the parameters AdamW steps."""
         return list(self._ranks)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from cokit.compress.agreement import Report, Round, canonical, fingerprint, run_round
 from cokit.compress.comm import Communicator, Pending
 from cokit.compress.payload import PayloadCodec
-from cokit.compress.peer_check import check_dense, check_selection
+from cokit.compress.peer_check import UNCHANGED, check_dense, check_selection
 from cokit.compress.priority import PriorityGroup
 from cokit.compress.stats import CommStats
 from cokit.compress.timing import StepTimer
@@ -182,9 +182,11 @@ class Exchange:
         pending: Sequence[Pending],
         bucket: str,
         names: Sequence[str] | None = None,
+        changed: str = UNCHANGED,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for a payload's all-gathers; every rank's ``(indices, values)``, checked."""
-        return self.checked(codec, [self.wait(p) for p in pending], bucket, names)
+        """Wait for a payload's all-gathers; every rank's ``(indices, values)``, checked (a
+        fault's error says ``changed``: what the round had changed by then)."""
+        return self.checked(codec, [self.wait(p) for p in pending], bucket, names, changed)
 
     def checked(
         self,
@@ -192,6 +194,7 @@ class Exchange:
         gathered: Sequence[torch.Tensor],
         bucket: str,
         names: Sequence[str] | None = None,
+        changed: str = UNCHANGED,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered wire tensors -> every rank's ``(indices, values)``, validated unless
         ``validate`` is off."""
@@ -206,20 +209,21 @@ class Exchange:
                     bucket=bucket,
                     rank_of=self.comm.global_rank,
                     names=names,
+                    changed=changed,
                 )
         return indices, values
 
-    def dense(self, pending: Pending, bucket: str) -> torch.Tensor:
+    def dense(self, pending: Pending, bucket: str, changed: str = UNCHANGED) -> torch.Tensor:
         """Wait for a dense all-reduce; its result, checked finite unless ``validate`` is off."""
         mean = self.wait(pending)
-        self.check_dense(mean, bucket)
+        self.check_dense(mean, bucket, changed)
         return mean
 
-    def check_dense(self, mean: torch.Tensor, bucket: str) -> None:
+    def check_dense(self, mean: torch.Tensor, bucket: str, changed: str = UNCHANGED) -> None:
         """Check a dense result from peers finite, unless ``validate`` is off."""
         if self.validate:
             with self.timer.span("decode", mean.device):
-                check_dense(mean, owner=self.owner, bucket=bucket)
+                check_dense(mean, owner=self.owner, bucket=bucket, changed=changed)
 
     # ------------------------------------------------------------------ accounting
     def record(self, stats: CommStats, dense_bytes: int) -> int:

@@ -39,6 +39,7 @@ from cokit.compress.named_params import param_name
 from cokit.compress.payload import VALUE_DTYPES
 from cokit.compress.precision import check_precision
 from cokit.compress.priority import check_comm_priority, priority_group
+from cokit.compress.stats import CommStats
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
 __all__ = [
@@ -243,6 +244,12 @@ class FrontEnd(ExchangeOwner):
 
     owner: str
     nonfinite: str
+    comm_stats: CommStats
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Bytes this rank sent per step, the mean over every step so far."""
+        return self.comm_stats.total_sent_bytes / max(self.comm_stats.steps, 1)
 
     def _describe(self, globally: bool = False) -> dict[str, Any]:
         """What every rank must agree on, as JSON (the fingerprint's input, the mismatch report)."""

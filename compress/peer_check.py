@@ -26,7 +26,10 @@ import torch
 from cokit.compress.agreement import PeerDataError
 from cokit.compress.payload import PayloadCodec
 
-__all__ = ["check_dense", "check_selection"]
+__all__ = ["UNCHANGED", "check_dense", "check_selection"]
+
+#: what a round that stopped at a peer's bad data had changed, unless its front end says more
+UNCHANGED = "no parameter changed"
 
 
 def check_selection(
@@ -38,8 +41,10 @@ def check_selection(
     bucket: str,
     rank_of: Callable[[int], int],
     names: Sequence[str] | None = None,
+    changed: str = UNCHANGED,
 ) -> None:
-    """Raise :class:`PeerDataError` unless every rank's selection ``(world, P)`` is well formed.
+    """Raise :class:`PeerDataError` unless every rank's selection ``(world, P)`` is well formed;
+    ``changed`` says what the round had changed by then.
 
     The common case is a few vectorized passes in the indices' own dtype and one reduction of
     the values; only a payload with a fault is searched for the first faulty slot."""
@@ -75,19 +80,20 @@ def check_selection(
         fault = f"position {int(idx[rank, slot])}, outside the tile's {t.tile_numel} positions"
     raise PeerDataError(
         f"{owner}: rank {rank_of(rank)} sent a malformed payload in {bucket}: {fault} in tile {tile} of "
-        f"{label} (slot {slot}); no parameter changed. That rank runs other code or settings, or "
+        f"{label} (slot {slot}); {changed}. That rank runs other code or settings, or "
         "its memory or link corrupts data: fix or remove it, then restart every rank from the last "
         "checkpoint (validate_payload=False skips this check for a fleet you trust)"
     )
 
 
-def check_dense(mean: torch.Tensor, *, owner: str, bucket: str) -> None:
-    """Raise :class:`PeerDataError` if an all-reduce of finite inputs came back non-finite."""
+def check_dense(mean: torch.Tensor, *, owner: str, bucket: str, changed: str = UNCHANGED) -> None:
+    """Raise :class:`PeerDataError` if an all-reduce of finite inputs came back non-finite;
+    ``changed`` says what the round had changed by then."""
     if mean.numel() and not bool(torch.isfinite(mean).all()):
         raise PeerDataError(
             f"{owner}: the dense all-reduce of {bucket} came back non-finite although every rank "
             "reported finite inputs: a peer sent corrupt data (a sum cannot say which) or the sum "
-            "overflowed its dtype; no parameter changed. Restart every rank from the last checkpoint"
+            f"overflowed its dtype; {changed}. Restart every rank from the last checkpoint"
         )
 
 

@@ -38,14 +38,16 @@ A hybrid Muon inner optimizer (Muon on the matrices, AdamW on the rest) is in
 Every guarantee comes from the exchange core (:mod:`cokit.compress.exchange`): each sync opens
 with the fixed-size status row (settings fingerprint, non-finite report, the policy's
 measurement), every collective has the timeout, peers' payloads are validated, and a sync that
-raises leaves no collective behind. The state dict has torch's layout, so
+raises leaves no collective behind. Nothing of a sync is applied before every rank's bytes are in
+and checked (its error buffers are new ones until then): after a peer's bad data every rank keeps
+its state and a later step syncs again. The state dict has torch's layout, so
 ``torch.distributed.checkpoint`` saves and loads it (:mod:`cokit.compress.sparseloco_state`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -73,13 +75,19 @@ from cokit.compress.named_params import (
 from cokit.compress.payload import VALUE_DTYPES, get_codec
 from cokit.compress.sparseloco_local import (
     build_inner,
-    hyper,
+    clear_grads,
+    dense_step,
+    local_value,
     make_masters,
+    outer_groups,
+    replicated_state,
     reset_nonfinite_state,
     step_inner,
+    swapped_in,
+    write_weights,
 )
 from cokit.compress.sparseloco_plan import SyncPlan
-from cokit.compress.sparseloco_step import Mean, average_gradients, exchange_means, outer_step
+from cokit.compress.sparseloco_step import average_gradients, exchange_means, outer_step
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
@@ -93,41 +101,27 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
 
     Args:
         params: the model's parameters (tensors, ``(name, tensor)`` pairs or param groups).
-        inner: the local optimizer: None (``AdamW(lr=1e-3)``), a ``torch.optim.Optimizer``
-            over exactly ``params``, or a callable ``params -> Optimizer``. ``param_groups``
-            are the inner optimizer's, so LR schedulers drive the inner lr.
-        sync_every: H, local steps between syncs (default 5: on the held-out protocol's
-            selection workloads H=5 closed two thirds of H=15's gap to AdamW for 3x the bytes;
-            docs/validation-study.md).
+        inner: the local optimizer: None (``AdamW(lr=1e-3)``), an optimizer over exactly
+            ``params``, or a callable ``params -> Optimizer``; ``param_groups`` are its own, so
+            LR schedulers drive the inner lr.
+        sync_every: H, local steps between syncs (default 5: docs/validation-study.md).
         topk: values kept per tile of the error buffer (default 64: 1.6% of a 64x64 tile, in
-            the paper's 1-3% range); None sends the dense pseudo-gradient (DiLoCo).
+            the paper's 1-3%); None sends the dense pseudo-gradient (DiLoCo).
         chunk: tile side target (each dimension uses its largest divisor <= chunk).
         dct: select in the DCT domain of each tile (DeMo's) instead of on the raw values.
-        payload: value codec of :mod:`cokit.compress.payload`: ``"int2"`` (default, 2 bits per
-            value), ``"sign"`` (1 bit + a scale per tile), ``"compact"`` (bf16 values), ...
-        error_decay: decay of the error buffer (0.95, the paper's; DiLoCo's outer momentum).
-        outer: ``"average"`` (``theta -= outer_lr * mean``, SparseLoCo) or ``"nesterov"``
-            (DiLoCo: ``m = mu * m + mean; theta -= outer_lr * (mean + mu * m)``).
-        outer_lr / outer_momentum: the outer step's lr and Nesterov momentum ``mu``.
-        process_group: the group synced over (:class:`~cokit.compress.frontend.FrontEndOptions`).
-        dense_warmup: data-parallel steps before the local schedule (default 0): each averages
-            the gradients (fp32 all-reduce) before the inner step, so the replicas stay
-            bit-identical; the first sync comes ``sync_every`` steps after the last.
-        dense_params: None, or name substrings (``("embed", "head")``): parameters whose name
-            contains one send their pseudo-gradient dense (needs ``model.named_parameters()``).
-        adaptive_topk: redistribute the top-k budget among the compressed tensors after every
-            sync, by the share of each error buffer's energy its selection captured, averaged
-            over the ranks (:mod:`cokit.compress.adaptive_topk`; option ``adaptive_range``:
-            ``(low, high)``, each k within ``[low * topk, high * topk]``, default (0.25, 4)).
-            ``current_topk`` holds the k's, ``captured_energy`` the agreed shares.
-        **options: the options of every front end (:class:`~cokit.compress.frontend.FrontEndOptions`).
-            Here ``nonfinite`` is what a non-finite pseudo-gradient at a sync does: the sync is
-            not applied, every rank returns to ``theta_global`` and the inner state that is no
-            longer finite is reset (``inner_resets``), then ``"error"`` raises and ``"skip"``
-            warns (``skipped_syncs``); a GradScaler's ``found_inf`` skips that local step on its
-            rank (``skipped_steps`` counts them over every rank). ``policy`` decides when to
-            sync (``"interval"``: widen the interval while a sync blocks too long;
-            ``current_interval``, ``policy_log``).
+        payload: value codec (:mod:`cokit.compress.payload`): ``"int2"`` (default), ``"sign"``, ...
+        error_decay: decay of the error buffer (0.95, the paper's).
+        outer: ``"average"`` (``theta -= outer_lr * mean``) or ``"nesterov"`` (DiLoCo's
+            ``m = mu * m + mean; theta -= outer_lr * (mean + mu * m)``, ``mu = outer_momentum``).
+        dense_warmup / dense_params / adaptive_topk: module docstring; ``adaptive_range=(low,
+            high)`` bounds each k to ``[low * topk, high * topk]`` (default (0.25, 4)).
+        **options: every front end's (:class:`~cokit.compress.frontend.FrontEndOptions`), the
+            process group included. ``nonfinite``: a non-finite pseudo-gradient at a sync sends
+            every rank back to ``theta_global`` and resets the inner state that is no longer
+            finite (``inner_resets``), then ``"error"`` raises and ``"skip"`` warns
+            (``skipped_syncs``); a GradScaler's ``found_inf`` skips that local step on its rank
+            (``skipped_steps``). ``policy="interval"`` widens the interval while a sync blocks
+            too long (``current_interval``, ``policy_log``).
     """
 
     _step_supports_amp_scaling = True  # GradScaler calls step() on every rank
@@ -158,11 +152,9 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         opts = FrontEndOptions.checked(where, options, process_group=process_group)
         self.adaptive_topk = check_flag("adaptive_topk", adaptive_topk, where=where)
         self.adaptive_range = check_adaptive_range(adaptive_range, self.adaptive_topk, topk, where)
-        self.dense_warmup = check_int(
-            "dense_warmup", dense_warmup, 0, where=where, more="(steps of data-parallel warm-up; 0: none)"
-        )
+        self.dense_warmup = check_int("dense_warmup", dense_warmup, 0, where=where, more="(0: none)")
         self.dense_params = check_dense_params(dense_params, where)
-        self.sync_every = check_int("sync_every", sync_every, 1, where=where)
+        self.sync_every = self.current_interval = check_int("sync_every", sync_every, 1, where=where)
         if topk is not None:
             check_int("topk", topk, 1, where=where, more="or None for a dense pseudo-gradient (DiLoCo)")
         self.chunk = check_int("chunk", chunk, 1, where=where)
@@ -177,22 +169,18 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self.nonfinite, self.precision, self.seed = opts.nonfinite, opts.precision, opts.seed
         self.comm_priority, self.bucket_cap_mb = opts.comm_priority, opts.bucket_cap_mb
         self.policy = make_policy(opts.policy, where)
-        groups, names = param_groups(params, where)
-        model_params = [p for g in groups for p in g["params"]]
+        groups, self._names = param_groups(params, where)
+        self._model_params = model_params = [p for g in groups for p in g["params"]]
         check_replicated(model_params, where, VALUE_DTYPES)
-        self._forced_dense = dense_members(self.dense_params, model_params, names, where)
+        self._forced_dense = dense_members(self.dense_params, model_params, self._names, where)
         self.topk, self.payload = topk, payload
         self.value_dtype = self.codec.resolve_value_dtype(opts.value_dtype)
-        self._names = names
-        self._model_params = model_params
         self._driver = PolicyDriver(self.policy, opts.clock)
         self.exchange = opts.exchange(where, on_blocked=self._driver.blocked)
         self.comm_stats = CommStats()
-        self.current_interval = sync_every
         self.syncs = self.skipped_syncs = self.skipped_steps = self.inner_resets = 0
-        self._steps = self._since_sync = 0
+        self._steps = self._since_sync = self._skipped = 0  # _skipped: GradScaler skips since the last sync
         self._checked = False
-        self._skipped = 0  # local steps skipped since the last sync (a GradScaler's inf)
         self.plan = SyncPlan(
             [tuple(p.shape) for p in model_params],
             chunk=chunk,
@@ -206,29 +194,11 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         )
         self.captured_energy: dict[int, float] | None = None  # the last sync's agreed shares
         super().__init__(model_params, {})
-        # masters: the inner optimizer steps fp32 copies of low-precision parameters
-        self._masters = make_masters(model_params, self.precision)
+        self._masters = make_masters(model_params, self.precision)  # fp32, stepped by the inner optimizer
         self.inner = build_inner(inner, groups, model_params, self._masters)
-        if len(groups) != len(self.inner.param_groups):
-            raise ValueError("SparseLoCo: inner(params) must keep the param groups it was given")
-        # param_groups are the inner optimizer's (schedulers drive it); with fp32 masters they
-        # are copies holding the model's parameters (what DCP maps to names), whose values are
-        # copied into the inner groups before every inner step
-        self.param_groups = self.inner.param_groups
-        if self._masters:
-            self.param_groups = [
-                {**hyper(ig), "params": g["params"]}
-                for g, ig in zip(groups, self.inner.param_groups, strict=True)
-            ]
+        self.param_groups = outer_groups(groups, self.inner, self._masters)
         self.defaults = self.inner.defaults
-        lowp.warn_if_unmastered("SparseLoCo", model_params, self.precision)
-
-    # ------------------------------------------------------------------ construction
-    # ------------------------------------------------------------------ public
-    @property
-    def bytes_per_step(self) -> float:
-        """Bytes this rank sent per step, amortized over every step so far."""
-        return self.comm_stats.total_sent_bytes / max(self.comm_stats.steps, 1)
+        lowp.warn_if_unmastered(where, model_params, self.precision)
 
     @property
     def current_topk(self) -> dict[int, int]:
@@ -241,41 +211,20 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         """Every change of the policy's decision: the sync it was taken at, what and why."""
         return self._driver.log
 
-    @contextlib.contextmanager
-    def synchronized(self) -> Iterator[None]:
+    def synchronized(self) -> contextlib.AbstractContextManager[None]:
         """Inside the block the parameters hold ``theta_global`` (the weights of the last sync,
         the same on every rank): evaluate or save the model all ranks share there. On exit the
         local weights come back, bit for bit. Before the first step nothing is swapped."""
-        swapped = []
-        with torch.no_grad():
-            for p in self._model_params:
-                g = self.state[p].get("global") if p in self.state else None
-                if g is not None:
-                    swapped.append((p, p.detach().clone()))
-                    p.copy_(g)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, local_value in swapped:
-                    p.copy_(local_value)
+        params = self._model_params
+        return swapped_in(params, [self.state.get(p, {}).get("global") for p in params])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (and the masters' copies of them)."""
-        for p in self._model_params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
-        for m in self._masters.values():
-            m.grad = None
+        clear_grads(self._model_params, self._masters, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "inner"):
-            raise NotImplementedError(
-                "SparseLoCo: build it with every parameter; groups cannot be added later"
-            )
+            raise NotImplementedError("SparseLoCo: build it with every parameter; no group can come later")
         super().add_param_group(param_group)
 
     # Eager even inside torch.compile (docs/design.md §3): collectives, the status agreement and
@@ -287,8 +236,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         loss = run_closure(closure)
         for p in self._model_params:
             if "global" not in self.state[p]:  # the first step: weights as loaded by now
-                m = self._masters.get(id(p))
-                if m is not None:
+                if (m := self._masters.get(id(p))) is not None:
                     m.copy_(p)
                 self.state[p]["global"] = p.detach().float().clone(memory_format=torch.contiguous_format)
         with self.exchange.guarded():
@@ -306,11 +254,9 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self.exchange.record(self.comm_stats, self._dense_bytes())
         return loss
 
-    # ------------------------------------------------------------------ local steps
     def _inner_step(self) -> None:
-        """One step of the inner optimizer, unless a GradScaler found inf on this rank: then
-        that local step is skipped here (and counted at the next sync). GradScaler's scale is
-        taken off the gradients first."""
+        """One step of the inner optimizer on the unscaled gradients, unless a GradScaler found
+        inf on this rank: then that local step is skipped here (counted at the next sync)."""
         amp = Amp.of(self)
         if amp.found_inf:
             self._skipped += 1
@@ -318,133 +264,61 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         amp.unscale_([p.grad for p in self._model_params if p.grad is not None])
         step_inner(self.inner, self._model_params, self._masters, self.param_groups)
 
-    def _local(self, p: torch.Tensor) -> torch.Tensor:
-        """This rank's fp32 value of ``p`` (its master when there is one)."""
-        m = self._masters.get(id(p))
-        return m if m is not None else p.float()
-
-    # ------------------------------------------------------------------ dense warm-up
     def _warmup_step(self) -> None:
-        """One data-parallel step (``dense_warmup``): the status round (settings, which
-        parameters have a gradient, non-finite gradients, a GradScaler's inf), one all-reduce
-        (mean, fp32) of the gradients per bucket, each checked, then the inner step on every
-        rank alike; ``theta_global`` follows the weights. Nothing changes before every result
-        is in."""
+        """One data-parallel step (``dense_warmup``): the status round, one checked all-reduce
+        (mean, fp32) of the gradients per bucket, then the inner step on every rank alike;
+        ``theta_global`` follows the weights. Nothing changes before every result is in."""
         params = self._model_params
         rnd, has_grad = self.open_params_round(params, extra=self._driver.measurement(torch.device("cpu")))
-        if not self.skip_or_raise(rnd, self._name, when=f"dense warm-up step {self._steps + 1}"):
+        synced = self.skip_or_raise(rnd, self._name, when=f"dense warm-up step {self._steps + 1}")
+        if synced:
+            means = average_gradients(self.plan.warmup(), params, self.exchange)
+            dense_step(self.inner, params, self._masters, self.param_groups, means, has_grad)
+            for p in params:
+                self.state[p]["global"].copy_(local_value(p, self._masters))
+        else:
             self.skipped_steps += self.comm.world_size  # the step, skipped on every rank
-            self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=False)
-            return
-        means = average_gradients(self.plan.warmup(), params, self.exchange)
-        master_grads: dict[int, torch.Tensor] = {}
-        for i, (p, m) in enumerate(zip(params, means, strict=True)):
-            if has_grad[i]:
-                p.grad.copy_(m)
-                if id(p) in self._masters:
-                    master_grads[id(p)] = m
-        step_inner(self.inner, self._model_params, self._masters, self.param_groups, master_grads)
-        for p in params:
-            self.state[p]["global"].copy_(self._local(p))
-        self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
+        self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=synced)
 
-    # ------------------------------------------------------------------ sync
     def _agree(self, deltas: list[torch.Tensor] | None) -> Any:
         """The sync's status round: non-finite pseudo-gradients (``deltas``) and skipped local steps."""
-        bad = nonfinite(deltas) if deltas is not None else []
         return self.exchange.agree(
             self._fingerprints(),
-            self.exchange.report(bad, skipped=self._skipped),
+            self.exchange.report(nonfinite(deltas) if deltas is not None else [], skipped=self._skipped),
             self._describe,
             extra=self._driver.measurement(torch.device("cpu")),
             device=self._model_params[0].device,
         )
 
     def _sync(self) -> None:
-        params = self._model_params
-        # fp32 pseudo-gradients; once in the error buffers, their buffers hold the tile
-        # matrices that are picked and decoded in (_launch)
-        deltas = [(self.state[p]["global"] - self._local(p)).contiguous() for p in params]
+        """The status round, then the exchange and the outer step; a non-finite pseudo-gradient
+        on any rank sends every rank back to ``theta_global`` instead (``nonfinite``)."""
+        params, states = self._model_params, [self.state[p] for p in self._model_params]
+        deltas = [
+            (s["global"] - local_value(p, self._masters)).contiguous()
+            for p, s in zip(params, states, strict=True)
+        ]
         rnd = self._agree(deltas)
         self.skipped_steps += sum(rep.skipped for rep in rnd.reports)
         self._skipped = 0  # reported now, on every rank
-        bad = rnd.bad
-        if not bad or self.nonfinite == "skip":
-            self._follow_policy(rnd.extras if self.policy.observes else None)
-        if bad:  # a NaN gradient or an overflow reached some rank's inner optimizer
-            reset = self._recover(params)
-            recovered = (
-                "a non-finite gradient or an overflow reached an inner optimizer; the sync was not applied (theta_global, error buffers and outer momentum as they were); "
-                "every rank's weights are back at the last sync's"
-                + (f", and this rank reset the inner optimizer's state of {_listing(reset)}" if reset else "")
-                + ", so training can go on"
-            )
+        if not rnd.bad or self.nonfinite == "skip":
+            times = rnd.extras if self.policy.observes else None  # every rank's times of the last sync
+            scale = self._driver.sync_scale(times, self.syncs + self.skipped_syncs + 1, self.owner)
+            self.current_interval = self.sync_every * scale
+        if rnd.bad:  # a NaN gradient or an overflow reached some rank's inner optimizer
+            reset = self._back_to_global(params)
             self.skip_or_raise(
                 rnd,
                 self._name,
                 when=f"sync {self.syncs + 1}",
                 what="pseudo-gradient",
-                changed=recovered,
+                changed=_recovered(reset),
                 unit="sync",
             )
             self.skipped_syncs += 1
             self._driver.step_done(0, 0, synced=False)
             return
-        means = self._exchange(deltas)
-        self.syncs += 1
-        generator = self._generator(params[0].device)
-        states = [self.state[p] for p in params]
-        outer_step(states, means, nesterov=self.outer == "nesterov", lr=self.outer_lr, mu=self.outer_momentum)
-        for p, state in zip(params, states, strict=True):
-            self._write(p, state["global"], generator)
-        self._since_sync = 0
-        self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
-
-    def _recover(self, params: list[torch.Tensor]) -> list[str]:
-        """After a sync that could not be applied: every rank back at theta_global, and the
-        inner optimizer's state reset where it is not finite (the names of those parameters)."""
-        self._since_sync = 0
-        generator = self._generator(params[0].device)
-        for p in params:
-            self._write(p, self.state[p]["global"], generator)
-        reset = reset_nonfinite_state(self.inner, params, self._masters, self._name)
-        self.inner_resets += len(reset)
-        return reset
-
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        if self.precision != "stochastic":
-            return None
-        return lowp.rounding_generator(self.seed, self.syncs, device)
-
-    def _follow_policy(self, times: torch.Tensor | None) -> None:
-        """The interval until the next sync, from every rank's times of the last one."""
-        decision = self._driver.decide(times, self.syncs + self.skipped_syncs + 1)
-        if decision.dense or decision.skip_sync or decision.topk_scale != 1 or decision.payload is not None:
-            raise ValueError(
-                f"SparseLoCo: policy {self.policy.describe()} decided {decision.describe()!r}; "
-                "SparseLoCo follows only sync_scale decisions (IntervalPolicy)"
-            )
-        self.current_interval = self.sync_every * decision.sync_scale
-
-    def _dense_bytes(self) -> int:
-        """What a dense all-reduce of every parameter would send from this rank."""
-        return ring_allreduce_bytes(
-            sum(p.numel() * p.element_size() for p in self._model_params), self.comm.world_size
-        )
-
-    def _write(self, p: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
-        master = self._masters.get(id(p))
-        lowp.write_update(p, value, self.precision, master=master, generator=generator)
-
-    def _exchange(self, deltas: list[torch.Tensor]) -> list[Mean | None]:
-        """Every tensor's mean pseudo-gradient over the ranks (:func:`~cokit.compress.sparseloco_step.exchange_means`),
-        the error buffers made at their first sync; ``adaptive_topk``'s agreed shares set the
-        next sync's k's."""
-        states = [self.state[p] for p in self._model_params]
-        for i in (i for b in self.plan.buckets() if not b.dense for i in b.members):
-            if "error" not in states[i]:  # (not setdefault: that would zero a fresh buffer every sync)
-                states[i]["error"] = torch.zeros_like(deltas[i])
-        means, shares = exchange_means(
+        means, errors, shares = exchange_means(
             self.plan.buckets(),
             deltas,
             [s.get("error") for s in states],
@@ -452,45 +326,68 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             chunk=self.chunk,
             dct=self.dct,
             error_decay=self.error_decay,
-            names=[self._name(i) for i in range(len(deltas))],
+            names=[self._name(i) for i in range(len(params))],
             at_positions=[self.outer == "average" and s["global"].is_contiguous() for s in states],
             adaptive=self.adaptive_topk,
         )
+        # every rank's bytes are in and checked: from here on the sync is applied
+        for s, e in zip(states, errors, strict=True):
+            if e is not None:
+                s["error"] = e
         if shares is not None:
             self.captured_energy = shares
             self.plan.set_topks(self.plan.adapt(list(shares.values()), list(shares)))  # the next sync's
-        return means
+        self.syncs += 1
+        outer_step(states, means, nesterov=self.outer == "nesterov", lr=self.outer_lr, mu=self.outer_momentum)
+        write_weights(params, [s["global"] for s in states], self._masters, self.precision, self._generator())
+        self._since_sync = 0
+        self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
 
-    # ------------------------------------------------------------------ agreement
+    def _back_to_global(self, params: list[torch.Tensor]) -> list[str]:
+        """After a sync that could not be applied: every rank back at theta_global, and the
+        inner optimizer's state reset where it is not finite (the names of those parameters)."""
+        self._since_sync = 0
+        write_weights(
+            params,
+            [self.state[p]["global"] for p in params],
+            self._masters,
+            self.precision,
+            self._generator(),
+        )
+        reset = reset_nonfinite_state(self.inner, params, self._masters, self._name)
+        self.inner_resets += len(reset)
+        return reset
+
+    def _generator(self) -> torch.Generator | None:
+        """The stochastic rounding's generator of this sync (None: round to nearest)."""
+        stochastic = self.precision == "stochastic"
+        return (
+            lowp.rounding_generator(self.seed, self.syncs, self._model_params[0].device)
+            if stochastic
+            else None
+        )
+
+    def _dense_bytes(self) -> int:
+        """What a dense all-reduce of every parameter would send from this rank."""
+        return ring_allreduce_bytes(
+            sum(p.numel() * p.element_size() for p in self._model_params), self.comm.world_size
+        )
+
     def _describe(self, globally: bool = False) -> dict[str, Any]:
         return sparseloco_state.describe(self)
 
     def _check_start(self) -> None:
         """First step, and the first after a load: settings, layout and counters agree, then the
-        replicas must hold the same ``theta_global`` (the weights, at the first step) and, once
-        Nesterov syncs ran, outer momentum (compared before any change)."""
+        replicas must hold the same ``theta_global`` and outer momentum (before any change)."""
         self._agree(None)
-        params = self._model_params
-        states = [self.state.get(p, {}) for p in params]
-        named = [
-            (f"parameter {self._name(i)}", s.get("global", self._local(p)))
-            for i, (s, p) in enumerate(zip(states, params, strict=True))
-        ]
-        if self.outer == "nesterov" and self.syncs:  # agreed above: every rank compares as many
-            zero = torch.zeros((), device=params[0].device)
-            named += [
-                (f"the outer momentum of {self._name(i)}", s.get("momentum", zero))
-                for i, s in enumerate(states)
-            ]
-        self.check_replicas(named)
+        nesterov = self.outer == "nesterov" and self.syncs > 0  # agreed above: every rank compares as many
+        self.check_replicas(
+            replicated_state(self._model_params, self.state, self._masters, self._name, nesterov)
+        )
         self._checked = True
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's layout (so ``torch.distributed.checkpoint`` saves it): per parameter
-        ``theta_global`` and the outer momentum (identical on every rank) and this rank's error
-        buffer, fp32 master and inner optimizer state under keys naming the rank; JSON records of
-        settings, counters, policy and comm stats in ``param_groups[0]``
+        """torch.optim's layout, which ``torch.distributed.checkpoint`` saves
         (:mod:`cokit.compress.sparseloco_state`)."""
         return sparseloco_state.pack(self)
 
@@ -499,9 +396,14 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         sparseloco_state.load(self, state_dict)
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
-def _listing(names: list[str], shown: int = 4) -> str:
-    more = f" (and {len(names) - shown} more)" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
+def _recovered(reset: list[str], shown: int = 4) -> str:
+    """What a sync that found a non-finite pseudo-gradient changed (``reset``: the parameters
+    whose inner state this rank reset)."""
+    listing = ", ".join(reset[:shown]) + (f" (and {len(reset) - shown} more)" if len(reset) > shown else "")
+    return (
+        "a non-finite gradient or an overflow reached an inner optimizer; the sync was not applied "
+        "(theta_global, error buffers and outer momentum as they were); every rank's weights are "
+        "back at the last sync's"
+        + (f", and this rank reset the inner optimizer's state of {listing}" if reset else "")
+        + ", so training can go on"
+    )

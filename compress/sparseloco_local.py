@@ -9,7 +9,8 @@ the state that is no longer finite (:func:`reset_nonfinite_state`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,7 +18,20 @@ import torch
 from cokit.compress import precision as lowp
 from cokit.compress.guards import all_finite
 
-__all__ = ["build_inner", "hyper", "make_masters", "reset_nonfinite_state", "step_inner"]
+__all__ = [
+    "build_inner",
+    "clear_grads",
+    "dense_step",
+    "hyper",
+    "local_value",
+    "make_masters",
+    "outer_groups",
+    "replicated_state",
+    "reset_nonfinite_state",
+    "step_inner",
+    "swapped_in",
+    "write_weights",
+]
 
 
 def make_masters(params: list[torch.Tensor], precision: str) -> dict[int, torch.Tensor]:
@@ -131,3 +145,104 @@ def reset_nonfinite_state(
 def hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyper-parameters (everything but its parameters)."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def local_value(p: torch.Tensor, masters: dict[int, torch.Tensor]) -> torch.Tensor:
+    """This rank's fp32 value of ``p``: its master when there is one."""
+    m = masters.get(id(p))
+    return m if m is not None else p.float()
+
+
+def write_weights(
+    params: list[torch.Tensor],
+    values: list[torch.Tensor],
+    masters: dict[int, torch.Tensor],
+    precision: str,
+    generator: torch.Generator | None,
+) -> None:
+    """Every parameter (and its master) takes its fp32 value from ``values``, rounded as
+    ``precision`` says."""
+    for p, value in zip(params, values, strict=True):
+        lowp.write_update(p, value, precision, master=masters.get(id(p)), generator=generator)
+
+
+@contextlib.contextmanager
+def swapped_in(params: list[torch.Tensor], values: list[torch.Tensor | None]) -> Iterator[None]:
+    """Inside the block each parameter holds its value from ``values`` (None: left alone); on
+    exit the parameters' own values come back, bit for bit."""
+    swapped = []
+    with torch.no_grad():
+        for p, v in zip(params, values, strict=True):
+            if v is not None:
+                swapped.append((p, p.detach().clone()))
+                p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, own in swapped:
+                p.copy_(own)
+
+
+def clear_grads(params: list[torch.Tensor], masters: dict[int, torch.Tensor], set_to_none: bool) -> None:
+    """Clear the parameters' gradients (and drop their masters')."""
+    for p in params:
+        if p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+    for m in masters.values():
+        m.grad = None
+
+
+def outer_groups(
+    groups: list[dict[str, Any]], inner: torch.optim.Optimizer, masters: dict[int, torch.Tensor]
+) -> list[dict[str, Any]]:
+    """The param groups the front end shows: the inner optimizer's (schedulers drive them); with
+    fp32 masters, copies holding the model's parameters (what DCP maps to names), whose hyper-
+    parameters :func:`step_inner` copies into the inner groups before every step."""
+    if len(groups) != len(inner.param_groups):
+        raise ValueError("SparseLoCo: inner(params) must keep the param groups it was given")
+    if not masters:
+        return inner.param_groups
+    return [{**hyper(ig), "params": g["params"]} for g, ig in zip(groups, inner.param_groups, strict=True)]
+
+
+def dense_step(
+    inner: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    masters: dict[int, torch.Tensor],
+    groups: list[dict[str, Any]],
+    means: list[torch.Tensor],
+    has_grad: list[bool],
+) -> None:
+    """The inner step on the gradients averaged over the ranks (``means``, fp32), written into
+    the gradients of the parameters that have one (their masters take the fp32 means)."""
+    master_grads: dict[int, torch.Tensor] = {}
+    for p, mean, has in zip(params, means, has_grad, strict=True):
+        if has and p.grad is not None:
+            p.grad.copy_(mean)
+            if id(p) in masters:
+                master_grads[id(p)] = mean
+    step_inner(inner, params, masters, groups, master_grads)
+
+
+def replicated_state(
+    params: list[torch.Tensor],
+    state: Mapping[torch.Tensor, dict[str, Any]],
+    masters: dict[int, torch.Tensor],
+    name: Callable[[int], str],
+    momentum: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    """What every replica holds alike, named: each parameter's ``theta_global`` (its local
+    value before the first step) and, with ``momentum``, its outer momentum (zero if none yet)."""
+    states = [state.get(p, {}) for p in params]
+    named = [
+        (f"parameter {name(i)}", s.get("global", local_value(p, masters)))
+        for i, (s, p) in enumerate(zip(states, params, strict=True))
+    ]
+    if momentum:
+        zero = torch.zeros((), device=params[0].device)
+        named += [(f"the outer momentum of {name(i)}", s.get("momentum", zero)) for i, s in enumerate(states)]
+    return named

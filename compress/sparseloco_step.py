@@ -1,10 +1,11 @@
 """SparseLoCo's sync as functions over tensors and an exchange, as ``dion_step`` is to Dion.
 
-:func:`launch_bucket` encodes one bucket of pseudo-gradients into its error buffers
-(``e = error_decay * e + delta``; top-k per tile of ``e``, raw or in the DCT domain; what the
-codec sends leaves ``e``) and starts its collectives; it returns the bucket's *receive*, which
-waits for every rank's bytes and checks them, and which returns its *decode*: the mean over the
-ranks of what they sent, per tensor (:data:`Mean`). Launching every bucket before the first
+:func:`exchange_means` makes each compressed tensor's next error buffer (``e = error_decay *
+e + delta``, a new buffer: the old one is kept until the sync succeeds); :func:`launch_bucket`
+picks the top-k per tile of ``e`` (raw or in the DCT domain; what the codec sends leaves
+``e``) and starts its collectives; it returns the bucket's *receive*, which waits for every
+rank's bytes and checks them, and which returns its *decode*: the mean over the ranks of what
+they sent, per tensor (:data:`Mean`). Launching every bucket before the first
 receive lets encoding bucket i+1 overlap bucket i's transfer; decoding after every receive
 means nothing changes unless every rank's bytes are good.
 """
@@ -24,6 +25,7 @@ from cokit.triton_kernels.dct import dct_decode_multi, dct_encode_multi
 from cokit.triton_kernels.topk import chunk_topk
 
 __all__ = [
+    "SYNC_UNCHANGED",
     "Mean",
     "Receive",
     "average_gradients",
@@ -34,6 +36,13 @@ __all__ = [
     "outer_step",
 ]
 
+#: what a sync that stopped at a peer's bad data had changed (the error buffers it updated were
+#: new ones, the outer step comes after every check)
+SYNC_UNCHANGED = (
+    "the sync was not applied: theta_global, the outer momentum and the error buffers are as they "
+    "were, every rank keeps its local weights (this step's inner step included) and a later "
+    "step() syncs again"
+)
 #: a bucket's mean pseudo-gradient of one tensor: ``(mean, None)``, or ``(values, positions)``:
 #: its values at those flat positions (row-major; repeats hold equal values), zero elsewhere
 Mean = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -53,14 +62,25 @@ def exchange_means(
     names: list[str],
     at_positions: list[bool],
     adaptive: bool = False,
-) -> tuple[list[Mean | None], dict[int, float] | None]:
-    """One sync's exchange: encode every bucket (updating the compressed tensors' ``errors``),
-    launch all collectives, check every rank's bytes, then decode each into the mean
-    pseudo-gradient of its tensors (:data:`Mean`; None: empty tensors). ``at_positions[i]``:
-    tensor ``i``'s mean is needed only where some rank sent a value (the average outer step).
-    With ``adaptive`` also every compressed tensor's captured-energy share, agreed over the
-    ranks (checked, averaged in rank order; tensor index -> share), else None."""
+) -> tuple[list[Mean | None], list[torch.Tensor | None], dict[int, float] | None]:
+    """One sync's exchange: encode every bucket, launch all collectives, check every rank's
+    bytes, then decode each into the mean pseudo-gradient of its tensors (:data:`Mean`; None:
+    empty tensors). ``errors`` are left as they are: each compressed tensor's next error buffer
+    (``error_decay * e + delta``, less what was sent; ``e`` None: zeros) comes back (None for
+    the dense ones), so a sync that raises changes no buffer. ``at_positions[i]``: tensor
+    ``i``'s mean is needed only where some rank sent a value (the average outer step). With
+    ``adaptive`` also every compressed tensor's captured-energy share, agreed over the ranks
+    (checked, averaged in rank order; tensor index -> share), else None."""
     means: list[Mean | None] = [None] * len(deltas)
+    compressed = {i for bucket in buckets if not bucket.dense for i in bucket.members}
+    fresh: list[torch.Tensor | None] = [
+        (
+            (torch.zeros_like(d) if (e := errors[i]) is None else e.mul(error_decay)).add_(d)
+            if i in compressed
+            else None
+        )
+        for i, d in enumerate(deltas)
+    ]
     captured: dict[int, torch.Tensor] | None = {} if adaptive else None
     launched = []
     for b, bucket in enumerate(buckets):
@@ -70,11 +90,10 @@ def exchange_means(
                 b,
                 bucket,
                 deltas,
-                [] if bucket.dense else [e for i in members if (e := errors[i]) is not None],
+                [] if bucket.dense else [e for i in members if (e := fresh[i]) is not None],
                 exchange,
                 chunk=chunk,
                 dct=dct,
-                error_decay=error_decay,
                 names=[names[i] for i in members],
                 at_positions=all(at_positions[i] for i in members),
                 captured=captured,
@@ -93,7 +112,7 @@ def exchange_means(
     for bucket, finish in zip(buckets, received, strict=True):
         for i, mean in zip(bucket.members, finish(), strict=True):
             means[i] = mean
-    return means, shares
+    return means, fresh, shares
 
 
 def launch_bucket(
@@ -105,14 +124,15 @@ def launch_bucket(
     *,
     chunk: int,
     dct: bool,
-    error_decay: float,
     names: list[str],
     at_positions: bool,
     captured: dict[int, torch.Tensor] | None = None,
 ) -> Receive:
     """Start bucket ``b``'s collectives; returns its receive (wait and check), which returns
-    its decode. ``captured`` (``adaptive_topk``) receives, per compressed tensor, the share
-    of its error buffer's energy that its selection captured (a 0-d float64 tensor)."""
+    its decode. ``errors``: the compressed members' error buffers, the pseudo-gradient already
+    added; what is sent leaves them. ``captured`` (``adaptive_topk``) receives, per compressed
+    tensor, the share of its error buffer's energy that its selection captured (a 0-d float64
+    tensor)."""
     members = bucket.members
     label = f"bucket {b}"
     if bucket.dense:
@@ -120,7 +140,7 @@ def launch_bucket(
         pending = exchange.comm.all_reduce_mean(flat, "pseudo-gradient all-reduce")
 
         def receive_dense() -> Callable[[], list[Mean]]:
-            mean = exchange.dense(pending, f"{label} (dense)")
+            mean = exchange.dense(pending, f"{label} (dense)", SYNC_UNCHANGED)
             return lambda: [(m, None) for m in split_like(mean, [deltas[i] for i in members])]
 
         return receive_dense
@@ -128,8 +148,6 @@ def launch_bucket(
     codec, k = bucket.codec, bucket.topk
     assert codec is not None and k is not None and bucket.plan is not None
     plan = bucket.plan
-    for e, i in zip(errors, members, strict=True):
-        e.mul_(error_decay).add_(deltas[i])
     tilings = plan.tilings
     # in place: the tile matrices of contiguous error buffers go into the pseudo-gradients'
     # buffers (dead once added to the error buffers)
@@ -175,7 +193,7 @@ def launch_bucket(
     at_positions = in_place and at_positions
 
     def receive() -> Callable[[], list[Mean]]:
-        indices, values = exchange.selection(codec, pendings, label, names)
+        indices, values = exchange.selection(codec, pendings, label, names, SYNC_UNCHANGED)
 
         def decode() -> list[Mean]:
             world = indices.shape[0]

@@ -8,6 +8,8 @@ import copy
 import math
 import os
 import warnings
+from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -15,8 +17,9 @@ from distributed import run_gloo
 from helpers import STATUS_ROW, SmallNet, dcp_load, dcp_save, regression_data
 
 from cokit.compress import SparseLoCo
+from cokit.compress.agreement import PeerDataError
 from cokit.compress.buckets import sends_dense
-from cokit.compress.payload import get_codec
+from cokit.compress.payload import PayloadCodec, get_codec
 from cokit.compress.sparseloco_state import records
 from cokit.triton_kernels import tiling
 from cokit.triton_kernels.dct import dct_decode_reference, dct_encode_reference
@@ -180,6 +183,7 @@ def _faults(rank: int, world: int) -> dict:
                         p.grad = _grad(rank, step, i, p.shape)
                     opt.step()
                 out[name + "then sync"] = ([p.detach().clone() for p in params], opt.syncs)
+    out["peer"] = _peer_fault(rank, bad_rank)
     # settings that differ: at the first step, and an inner lr changed on one rank later
     params = [torch.nn.Parameter(t) for t in _init()]
     opt = _build(params, outer_lr=0.5 if rank == bad_rank else 1.0)
@@ -209,6 +213,50 @@ def _faults(rank: int, world: int) -> dict:
     except ValueError as exc:
         out["weights"] = str(exc)
     return out
+
+
+def _peer_fault(rank: int, bad_rank: int) -> dict:
+    """The second sync (step 3) with a malformed payload from ``bad_rank`` (a NaN value, or a
+    position outside its tile): what every rank raised, whether the sync changed any state,
+    and the replicas after the next step, which syncs again."""
+    out: dict = {}
+    for what in ("nan-value", "bad-index"):
+        params = [torch.nn.Parameter(t) for t in _init()]
+        opt = _build(params, sync_every=2, outer="nesterov", outer_lr=0.7)
+        for step in range(5):
+            for i, p in enumerate(params):
+                p.grad = _grad(rank, step, i, p.shape)
+            corrupt = step == 3 and rank == bad_rank
+            before = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in enumerate(params)}
+            with mock.patch.object(PayloadCodec, "to_wire", _corrupted(what)) if corrupt else nullcontext():
+                try:
+                    opt.step()
+                except PeerDataError as exc:
+                    after = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in enumerate(params)}
+                    out[what] = (step, str(exc), _same(before, after), opt.syncs)
+        out[what + " then"] = (opt.syncs, [p.detach().clone() for p in params])
+    return out
+
+
+def _corrupted(what: str):
+    """``PayloadCodec.to_wire`` that sends one bad slot: NaN, or a position outside its tile."""
+    original = PayloadCodec.to_wire
+
+    def to_wire(codec, indices, values):
+        idx, vals = (
+            x[0].clone() for x in codec.decode([w.reshape(1, -1) for w in original(codec, indices, values)])
+        )
+        if what == "nan-value":
+            vals[0] = math.nan
+        else:
+            idx[0] = codec.plan.tilings[0].tile_numel + 3
+        return original(codec, idx, vals)
+
+    return to_wire
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n]) for n in a)
 
 
 def _world2(rank: int, world: int) -> dict:
@@ -440,6 +488,17 @@ def test_nonfinite_pseudo_gradients_and_differing_settings_raise_or_skip_on_ever
         assert step == H - 1 and "param group 0 setting 'lr' is 0.05 on rank" in message and syncs == 0
         assert "parameter 'param 0' (32, 48) differs between the ranks" in f["weights"]
     for res in results:
+        for what, fault in (("nan-value", "non-finite value"), ("bad-index", "outside the tile")):
+            step, message, unchanged, syncs = res["faults"]["peer"][what]
+            # every rank raised at the second sync, naming the sender; the sync changed no state
+            assert step == 3 and syncs == 1, (step, syncs)
+            assert f"rank {bad} sent a malformed payload" in message and fault in message, message
+            assert "the sync was not applied" in message and "a later step() syncs again" in message
+            assert unchanged, f"the failed sync changed SparseLoCo's state: {message}"
+            syncs, params = res["faults"]["peer"][what + " then"]
+            assert syncs == 2  # the next step synced again: every rank can go on
+            for a, b in zip(params, results[0]["faults"]["peer"][what + " then"][1], strict=True):
+                assert torch.isfinite(a).all() and torch.equal(a, b)
         for key in ("grad skip then sync", "overflow skip then sync"):
             for a, b in zip(res["faults"][key][0], results[0]["faults"][key][0], strict=True):
                 assert torch.equal(a, b)  # replicas bit-identical after the skip
