@@ -35,7 +35,24 @@ from cokit.compress.precision import master_copy, write_update
 from cokit.compress.timing import StepTimer
 from cokit.triton_kernels.error_feedback import ef_decode, ef_encode
 
-__all__ = ["BucketInput", "Launched", "apply", "demo_step", "full_sync", "launch", "receive", "split_like"]
+__all__ = [
+    "STEP_UNCHANGED",
+    "BucketInput",
+    "Launched",
+    "apply",
+    "demo_step",
+    "full_sync",
+    "launch",
+    "receive",
+    "split_like",
+]
+
+#: what a step that stopped at a peer's bad data had changed: the encode runs before the
+#: exchange, so the error-feedback buffers hold the step's gradient, less what was sent
+STEP_UNCHANGED = (
+    "no parameter changed; each rank's error-feedback buffers already took this step's gradient, "
+    "less what it sent (that part of the update is lost), so training can go on"
+)
 
 GeneratorFor = Callable[[torch.device], torch.Generator]
 
@@ -128,10 +145,10 @@ def receive(item: Launched, exchange: Exchange) -> None:
     """Wait for a bucket's collectives and check what every rank sent (nothing is applied)."""
     i = item.input
     if i.bucket.dense:
-        item.received = (exchange.dense(item.pending[0], i.label),)
+        item.received = (exchange.dense(item.pending[0], i.label, STEP_UNCHANGED),)
     else:
         assert i.bucket.codec is not None
-        item.received = exchange.selection(i.bucket.codec, item.pending, i.label, i.names)
+        item.received = exchange.selection(i.bucket.codec, item.pending, i.label, i.names, STEP_UNCHANGED)
 
 
 def apply(item: Launched, *, precision: str = "nearest", generator: GeneratorFor | None = None) -> None:

@@ -48,6 +48,14 @@ CAUSES = {
     "nan-value": ("rank {bad} sent a malformed payload", "non-finite value"),
     "scaler-inf": ("gradscaler's scale", "overlap_backward=false"),  # demo-overlap only
 }
+# what a malformed payload's error says the round had changed, per front end (lower case)
+PEER_CHANGED = {
+    "demo-reference": "error-feedback buffers already took this step's gradient",
+    "demo-bucketed": "error-feedback buffers already took this step's gradient",
+    "demo-overlap": "error-feedback buffers already took this step's gradient",
+    "sparseloco": "the sync was not applied",
+    "hook": "no parameter changed",
+}
 WORLD3 = [
     (front, fault) for front in FRONTS for fault in ("mismatch-mid", "nan-error", "nan-skip", "bad-index")
 ]
@@ -133,6 +141,8 @@ def test_every_live_rank_reports_the_fault_and_every_process_exits_cleanly(matri
         message = record["message"].lower()
         for needle in CAUSES[fault]:
             assert needle.format(bad=world - 1) in message, (r, record["message"])
+        if fault in ("bad-index", "nan-value"):
+            assert PEER_CHANGED[front] in message, (r, record["message"])
         assert record["unchanged"], f"rank {r}: the parameters changed before the error: {record}"
     if skips:  # replicas bit-identical after the skip, and after the next step, which trained
         assert len(set(digests)) == 1, digests
