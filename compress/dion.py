@@ -57,7 +57,7 @@ from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange
 from cokit.compress.frontend import FrontEnd, FrontEndOptions, plain, run_closure
-from cokit.compress.inner import adamw, check_adamw_settings
+from cokit.compress.inner import adamw, adamw_settings, check_adamw_settings
 from cokit.compress.named_params import (
     check_dense_params,
     check_replicated,
@@ -227,14 +227,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         self.dense_params = check_dense_params(dense_params, _WHERE)
         self.nonfinite, self.bucket_cap_mb, self.seed = opts.nonfinite, opts.bucket_cap_mb, opts.seed
         self._cap = opts.bucket_cap_bytes
-        defaults = dict(
-            lr=lr,
-            mu=mu,
-            weight_decay=weight_decay,
-            adamw_lr_ratio=adamw_lr_ratio,
-            adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
-            adamw_eps=adamw_eps,
-        )
+        defaults = dict(lr=lr, mu=mu, **adamw_settings(weight_decay, adamw_lr_ratio, adamw_betas, adamw_eps))
         _check_group(defaults)
         groups, names = param_groups(params, _WHERE)
         model_params = [p for g in groups for p in g["params"]]

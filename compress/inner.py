@@ -36,7 +36,7 @@ from cokit.compress.named_params import tensors_of
 from cokit.compress.rules import newton_schulz
 from cokit.triton_kernels._checks import check_int, check_number
 
-__all__ = ["EXCLUDE", "Muon", "adamw", "check_adamw_settings", "muon"]
+__all__ = ["EXCLUDE", "Muon", "adamw", "adamw_settings", "check_adamw_settings", "muon"]
 
 #: name substrings of the parameters that take AdamW under :class:`Muon` (embeddings, heads)
 EXCLUDE = ("embed", "head", "wte", "wpe")
@@ -89,10 +89,7 @@ class Muon(torch.optim.Optimizer):
             momentum=momentum,
             nesterov=nesterov,
             ns_steps=ns_steps,
-            weight_decay=weight_decay,
-            adamw_lr_ratio=adamw_lr_ratio,
-            adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
-            adamw_eps=adamw_eps,
+            **adamw_settings(weight_decay, adamw_lr_ratio, adamw_betas, adamw_eps),
             use_muon=use_muon,
         )
         _check_group(defaults)
@@ -262,6 +259,19 @@ def _check_group(group: dict[str, Any]) -> None:
         raise TypeError(
             f"{_WHERE}: use_muon must be True, False or None (per parameter), got {group['use_muon']!r}"
         )
+
+
+def adamw_settings(
+    weight_decay: float, adamw_lr_ratio: float, adamw_betas: Any, adamw_eps: float
+) -> dict[str, Any]:
+    """The AdamW part of a hybrid's defaults, what :func:`check_adamw_settings` checks (a list
+    of betas becomes a tuple)."""
+    return dict(
+        weight_decay=weight_decay,
+        adamw_lr_ratio=adamw_lr_ratio,
+        adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
+        adamw_eps=adamw_eps,
+    )
 
 
 def check_adamw_settings(group: Mapping[str, Any], where: str) -> None:
