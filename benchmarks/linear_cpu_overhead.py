@@ -212,8 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    if not args.max_load > 0:
-        ap.error("--max-load must be > 0")
     from cokit.files import OutputError, atomic_write_text, prepare_out_file
 
     try:

@@ -71,10 +71,10 @@ def busy_reason(reading: LoadReading, max_fraction: float = DEFAULT_MAX_FRACTION
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """``--max-load FRACTION`` and ``--allow-busy``."""
+    """``--max-load FRACTION`` (> 0, else a usage error) and ``--allow-busy``."""
     ap.add_argument(
         "--max-load",
-        type=float,
+        type=_max_load,
         default=DEFAULT_MAX_FRACTION,
         metavar="FRACTION",
         help=f"busy above this 1-minute load average per core (default {DEFAULT_MAX_FRACTION})",
@@ -84,6 +84,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run on a busy machine anyway; the results are then marked as no headline (with why)",
     )
+
+
+def _max_load(text: str) -> float:
+    """``--max-load``'s value: a float > 0 (argparse reports the error as a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (a fraction of the CPU cores), got {text}")
+    return value
 
 
 class LoadGate:

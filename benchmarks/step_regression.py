@@ -196,8 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    if not args.max_load > 0:
-        ap.error("--max-load must be > 0")
     try:
         out = prepare_out_file(args.out) if args.out else None
     except OutputError as exc:

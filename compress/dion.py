@@ -57,7 +57,7 @@ from cokit.compress.demo_step import split_like
 from cokit.compress.eager import eager
 from cokit.compress.exchange import Exchange
 from cokit.compress.frontend import FrontEnd, FrontEndOptions, plain, run_closure
-from cokit.compress.inner import adamw, check_adamw_settings
+from cokit.compress.inner import adamw_settings, adamw_step, check_adamw_settings
 from cokit.compress.named_params import (
     check_dense_params,
     check_replicated,
@@ -227,14 +227,7 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         self.dense_params = check_dense_params(dense_params, _WHERE)
         self.nonfinite, self.bucket_cap_mb, self.seed = opts.nonfinite, opts.bucket_cap_mb, opts.seed
         self._cap = opts.bucket_cap_bytes
-        defaults = dict(
-            lr=lr,
-            mu=mu,
-            weight_decay=weight_decay,
-            adamw_lr_ratio=adamw_lr_ratio,
-            adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
-            adamw_eps=adamw_eps,
-        )
+        defaults = dict(lr=lr, mu=mu, **adamw_settings(weight_decay, adamw_lr_ratio, adamw_betas, adamw_eps))
         _check_group(defaults)
         groups, names = param_groups(params, _WHERE)
         model_params = [p for g in groups for p in g["params"]]
@@ -373,21 +366,8 @@ class Dion(FrontEnd, torch.optim.Optimizer):
         else:
             dense_means.extend(_finish(self.exchange, dense_pending, rest_grads, "gradients"))
         for n, m in zip(rest, dense_means, strict=True):
-            p, g = params[n], group_of[id(params[n])]
-            s = self.state[p]
-            beta1, beta2 = g["adamw_betas"]
-            adamw(
-                [p],
-                [m],
-                [s["exp_avg"]],
-                [s["exp_avg_sq"]],
-                [s["step"]],
-                lr=float(g["lr"]) * float(g["adamw_lr_ratio"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(g["adamw_eps"]),
-                weight_decay=float(g["weight_decay"]),
-            )
+            p = params[n]
+            adamw_step([p], [m], [self.state[p]], group_of[id(p)])
         nbytes = sum(g.numel() * g.element_size() for g in grads.values())
         return ring_allreduce_bytes(nbytes, self.comm.world_size)
 

@@ -20,7 +20,8 @@ AdamW, as Muon's authors advise). Plain tensors carry no name: pass ``model.name
 or put the embeddings and heads in a group with ``use_muon=False``.
 
 The class is thin: :meth:`Muon.step` collects each group's tensors and calls the functional
-steps :func:`muon` and :func:`adamw`, like ``torch.optim.adamw``. The state is torch's layout
+steps :func:`muon` and :func:`adamw` (through :func:`adamw_step`, which Dion shares), like
+``torch.optim.adamw``. The state is torch's layout
 (``momentum_buffer`` for Muon's parameters; ``step``, ``exp_avg``, ``exp_avg_sq`` for
 AdamW's), so ``state_dict()`` / ``load_state_dict()`` round-trip exactly.
 """
@@ -36,7 +37,7 @@ from cokit.compress.named_params import tensors_of
 from cokit.compress.rules import newton_schulz
 from cokit.triton_kernels._checks import check_int, check_number
 
-__all__ = ["EXCLUDE", "Muon", "adamw", "check_adamw_settings", "muon"]
+__all__ = ["EXCLUDE", "Muon", "adamw", "adamw_settings", "adamw_step", "check_adamw_settings", "muon"]
 
 #: name substrings of the parameters that take AdamW under :class:`Muon` (embeddings, heads)
 EXCLUDE = ("embed", "head", "wte", "wpe")
@@ -89,10 +90,7 @@ class Muon(torch.optim.Optimizer):
             momentum=momentum,
             nesterov=nesterov,
             ns_steps=ns_steps,
-            weight_decay=weight_decay,
-            adamw_lr_ratio=adamw_lr_ratio,
-            adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
-            adamw_eps=adamw_eps,
+            **adamw_settings(weight_decay, adamw_lr_ratio, adamw_betas, adamw_eps),
             use_muon=use_muon,
         )
         _check_group(defaults)
@@ -145,7 +143,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             m_params, m_grads, m_bufs = [], [], []
-            a_params, a_grads, a_avgs, a_sqs, a_steps = [], [], [], [], []
+            a_params, a_grads, a_states = [], [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -167,33 +165,18 @@ class Muon(torch.optim.Optimizer):
                         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     a_params.append(p)
                     a_grads.append(p.grad)
-                    a_avgs.append(state["exp_avg"])
-                    a_sqs.append(state["exp_avg_sq"])
-                    a_steps.append(state["step"])
-            lr, wd = float(group["lr"]), float(group["weight_decay"])
+                    a_states.append(state)
             muon(
                 m_params,
                 m_grads,
                 m_bufs,
-                lr=lr,
+                lr=float(group["lr"]),
                 momentum=float(group["momentum"]),
                 nesterov=bool(group["nesterov"]),
                 ns_steps=int(group["ns_steps"]),
-                weight_decay=wd,
+                weight_decay=float(group["weight_decay"]),
             )
-            beta1, beta2 = group["adamw_betas"]
-            adamw(
-                a_params,
-                a_grads,
-                a_avgs,
-                a_sqs,
-                a_steps,
-                lr=lr * float(group["adamw_lr_ratio"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["adamw_eps"]),
-                weight_decay=wd,
-            )
+            adamw_step(a_params, a_grads, a_states, group)
         return loss
 
 
@@ -244,6 +227,30 @@ def adamw(
         p.addcdiv_(m, denom, value=-step_size)
 
 
+def adamw_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    group: Mapping[str, Any],
+) -> None:
+    """:func:`adamw` on a hybrid's AdamW parameters with their ``states`` (``step``,
+    ``exp_avg``, ``exp_avg_sq``) and ``group``'s settings: lr ``lr * adamw_lr_ratio``,
+    ``adamw_betas``, ``adamw_eps`` and ``weight_decay``."""
+    beta1, beta2 = group["adamw_betas"]
+    adamw(
+        params,
+        grads,
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [s["step"] for s in states],
+        lr=float(group["lr"]) * float(group["adamw_lr_ratio"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["adamw_eps"]),
+        weight_decay=float(group["weight_decay"]),
+    )
+
+
 def _is_matrix(p: torch.Tensor) -> bool:
     return p.dim() == 2 and p.shape[0] > 1 and p.shape[1] > 1
 
@@ -262,6 +269,19 @@ def _check_group(group: dict[str, Any]) -> None:
         raise TypeError(
             f"{_WHERE}: use_muon must be True, False or None (per parameter), got {group['use_muon']!r}"
         )
+
+
+def adamw_settings(
+    weight_decay: float, adamw_lr_ratio: float, adamw_betas: Any, adamw_eps: float
+) -> dict[str, Any]:
+    """The AdamW part of a hybrid's defaults, what :func:`check_adamw_settings` checks (a list
+    of betas becomes a tuple)."""
+    return dict(
+        weight_decay=weight_decay,
+        adamw_lr_ratio=adamw_lr_ratio,
+        adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, (tuple, list)) else adamw_betas,
+        adamw_eps=adamw_eps,
+    )
 
 
 def check_adamw_settings(group: Mapping[str, Any], where: str) -> None:

@@ -35,7 +35,8 @@ Built-in codecs:
 Sections of a ``uint8`` buffer start at 8-byte offsets so that each can be viewed in its dtype.
 
 Adding a codec: subclass :class:`PayloadCodec` (or :class:`BufferCodec` to pack typed sections
-into one ``uint8`` buffer), give it a unique ``name``, implement ``wire_layout``, ``encode`` and
+into one ``uint8`` buffer, or :class:`TileScaleCodec` for a few bits per value and a scale per
+tile), give it a unique ``name``, implement ``wire_layout``, ``encode`` and
 ``decode``, and register it::
 
     import torch
@@ -70,7 +71,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -86,6 +87,7 @@ __all__ = [
     "ReferenceCodec",
     "Section",
     "SignCodec",
+    "TileScaleCodec",
     "Wire",
     "codec_names",
     "get_codec",
@@ -392,11 +394,16 @@ class CompactCodec(BufferCodec):
         return self.get(gathered[0], "indices"), self.get(gathered[0], "values")
 
 
-@register_codec
-class SignCodec(BufferCodec):
-    """int16/int32 indices, one sign bit per value and one scale per tile (mean |value|)."""
+class TileScaleCodec(BufferCodec):
+    """A :class:`BufferCodec` of indices, ``code_bits`` bits of code per value and one scale
+    per tile in the value dtype, chosen from the unrounded fp32 selection (``encode_dtype``):
+    the base of :class:`SignCodec` and :class:`Int2Codec`.
 
-    name = "sign"
+    Subclasses set ``code_bits`` and implement :meth:`codes_and_scales` and
+    :meth:`values_of`; the buffer's sections are ``indices``, ``codes`` and ``scales``.
+    """
+
+    code_bits: ClassVar[int]  # per value
 
     def __init__(self, plan: TilePlan, value_dtype: torch.dtype = torch.bfloat16):
         self.tile_slots = [(t.n_tiles, t.k_eff(plan.k)) for t in plan.tilings]
@@ -406,42 +413,65 @@ class SignCodec(BufferCodec):
 
     @property
     def encode_dtype(self) -> torch.dtype:
-        return torch.float32  # scales are means of the unrounded magnitudes
+        return torch.float32  # the scales are chosen from the unrounded values
 
     def section_layout(self) -> list[tuple[str, torch.dtype, int]]:
         n = self.plan.payload_numel
         return [
             ("indices", self.plan.index_dtype, n),
-            ("signs", torch.uint8, -(-n // 8)),
+            ("codes", torch.uint8, -(-n * self.code_bits // 8)),
             ("scales", self.value_dtype, self.n_tiles),
         ]
 
+    def tile_views(self, values: torch.Tensor) -> Iterator[torch.Tensor]:
+        """A ``(P,)`` selection as one ``(n_tiles, slots per tile)`` view per tensor."""
+        pos = 0
+        for n_tiles, ke in self.tile_slots:
+            yield values[pos : pos + n_tiles * ke].view(n_tiles, ke)
+            pos += n_tiles * ke
+
+    @abc.abstractmethod
+    def codes_and_scales(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``(P,)`` fp32 selection -> its packed uint8 codes and ``(n_tiles,)`` scales."""
+
+    @abc.abstractmethod
+    def values_of(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Every rank's packed codes and per-slot fp32 scales, each ``(world_size, ...)`` ->
+        the decoded ``(world_size, P)`` values."""
+
     def encode(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        codes, scales = self.codes_and_scales(values)
         out = self.new_buffer(indices.device)
         self.put(out, "indices", indices)
-        self.put(out, "signs", _pack_bits(values < 0))
-        self.put(out, "scales", self._tile_scales(values))
+        self.put(out, "codes", codes)
+        self.put(out, "scales", scales)
         return [out]
-
-    def _tile_scales(self, values: torch.Tensor) -> torch.Tensor:
-        mags = values.float().abs()
-        scales, pos = [], 0
-        for n_tiles, ke in self.tile_slots:
-            scales.append(mags[pos : pos + n_tiles * ke].view(n_tiles, ke).mean(dim=1))
-            pos += n_tiles * ke
-        return torch.cat(scales)
 
     def decode(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         buf = gathered[0]
-        indices = self.get(buf, "indices")
-        signs = _unpack_bits(self.get(buf, "signs"), self.plan.payload_numel)
         scales = self.get(buf, "scales").float()
         repeats = self._slots_per_tile.get(buf.device)
         if repeats is None:
             repeats = torch.tensor([ke for n, ke in self.tile_slots for _ in range(n)], device=buf.device)
             self._slots_per_tile[buf.device] = repeats
         per_slot = scales.repeat_interleave(repeats, dim=1, output_size=self.plan.payload_numel)
-        return indices, torch.where(signs, -per_slot, per_slot)
+        return self.get(buf, "indices"), self.values_of(self.get(buf, "codes"), per_slot)
+
+
+@register_codec
+class SignCodec(TileScaleCodec):
+    """int16/int32 indices, one sign bit per value and one scale per tile (mean |value|)."""
+
+    name = "sign"
+    code_bits = 1
+
+    def codes_and_scales(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mags = values.float().abs()
+        return _pack_bits(values < 0), torch.cat([tile.mean(dim=1) for tile in self.tile_views(mags)])
+
+    def values_of(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        signs = _unpack_bits(codes, self.plan.payload_numel)
+        return torch.where(signs, -scales, scales)
 
 
 # Candidate int2 steps, as multiples of the tile selection's RMS magnitude (Int2Codec).
@@ -449,7 +479,7 @@ INT2_STEPS: tuple[float, ...] = tuple(0.25 + 0.05 * i for i in range(11))
 
 
 @register_codec
-class Int2Codec(BufferCodec):
+class Int2Codec(TileScaleCodec):
     """int16/int32 indices, a 2-bit code per value and one step per tile.
 
     Levels are symmetric, ``(2q - 3) * step`` for code ``q`` in 0..3, i.e. ``{-3, -1, 1, 3} *
@@ -463,32 +493,14 @@ class Int2Codec(BufferCodec):
     """
 
     name = "int2"
-
-    def __init__(self, plan: TilePlan, value_dtype: torch.dtype = torch.bfloat16):
-        self.tile_slots = [(t.n_tiles, t.k_eff(plan.k)) for t in plan.tilings]
-        self.n_tiles = sum(n for n, _ in self.tile_slots)
-        self._slots_per_tile: dict[torch.device, torch.Tensor] = {}
-        super().__init__(plan, value_dtype)
-
-    @property
-    def encode_dtype(self) -> torch.dtype:
-        return torch.float32  # steps are chosen from the unrounded values
-
-    def section_layout(self) -> list[tuple[str, torch.dtype, int]]:
-        n = self.plan.payload_numel
-        return [
-            ("indices", self.plan.index_dtype, n),
-            ("codes", torch.uint8, -(-n // 4)),
-            ("steps", self.value_dtype, self.n_tiles),
-        ]
+    code_bits = 2
 
     def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(codes (P,) uint8 in 0..3, steps (n_tiles,) in the value dtype)`` of a selection."""
         v = values.float()
-        codes, steps, pos = [], [], 0
-        for n_tiles, ke in self.tile_slots:
-            tile = v[pos : pos + n_tiles * ke].view(n_tiles, ke)
-            pos += n_tiles * ke
+        codes, steps = [], []
+        for tile in self.tile_views(v):
+            n_tiles = tile.shape[0]
             rms = tile.square().mean(dim=1, keepdim=True).sqrt()
             factors = torch.tensor(INT2_STEPS, dtype=torch.float32, device=v.device).view(-1, 1, 1)
             cand = (rms.unsqueeze(0) * factors).to(self.value_dtype).float()  # (C, n_tiles, 1)
@@ -501,25 +513,12 @@ class Int2Codec(BufferCodec):
             steps.append(cand[best, tiles, 0])
         return torch.cat(codes), torch.cat(steps).to(self.value_dtype)
 
-    def encode(self, indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+    def codes_and_scales(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         codes, steps = self.quantize(values)
-        out = self.new_buffer(indices.device)
-        self.put(out, "indices", indices)
-        self.put(out, "codes", _pack_2bit(codes))
-        self.put(out, "steps", steps)
-        return [out]
+        return _pack_2bit(codes), steps
 
-    def decode(self, gathered: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = gathered[0]
-        indices = self.get(buf, "indices")
-        codes = _unpack_2bit(self.get(buf, "codes"), self.plan.payload_numel)
-        steps = self.get(buf, "steps").float()
-        repeats = self._slots_per_tile.get(buf.device)
-        if repeats is None:
-            repeats = torch.tensor([ke for n, ke in self.tile_slots for _ in range(n)], device=buf.device)
-            self._slots_per_tile[buf.device] = repeats
-        per_slot = steps.repeat_interleave(repeats, dim=1, output_size=self.plan.payload_numel)
-        return indices, (2 * codes.float() - 3) * per_slot
+    def values_of(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return (2 * _unpack_2bit(codes, self.plan.payload_numel).float() - 3) * scales
 
 
 def _int2_codes(values: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,16 @@ def test_gate_quiet_start_but_busy_end_is_no_headline():
         LoadGate("bench", max_fraction=0.0)
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "x"])
+@pytest.mark.parametrize("bench", [step_regression, linear_cpu_overhead])
+def test_benchmarks_refuse_a_max_load_that_is_not_above_zero(bench, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--baseline-ref", "HEAD", "--max-load", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --max-load:" in err and ("must be > 0" in err or "invalid float value" in err)
+
+
 @pytest.fixture
 def busy(monkeypatch):
     """The machine looks busy (load 9 on 2 cores); no benchmark work may start."""
