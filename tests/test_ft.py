@@ -159,9 +159,11 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
             )
         facts["continue1"] = max(run.syncs(n, facts["kill1"], world=2)[0]["t"] for n in "ab") - facts["kill1"]
         # 2. it restarts, heals, syncs in a quorum of 3, then freezes inside the round in flight
+        launched = time.time()
         c2 = run.start("c2", 2, "--hang-after", "2", "--hang", "in")
         _wait(lambda: run.rows("c2", "hang"), "restarted replica 2 to sync twice and freeze", *live, c2)
         facts["heal2"] = run.syncs("c2")[0]["t"] - run.rows("c2", "start")[0]["t"]
+        facts["spawn_to_sync2"] = run.syncs("c2")[0]["t"] - launched
         c2.send_signal(signal.SIGKILL)
         facts["kill2"] = time.time()
         c2.wait(timeout=30)
@@ -173,9 +175,11 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
             )
         facts["continue2"] = max(run.syncs(n, facts["kill2"], world=2)[0]["t"] for n in "ab") - facts["kill2"]
         # 3. it restarts again and heals; then two bad joiners are refused
+        launched = time.time()
         c3 = run.start("c3", 2)
         _wait(lambda: run.syncs("c3"), "replica 2 to heal again", *live, c3)
         facts["heal3"] = run.syncs("c3")[0]["t"] - run.rows("c3", "start")[0]["t"]
+        facts["spawn_to_sync3"] = run.syncs("c3")[0]["t"] - launched
         good = (a, b, c3)
         facts["bad"] = time.time()
         bad_k = run.start("bad_topk", 3, "--topk", "4")
@@ -185,21 +189,22 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
         for p in (bad_k, bad_m):
             _wait(lambda p=p: p.poll() is not None, f"{p.args} to exit", *good)
         facts["refused"] = time.time()
+        first = min(r["t"] for n in ("bad_topk", "bad_model") for r in run.rows(n, "refused"))
         for name in ("a", "b", "c3"):
             _wait(
                 lambda n=name: run.syncs(n, facts["refused"], world=3),
                 f"{name} to go on after the refusals",
                 *good,
             )
+        facts["continue3"] = max(run.syncs(n, first, world=3)[0]["t"] for n in ("a", "b", "c3")) - first
         # 4. everyone stops at the same sync
         last = max(r["sync"] for n in ("a", "b", "c3") for r in run.syncs(n)) + 2
         run.stop.write_text(str(last))
         for name, p in (("a", a), ("b", b), ("c3", c3)):
             _wait(lambda p=p: p.poll() is not None, f"{name} to finish", *good)
         facts["seconds"] = time.time() - facts["started"]
-        print(
-            f"\nft scenario (seconds): {json.dumps({k: round(v, 2) for k, v in facts.items() if k[0] in 'chrs'})}"
-        )
+        shown = {k: round(v, 2) for k, v in facts.items() if k[0] in "chs" and k != "started"}
+        print(f"\nft scenario (seconds): {json.dumps(shown)}; load average {os.getloadavg()}")
         yield run, facts
     finally:
         run.kill_all()
