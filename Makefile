@@ -1,5 +1,6 @@
 # The README's two commands: `make run` (the main job, `cokit demo`) and `make test`.
-# Both create .venv on first use: torch==2.13.0 (CPU build on our machines), triton, cokit.
+# Both create .venv on first use: torch==2.13.0 (CPU build on our machines), triton, cokit
+# with its dev extra (every optional library the tests use: torchft and its lighthouse too).
 # `make test-triton36` builds .venv36, .venv with the oldest supported triton (3.6.0) in front.
 PYTHON ?= python3
 VENV := .venv
@@ -53,7 +54,8 @@ test-fast: $(STAMP)
 # TRITON_FREE run no Triton code (torch path, gloo, a browser) or only what the files above
 # already run under 3.6: network, faults, policies, timing, telemetry, dashboard, plan,
 # calibration, docs, packaging, layering, launch, settings and peer checks, the tuner and
-# sweeps, the SparseLoCo options and Dion. Once, on the main suite's triton, is enough.
+# sweeps, the SparseLoCo options, Dion and SparseLoCo on torchft. Once, on the main suite's
+# triton, is enough.
 TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_latency.py \
 	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py \
 	tests/test_comm_timing.py tests/test_telemetry.py tests/test_dashboard.py \
@@ -70,7 +72,7 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_overlap_metrics.py tests/test_overlap_sweep.py tests/test_overlap_training.py \
 	tests/test_overlap_tuner.py tests/test_peer_check.py tests/test_settings_check.py \
 	tests/test_sparseloco_adaptive_k.py tests/test_sparseloco_options.py tests/test_write_failures.py \
-	tests/test_plot_extras.py
+	tests/test_plot_extras.py tests/test_ft.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q --durations=15 $(PYTEST_PAR) -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 

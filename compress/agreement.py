@@ -193,11 +193,8 @@ def gather_json(
 
 def _device(comm: Communicator) -> torch.device:
     """Where a collective of ``comm`` puts its tensors: NCCL/RCCL groups move only GPU tensors."""
-    if comm.distributed:
-        import torch.distributed as dist
-
-        if "nccl" in str(dist.get_backend(comm.group)) and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+    if comm.distributed and "nccl" in comm.backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

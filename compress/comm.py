@@ -47,6 +47,7 @@ __all__ = [
     "ProcessGroupAborted",
     "guard_future",
     "parse_timeout",
+    "standalone",
 ]
 
 RESTART_HINT = (
@@ -117,6 +118,13 @@ def parse_timeout(timeout: object, owner: str = "cokit") -> datetime.timedelta |
         f"{owner}: timeout must be seconds (a number, inf for no limit) or a timedelta, "
         f"got {type(timeout).__name__}"
     )
+
+
+def standalone(group: Any) -> bool:
+    """True for a group that lives outside torch.distributed's registry and says its own rank,
+    size and backend (``standalone = True``): a torchft quorum (:mod:`cokit.compress.ft_group`),
+    which needs no default group and whose ranks change with every quorum."""
+    return getattr(group, "standalone", False) is True
 
 
 def _abort(group: Any) -> str:
@@ -332,22 +340,37 @@ class Communicator:
 
     @property
     def distributed(self) -> bool:
+        if standalone(self.group):
+            return self.world_size > 1
         return dist.is_available() and dist.is_initialized() and self.world_size > 1
 
     @property
     def world_size(self) -> int:
+        if standalone(self.group):
+            return self.group.size()
         if self.local or not (dist.is_available() and dist.is_initialized()):
             return 1
         return dist.get_world_size(self.group)
 
     @property
     def rank(self) -> int:
+        if standalone(self.group):
+            return self.group.rank()
         if self.local or not (dist.is_available() and dist.is_initialized()):
             return 0
         return dist.get_rank(self.group)
 
+    @property
+    def backend(self) -> str:
+        """The backend's name of the group (``"gloo"``, ``"nccl"``, ...)."""
+        if standalone(self.group):
+            return str(self.group.getBackendName()).lower()
+        return str(dist.get_backend(self.group))
+
     def global_rank(self, rank: int) -> int:
-        """The global rank of this group's ``rank``."""
+        """The global rank of this group's ``rank`` (a standalone group's: its group rank)."""
+        if standalone(self.group):
+            return rank
         if self.local and dist.is_available() and dist.is_initialized():
             return dist.get_rank()
         if not self.distributed or self.group is None:
@@ -406,7 +429,7 @@ class Communicator:
         (so gloo's work ends with it) except on NCCL, whose watchdog would tear the process
         down instead of letting :class:`Pending` raise."""
         options.asyncOp = True
-        own = self.timeout is not None and not (tensor.is_cuda and "nccl" in str(dist.get_backend(group)))
+        own = self.timeout is not None and not (tensor.is_cuda and "nccl" in self.backend)
         if own:
             options.timeout = self.timeout
         return options, own

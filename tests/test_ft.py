@@ -1,0 +1,263 @@
+"""SparseLoCo on torchft with a real lighthouse on loopback and 3 replica groups (one process each).
+
+One scenario (a module fixture), replayed by the tests from the replicas' logs
+(tests/ft_worker.py): replicas 0, 1, 2 train; replica 2 freezes in the middle of a period and
+is SIGKILLed; 0 and 1 go on in a quorum of 2. Replica 2 restarts, heals from a live peer and
+commits syncs in a quorum of 3, then freezes inside the round in flight (it holds the quorum)
+and is SIGKILLed again: the survivors drop that round and go on. It restarts once more and
+heals; then two replicas try to join at once, with other settings (top-k) and another model
+(hidden size): each is refused with a clear error and exits, and the others go on. Every wait is
+bounded; the control is by the replicas' own sync counts, not by sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft is not installed (pip install 'cokit[ft]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "ft_worker.py"
+LIGHTHOUSE = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+TIMEOUT_S = 6.0  # each collective's (the workers' --timeout)
+HEARTBEAT_MS = 1000
+WAIT_S = 120.0  # the most any one wait of the scenario may take (a failure, not a hang)
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path(LIGHTHOUSE).exists(), reason="the torchft_lighthouse binary is missing"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory: pytest.TempPathFactory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("lighthouse") / "lighthouse.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                LIGHTHOUSE,
+                "--min_replicas",
+                "2",
+                "--quorum_tick_ms",
+                "50",
+                "--join_timeout_ms",
+                "1000",
+                "--heartbeat_timeout_ms",
+                str(HEARTBEAT_MS),
+                "--bind",
+                f"127.0.0.1:{port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait(lambda: _listening(port), "the lighthouse to listen", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait(ready: Callable[[], object], what: str, *procs: subprocess.Popen, limit: float = WAIT_S) -> object:
+    """Poll ``ready`` until it is truthy (its value), at most ``limit`` seconds; a process that
+    ends meanwhile with a non-zero code fails the wait at once."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        value = ready()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() not in (None, 0):
+                pytest.fail(f"waiting for {what}: {p.args} exited with {p.returncode}")
+        time.sleep(0.05)
+    pytest.fail(f"{what} did not happen within {limit:g} s")
+
+
+class Run:
+    """The replicas of one scenario: their processes and logs."""
+
+    def __init__(self, url: str, folder: Path):
+        self.url, self.folder = url, folder
+        self.stop = folder / "stop"
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, replica: int, *extra: str) -> subprocess.Popen:
+        log = self.folder / f"{name}.jsonl"
+        cmd = [sys.executable, str(WORKER), "--lighthouse", self.url, "--replica", str(replica)]
+        cmd += ["--log", str(log), "--stop-file", str(self.stop), "--timeout", str(TIMEOUT_S), *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.folder / f"{name}.out", "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.procs.append((name, proc))
+        return proc
+
+    def rows(self, name: str, event: str | None = None) -> list[dict]:
+        path = self.folder / f"{name}.jsonl"
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        return [r for r in rows if event is None or r["event"] == event]
+
+    def syncs(self, name: str, after: float = 0.0, world: int | None = None) -> list[dict]:
+        return [
+            r for r in self.rows(name, "sync") if r["t"] > after and (world is None or r["world"] == world)
+        ]
+
+    def output(self, name: str) -> str:
+        return (self.folder / f"{name}.out").read_text()
+
+    def kill_all(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
+    run = Run(lighthouse, tmp_path_factory.mktemp("ft"))
+    facts: dict[str, float] = {"started": time.time()}
+    try:
+        a = run.start("a", 0)
+        b = run.start("b", 1)
+        c1 = run.start("c1", 2, "--hang-after", "2", "--hang", "mid")
+        live = (a, b)
+        # 1. replica 2 freezes in the middle of a period and is killed
+        _wait(lambda: run.rows("c1", "hang"), "replica 2 to reach the middle of a period", *live, c1)
+        c1.send_signal(signal.SIGKILL)
+        facts["kill1"] = time.time()
+        c1.wait(timeout=30)
+        for name in ("a", "b"):
+            _wait(
+                lambda n=name: run.syncs(n, facts["kill1"], world=2),
+                f"{name} to sync without replica 2",
+                *live,
+            )
+        facts["continue1"] = max(run.syncs(n, facts["kill1"], world=2)[0]["t"] for n in "ab") - facts["kill1"]
+        # 2. it restarts, heals, syncs in a quorum of 3, then freezes inside the round in flight
+        launched = time.time()
+        c2 = run.start("c2", 2, "--hang-after", "2", "--hang", "in")
+        _wait(lambda: run.rows("c2", "hang"), "restarted replica 2 to sync twice and freeze", *live, c2)
+        facts["heal2"] = run.syncs("c2")[0]["t"] - run.rows("c2", "start")[0]["t"]
+        facts["spawn_to_sync2"] = run.syncs("c2")[0]["t"] - launched
+        c2.send_signal(signal.SIGKILL)
+        facts["kill2"] = time.time()
+        c2.wait(timeout=30)
+        for name in ("a", "b"):
+            _wait(
+                lambda n=name: run.syncs(n, facts["kill2"], world=2),
+                f"{name} to sync after the round in flight",
+                *live,
+            )
+        facts["continue2"] = max(run.syncs(n, facts["kill2"], world=2)[0]["t"] for n in "ab") - facts["kill2"]
+        # 3. it restarts again and heals; then two bad joiners are refused
+        launched = time.time()
+        c3 = run.start("c3", 2)
+        _wait(lambda: run.syncs("c3"), "replica 2 to heal again", *live, c3)
+        facts["heal3"] = run.syncs("c3")[0]["t"] - run.rows("c3", "start")[0]["t"]
+        facts["spawn_to_sync3"] = run.syncs("c3")[0]["t"] - launched
+        good = (a, b, c3)
+        facts["bad"] = time.time()
+        bad_k = run.start("bad_topk", 3, "--topk", "4")
+        bad_m = run.start("bad_model", 4, "--hidden", "24")
+        for bad in ("bad_topk", "bad_model"):
+            _wait(lambda n=bad: run.rows(n, "refused"), f"the {bad} joiner to be refused", *good)
+        for p in (bad_k, bad_m):
+            _wait(lambda p=p: p.poll() is not None, f"{p.args} to exit", *good)
+        facts["refused"] = time.time()
+        first = min(r["t"] for n in ("bad_topk", "bad_model") for r in run.rows(n, "refused"))
+        for name in ("a", "b", "c3"):
+            _wait(
+                lambda n=name: run.syncs(n, facts["refused"], world=3),
+                f"{name} to go on after the refusals",
+                *good,
+            )
+        facts["continue3"] = max(run.syncs(n, first, world=3)[0]["t"] for n in ("a", "b", "c3")) - first
+        # 4. everyone stops at the same sync
+        last = max(r["sync"] for n in ("a", "b", "c3") for r in run.syncs(n)) + 2
+        run.stop.write_text(str(last))
+        for name, p in (("a", a), ("b", b), ("c3", c3)):
+            _wait(lambda p=p: p.poll() is not None, f"{name} to finish", *good)
+        facts["seconds"] = time.time() - facts["started"]
+        shown = {k: round(v, 2) for k, v in facts.items() if k[0] in "chs" and k != "started"}
+        print(f"\nft scenario (seconds): {json.dumps(shown)}; load average {os.getloadavg()}")
+        yield run, facts
+    finally:
+        run.kill_all()
+
+
+def _codes(run: Run) -> dict[str, int | None]:
+    return {name: p.returncode for name, p in run.procs}
+
+
+def test_survivors_go_on_when_a_replica_dies(scenario) -> None:
+    run, facts = scenario
+    codes = _codes(run)
+    assert codes["a"] == 0 and codes["b"] == 0, codes  # no hang, no SIGABRT
+    assert codes["c1"] == -signal.SIGKILL and codes["c2"] == -signal.SIGKILL
+    # killed in the middle of a period: the survivors' next quorum is just smaller
+    assert facts["continue1"] < TIMEOUT_S + 30, facts
+    # killed inside the round in flight: the survivors drop it and sync it again without it
+    assert facts["continue2"] < TIMEOUT_S + 30, facts
+    for name in ("a", "b"):
+        after = run.syncs(name, facts["kill2"], world=2)
+        assert after[0]["dropped"] > run.syncs(name)[0]["dropped"], after[0]
+        assert "SparseLoCo.step" in after[0]["error"], after[0]
+        # nothing lost beyond the round in flight: every sync number, once, in order (until the
+        # bad joiners: a member whose peers failed over first waits for its timeout, falls
+        # behind and heals)
+        numbers = [r["sync"] for r in run.syncs(name) if r["t"] < facts["bad"]]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
+
+
+def test_restarted_replica_heals_and_is_bit_identical(scenario) -> None:
+    run, _ = scenario
+    for name in ("c2", "c3"):
+        mine = run.syncs(name)
+        assert mine and mine[0]["heals"] == 1 and mine[0]["world"] == 3, mine[:1]
+        for row in mine:  # after every sync it took part in, every replica holds the same bytes
+            others = {r["weights"] for n in ("a", "b") for r in run.syncs(n) if r["sync"] == row["sync"]}
+            assert others == {row["weights"]}, (name, row["sync"])
+    final = {run.syncs(n)[-1]["sync"]: run.syncs(n)[-1]["weights"] for n in ("a", "b", "c3")}
+    assert len(final) == 1 and len(set(final.values())) == 1, final
+    assert _codes(run)["c3"] == 0
+
+
+def test_joiner_with_other_settings_or_model_is_kept_out(scenario) -> None:
+    run, facts = scenario
+    codes = _codes(run)
+    assert codes["bad_topk"] == 3 and codes["bad_model"] == 3, codes
+    (topk,) = run.rows("bad_topk", "refused")
+    assert "cannot join the quorum" in topk["error"] and "setting 'topk' was 8, is 4 now" in topk["error"], (
+        topk
+    )
+    (model,) = run.rows("bad_model", "refused")
+    assert "another model" in model["error"], model
+    assert not run.syncs("bad_topk") and not run.syncs("bad_model")
+    for name in ("a", "b", "c3"):
+        assert run.syncs(name, facts["refused"], world=3), name
+    assert _codes(run)["a"] == 0
