@@ -6,6 +6,9 @@ the bytes this rank put on the wire. Built in:
 * ``"adamw"`` -- dense: one flat all-reduce (mean) of all gradients, then ``torch.optim.AdamW``;
   bytes counted as a ring all-reduce of the fp32 gradients.
 * ``"sgd"`` -- the same exchange, then ``torch.optim.SGD`` (pass ``momentum`` in ``options``).
+* ``"muon"`` -- the same exchange, then :class:`cokit.compress.inner.Muon` (Muon on the matrices,
+  AdamW on embeddings, heads and vectors; ``options``: its keyword arguments): the dense baseline
+  of SparseLoCo with a Muon inner optimizer (:func:`inner_optimizer` builds both).
 * ``"demo"`` -- ``cokit.compress.DeMo``: it does its own (compressed) communication; bytes from its
   ``comm_stats``.
 * ``"sparseloco"`` -- ``cokit.compress.SparseLoCo``: local steps of an inner optimizer (``inner``:
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cokit.compress.comm import Communicator, parse_timeout
+from cokit.compress.inner import EXCLUDE, Muon
 from cokit.compress.stats import CommStats, dense_allreduce_bytes
 from cokit.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
 
@@ -216,6 +220,14 @@ def _build_sgd(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | No
     return DenseAllReduce(params, opt, group, timeout=spec.timeout)
 
 
+@register_method("muon")
+def _build_muon(spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> Method:
+    named = list(model.named_parameters())
+    build = inner_optimizer("muon", named, spec, dict(spec.options))
+    opt = build([{"params": [p for _, p in named]}])
+    return DenseAllReduce([p for _, p in named], opt, group, timeout=spec.timeout)
+
+
 class DeMoMethod(Method):
     """``cokit.compress.DeMo``: compressed momentum exchange inside ``step()``."""
 
@@ -247,39 +259,54 @@ class DeMoMethod(Method):
 register_method("demo")(DeMoMethod)
 
 INNER_OPTIMIZERS = ("adamw", "sgd", "muon")
+#: name substrings of the matrices Muon leaves to AdamW here: Muon's own (``embed``, ``head``, ...)
+#: and ``emb`` (the text workloads' ``tok_emb`` and ``pos_emb``), so embeddings and heads take
+#: AdamW as Muon's authors advise
+MUON_ADAMW_NAMES = (*EXCLUDE, "emb")
+
+
+def inner_optimizer(
+    inner: str, named: Sequence[tuple[str, torch.Tensor]], spec: MethodSpec, options: dict[str, Any]
+) -> Callable[[Any], torch.optim.Optimizer]:
+    """``groups -> optimizer`` for the inner optimizer named ``inner`` (:data:`INNER_OPTIMIZERS`)
+    at the spec's lr and weight decay, with ``options`` its keyword arguments. The groups list
+    the parameters (or masters) of ``named`` in model order; Muon gets them as ``(name, tensor)``
+    pairs, with :data:`MUON_ADAMW_NAMES` on AdamW unless ``options`` sets ``exclude``. The one
+    builder of both SparseLoCo's inner optimizer and the dense ``"muon"`` method."""
+    if inner not in INNER_OPTIMIZERS:
+        raise ValueError(f"method {spec.display!r}: inner must be one of {INNER_OPTIMIZERS}, got {inner!r}")
+    kind: Any = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "muon": Muon}[inner]
+    if kind is Muon:
+        options = {"exclude": MUON_ADAMW_NAMES, **options}
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        if kind is Muon:
+            names = iter(n for n, _ in named)
+            params = [{**g, "params": [(next(names), p) for p in g["params"]]} for g in params]
+        return kind(params, lr=spec.lr, weight_decay=spec.weight_decay, **options)
+
+    return build
 
 
 class SparseLoCoMethod(DeMoMethod):
     """``cokit.compress.SparseLoCo``: ``options`` are its keyword arguments, with ``inner`` a name
     (``"adamw"``, the default, ``"sgd"`` or ``"muon"``: :class:`cokit.compress.inner.Muon`, Muon on
-    the matrices and AdamW on the rest, its lr Muon's) and the inner lr / weight decay from the
-    spec. The model's parameters go in by name (``dense_params`` selects by name; Muon keeps
-    embeddings and heads on AdamW by name); ``dense_ends=True`` sends the input and output
-    layers dense (:func:`end_layers`). Steps, zeroes and counts bytes as
+    the matrices and AdamW on the rest, its lr Muon's; :func:`inner_optimizer`) and the inner lr /
+    weight decay from the spec. The model's parameters go in by name (``dense_params`` selects by
+    name; Muon keeps embeddings and heads on AdamW by name); ``dense_ends=True`` sends the input
+    and output layers dense (:func:`end_layers`). Steps, zeroes and counts bytes as
     :class:`DeMoMethod` does (both communicate themselves)."""
 
     def __init__(self, spec: MethodSpec, model: nn.Module, group: dist.ProcessGroup | None) -> None:
         from cokit.compress import SparseLoCo  # lazy, like DeMo
-        from cokit.compress.inner import Muon
 
         options = dict(spec.options)
-        inner = options.pop("inner", "adamw")
-        if inner not in INNER_OPTIMIZERS:
-            raise ValueError(
-                f"method {spec.display!r}: inner must be one of {INNER_OPTIMIZERS}, got {inner!r}"
-            )
-        kind: Any = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "muon": Muon}[inner]
-        inner_options = options.pop("inner_options", {})
         named = list(model.named_parameters())
+        build = inner_optimizer(
+            options.pop("inner", "adamw"), named, spec, dict(options.pop("inner_options", {}))
+        )
         if options.pop("dense_ends", False):
             options["dense_params"] = end_layers(named)
-
-        def build(params: Any) -> torch.optim.Optimizer:
-            if kind is Muon:  # the inner groups list the parameters (or masters) in model order
-                names = iter(n for n, _ in named)
-                params = [{**g, "params": [(next(names), p) for p in g["params"]]} for g in params]
-            return kind(params, lr=spec.lr, weight_decay=spec.weight_decay, **inner_options)
-
         self.optimizer = SparseLoCo(
             named,
             build,

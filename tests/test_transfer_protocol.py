@@ -197,16 +197,21 @@ def test_toy_protocol_selects_on_one_workload_reports_on_another_and_resumes(tmp
     assert main(argv) == 0
     doc = json.loads((out / "transfer.json").read_text())
     assert set(doc["heldout_tables"]) == {"digits-cnn@1x", "digits-cnn@3x", "digits-cnn@10x"}
-    assert [s["method"] for s in doc["selection"]] == ["sparseloco-h5-k64-int2", "demo-ns-k32-c64"]
+    assert [s["method"] for s in doc["selection"]] == ["muon", "sparseloco-h5-k64-int2", "demo-ns-k32-c64"]
     picked = [m for m in doc["chosen"].values() if m]
+    assert "muon" not in picked  # a dense baseline is scored, never chosen
     for name, rows in doc["heldout_tables"].items():
-        assert [r["method"] for r in rows] == ["adamw", *dict.fromkeys(picked)]
-        assert rows[0]["seeds"] == 2 and rows[0]["gap_vs_adamw"] == 0.0, name
+        assert [r["method"] for r in rows] == ["adamw", "muon", *dict.fromkeys(picked)]
+        assert rows[0]["seeds"] == rows[1]["seeds"] == 2 and rows[0]["gap_vs_adamw"] == 0.0, name
+        best = min(rows[:2], key=lambda r: r["heldout_mean"])["method"]
+        for r in rows:
+            assert r["best_dense"] == best and r["baseline"] == ("muon" if r["method"] == "muon" else "adamw")
     runs = [os.path.join(d, f) for d, _, fs in os.walk(out / "runs") for f in fs]
     assert any("digits-cnn-x10" in p for p in runs) and any("digits-x3" in p for p in runs)
     for p in runs:  # warm-up and cosine decay for every method alike
         assert json.loads(Path(p).read_text())["schedule"] == {"name": "cosine", "warmup": 0.05}, p
-    assert "Targets" in (out / "transfer.md").read_text()
+    md = (out / "transfer.md").read_text()
+    assert "Targets" in md and "| vs own dense | vs best dense |" in md
     before = {p: os.path.getmtime(p) for p in runs}
     capsys.readouterr()
     assert main([*argv, "--report-only"]) == 0  # nothing re-runs; the same report

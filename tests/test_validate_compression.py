@@ -165,10 +165,10 @@ def test_presets_cover_the_issue():
     full = make_config("full")
     assert full.world_size == 4 and full.seeds == 3 and full.lr_points == 4
     assert set(full.methods) == set(method_catalog())
-    assert full.headline == ["adamw", "powersgd-r4", "demo-compact-k32-c64"]
+    assert full.headline == ["adamw", "muon", "powersgd-r4", "demo-compact-k32-c64"]
     labels = set(full.methods)
     assert {f"demo-compact-k{k}-c{c}" for k in (4, 8, 16, 32, 64) for c in (32, 64)} <= labels
-    assert {"sgd-momentum", "powersgd-r1", "demo-reference-k32-c64", "demo-sign-k32-c64"} <= labels
+    assert {"sgd-momentum", "muon", "powersgd-r1", "demo-reference-k32-c64", "demo-sign-k32-c64"} <= labels
     for wl in full.workloads:
         for m in full.methods:
             assert len(wl.grid(full.method(m).family, 4)) == 4

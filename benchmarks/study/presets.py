@@ -16,17 +16,20 @@ DEFAULT_OUT = {
     "quick": os.path.join("benchmarks", "out", "validation-quick"),
     "toy": os.path.join("benchmarks", "out", "validation-toy"),
 }
-HEADLINE = ("adamw", "powersgd-r4", "demo-compact-k32-c64")
+HEADLINE = ("adamw", "muon", "powersgd-r4", "demo-compact-k32-c64")
 TARGET_WORKLOAD = "text"  # the >= 100x target is checked on it
 
+# Muon's lr is ~10-20x AdamW's (its AdamW part runs at 0.05 x it)
 _TEXT_LRS = (
     ("adamw", (3e-4, 1e-3, 3e-3, 1e-2)),
+    ("muon", (3e-3, 1e-2, 3e-2, 0.1)),
     ("sgd", (0.01, 0.03, 0.1, 0.3)),
     ("powersgd", (3e-4, 1e-3, 3e-3, 1e-2)),
     ("demo", (3e-4, 1e-3, 3e-3, 1e-2)),
 )
 _DIGITS_LRS = (
     ("adamw", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("muon", (1e-2, 3e-2, 0.1, 0.3)),
     ("sgd", (0.01, 0.03, 0.1, 0.3)),
     ("powersgd", (1e-3, 3e-3, 1e-2, 3e-2)),
     ("demo", (1e-3, 3e-3, 1e-2, 3e-2)),
@@ -35,6 +38,7 @@ _DIGITS_LRS = (
 
 _AE_LRS = (
     ("adamw", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("muon", (1e-2, 3e-2, 0.1, 0.3)),
     ("sgd", (0.03, 0.1, 0.3, 1.0)),  # 0.01..0.3 put the best (0.3) on the edge
     ("powersgd", (1e-3, 3e-3, 1e-2, 3e-2)),
     ("demo", (1e-3, 3e-3, 1e-2, 3e-2)),
@@ -110,6 +114,7 @@ def make_config(
     elif preset == "quick":
         default_methods = [
             "adamw",
+            "muon",
             "sgd-momentum",
             "powersgd-r4",
             "demo-compact-k32-c64",

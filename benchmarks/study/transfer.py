@@ -13,12 +13,16 @@ Rules, the same for every method:
 * warm-up (5% of the steps) and cosine decay of the lr (to 10%), at every horizon;
 * each method's lr is tuned per workload and horizon on a half-decade grid; a grid edge that wins
   gets the next point beyond it (twice at most; a best lr still at an edge is flagged "edge");
-* AdamW's lr is the best by its mean over every seed; the others' by seed 0, then more seeds at it;
+* the dense baselines (``DENSE``: AdamW and Muon, each the same fp32 all-reduce every step, then
+  its optimizer) run at every horizon; their lr is the best by the mean over every seed; the
+  others' by seed 0, then more seeds at it;
 * selection: at ``SELECT_HORIZON`` x the steps, seed 0; per tier (``TIERS``: at least R x fewer
   bytes than dense, within a tolerance of AdamW) the candidate with the smallest mean relative
   gap over the selection workloads among those at R x on all of them;
 * report: every held-out workload at 1x and 3x its steps (10x on the small ``LONG_WORKLOAD``),
-  ``seeds`` seeds, the gap against steps, and each tier's target met or missed by how much.
+  ``seeds`` seeds; each method's gap against AdamW, against the dense run of its own inner
+  optimizer and against the best dense run; the gap against steps, and each tier's target met
+  or missed by how much.
 
 Every run is one JSON under ``<out>/runs/`` (resumable, as in :mod:`cokit.validation.grid`);
 ``transfer.md``, ``transfer.json`` and ``transfer.csv`` hold the report.
@@ -48,6 +52,7 @@ from cokit.validation.grid import (
     make_job,
     method_catalog,
 )
+from cokit.validation.report import gap_cell
 
 DEFAULT_OUT = {
     "full": os.path.join("benchmarks", "results", "transfer"),
@@ -62,6 +67,9 @@ SELECT_HORIZON = 3
 HORIZONS = (1, 3)
 LONG_WORKLOAD, LONG_HORIZON = "digits-cnn", 10
 SCHEDULE = {"schedule": "cosine", "warmup": 0.05}
+#: the dense baselines every table holds (labels of the catalog; AdamW first, the reference of
+#: the selection and of the tiers)
+DENSE = ("adamw", "muon")
 MAX_EXTENSIONS = 2
 #: the settings compared on the selection workloads (labels of :func:`transfer_methods`)
 CANDIDATES = (
@@ -154,11 +162,13 @@ def transfer_methods() -> dict[str, MethodDef]:
 # Muon's and Dion's lrs are ~10-20x AdamW's (their AdamW parts run at 0.05 and 0.1 x it)
 _LM_LRS = (
     ("adamw", (3e-4, 1e-3, 3e-3, 1e-2)),
+    ("muon", (3e-3, 1e-2, 3e-2, 0.1)),
     ("sparseloco-muon", (3e-3, 1e-2, 3e-2, 0.1)),
     ("dion", (3e-3, 1e-2, 3e-2, 0.1)),
 )
 _DIGITS_LRS = (
     ("adamw", (1e-3, 3e-3, 1e-2, 3e-2)),
+    ("muon", (1e-2, 3e-2, 0.1, 0.3)),
     ("sparseloco-muon", (1e-2, 3e-2, 0.1, 0.3)),
     ("dion", (1e-2, 3e-2, 0.1, 0.3)),
 )
@@ -280,7 +290,7 @@ def make_config(
         )
     catalog = transfer_methods()
     candidates = list(CANDIDATES) if candidates is None else candidates
-    bad = [c for c in candidates if c not in catalog or c == "adamw"]
+    bad = [c for c in candidates if c not in catalog or c in DENSE]
     if not candidates or bad or len(set(candidates)) != len(candidates):
         raise ValueError(
             f"candidates must be distinct compressed methods of --list-methods; got {candidates}"
@@ -348,13 +358,13 @@ def tune(
 def report_runs(
     cfg: TransferConfig, wl: WorkloadDef, methods: list[str], phase: str, run: bool = True
 ) -> tuple[list[dict], dict[str, list[float]]]:
-    """AdamW by the mean of ``cfg.seeds`` seeds per lr; the others by seed 0, then seeds
-    ``1..seeds-1`` at their chosen lr."""
-    seeds = {m: cfg.seeds if m == "adamw" else 1 for m in methods}
+    """The dense baselines by the mean of ``cfg.seeds`` seeds per lr; the others by seed 0, then
+    seeds ``1..seeds-1`` at their chosen lr."""
+    seeds = {m: cfg.seeds if m in DENSE else 1 for m in methods}
     records, grids = tune(cfg, wl, methods, seeds, phase, run)
     more = []
     for m in methods:
-        if m == "adamw":
+        if m in DENSE:
             continue
         lr = tr.choose_lr([r for r in records if r["method"] == m])
         if lr is not None:
@@ -369,23 +379,25 @@ def run_transfer(cfg: TransferConfig, report_only: bool = False) -> dict[str, An
     os.makedirs(cfg.out_dir, exist_ok=True)
     start = time.perf_counter()
     run = not report_only
-    methods = ["adamw", *cfg.candidates]
+    methods = [*DENSE, *cfg.candidates]
     selection: dict[str, list[dict]] = {}
     for wl in cfg.select:
         longer = at_horizon(wl, cfg.select_horizon)
         selection[longer.name], _ = tune(cfg, longer, methods, dict.fromkeys(methods, 1), "selection", run)
-    scores = tr.selection_scores(selection, cfg.candidates)
+    # the dense baselines other than the reference are scored too (never chosen: 1x fewer bytes)
+    scores = tr.selection_scores(selection, [*DENSE[1:], *cfg.candidates])
     chosen = tr.choose_per_tier(scores, cfg.tiers)
     picked = list(dict.fromkeys(m for m in chosen.values() if m is not None))
+    baselines = {m: cfg.method(m).baseline for m in [*DENSE, *picked]}
     tables: dict[str, list[dict]] = {}
     gaps: dict[str, dict[str, dict[int, float]]] = {}
     for wl in cfg.heldout:
         horizons = list(cfg.horizons) + ([cfg.long[1]] if cfg.long and cfg.long[0] == wl.name else [])
         for h in horizons:
             at = at_horizon(wl, h)
-            recs, grids = report_runs(cfg, at, ["adamw", *picked], f"held-out {h}x", run)
+            recs, grids = report_runs(cfg, at, [*DENSE, *picked], f"held-out {h}x", run)
             name = f"{wl.name}@{h}x"
-            tables[name] = tr.result_rows(recs, ["adamw", *picked], cfg.seeds, grids)
+            tables[name] = tr.result_rows(recs, [*DENSE, *picked], cfg.seeds, grids, baselines)
             gaps[name] = tr.gap_curve(recs, tables[name], cfg.seeds)
     targets = tr.tier_results({k: v for k, v in tables.items() if k.endswith("@3x")}, chosen, cfg.tiers)
     doc = {
@@ -421,7 +433,9 @@ def describe(cfg: TransferConfig) -> dict[str, Any]:
         "tiers": [{"min_ratio": r, "tolerance": t} for r, t in cfg.tiers],
         "candidates": {m: cfg.method(m).about for m in cfg.candidates},
         "lr_rule": "half-decade grid per method, extended past a winning edge up to "
-        f"{MAX_EXTENSIONS} times; AdamW by its {cfg.seeds}-seed mean, others by seed 0",
+        f"{MAX_EXTENSIONS} times; the dense baselines ({', '.join(DENSE)}) by their {cfg.seeds}-seed "
+        "mean, others by seed 0",
+        "baselines": {m: cfg.method(m).baseline for m in [*DENSE, *cfg.candidates]},
     }
 
 
@@ -480,15 +494,17 @@ def transfer_markdown(doc: dict[str, Any]) -> str:
         lines = [
             f"**{name}** (held-out; mean ± std over seeds at the chosen lr)",
             "",
-            "| method | lr | held-out loss | vs AdamW | fewer bytes | seeds |",
-            "|---|---|---|---|---|---|",
+            "| method | lr | held-out loss | vs AdamW | vs own dense | vs best dense | fewer bytes | seeds |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             loss = loss_cell(r)
             lr = "-" if r["lr"] is None else f"{r['lr']:g}" + (" (edge)" if r["lr_at_edge"] else "")
+            own = gap_cell(r.get("gap_vs_baseline"), r.get("baseline"), r["method"])
+            best = gap_cell(r.get("gap_vs_best_dense"), r.get("best_dense"), r["method"])
             lines.append(
-                f"| {r['method']} | {lr} | {loss} | {_pct(r['gap_vs_adamw'])} | {_ratio(r['ratio_to_dense'])} | "
-                f"{r['seeds']} |"
+                f"| {r['method']} | {lr} | {loss} | {_pct(r['gap_vs_adamw'])} | {own} | {best} | "
+                f"{_ratio(r['ratio_to_dense'])} | {r['seeds']} |"
             )
         curve = doc["gap_vs_steps"].get(name, {})
         if curve:
@@ -504,10 +520,11 @@ def transfer_markdown(doc: dict[str, Any]) -> str:
                 lines.append(f"| {meth} | " + " | ".join(_pct(v.get(str(s))) for s in steps) + " |")
         parts.append("\n".join(lines))
     lines = [
-        "**Targets** (held-out workloads at 3x their steps, mean over seeds):",
+        "**Targets** (held-out workloads at 3x their steps, mean over seeds; the gap is AdamW's, "
+        "the last two columns judge the same row against the best dense run):",
         "",
-        "| tier | workload | method | fewer bytes | gap | result |",
-        "|---|---|---|---|---|---|",
+        "| tier | workload | method | fewer bytes | gap | result | vs best dense | result vs best dense |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for t in doc["targets"]:
         if t["met"]:
@@ -523,7 +540,9 @@ def transfer_markdown(doc: dict[str, Any]) -> str:
             verdict = "missed: " + ", ".join(misses)
         lines.append(
             f"| >= {t['tier_ratio']:g}x within {100 * t['tolerance']:g}% | {t['table']} | {t['method'] or '-'} | "
-            f"{_ratio(t['ratio_to_dense'])} | {_pct(t['gap'])} | {verdict} |"
+            f"{_ratio(t['ratio_to_dense'])} | {_pct(t['gap'])} | {verdict} | "
+            f"{gap_cell(t.get('gap_vs_best_dense'), t.get('best_dense'))} | "
+            f"{'met' if t.get('met_vs_best_dense') else ('missed' if t.get('gap_vs_best_dense') is not None else '-')} |"
         )
     parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
@@ -546,6 +565,10 @@ def write_transfer_report(out_dir: str, doc: dict[str, Any]) -> dict[str, Any]:
         "heldout_mean",
         "heldout_std",
         "gap_vs_adamw",
+        "baseline",
+        "gap_vs_baseline",
+        "best_dense",
+        "gap_vs_best_dense",
         "ratio_to_dense",
         "bytes_per_step",
     ]

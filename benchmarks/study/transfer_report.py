@@ -3,23 +3,31 @@
 Pure functions over the study's run JSONs (:func:`cokit.validation.runs.run_record`), so every
 rule the protocol follows is tested without training anything:
 
-* :func:`choose_lr` -- the lr with the lowest held-out loss, seed 0 or (AdamW) the mean over
-  every seed; :func:`extend_grid` adds the next point beyond a grid edge that won.
+* :func:`choose_lr` -- the lr with the lowest held-out loss, seed 0 or (the dense baselines)
+  the mean over every seed; :func:`extend_grid` adds the next point beyond a grid edge that won.
 * :func:`selection_scores` / :func:`choose_per_tier` -- on the selection workloads, each
   candidate's mean relative gap to AdamW; per compression tier the candidate with the
   smallest mean gap among those at the tier's ratio on every selection workload.
 * :func:`result_rows`, :func:`gap_curve`, :func:`tier_results` -- the held-out report: mean ±
-  std over seeds at the chosen lr, the gap to AdamW against steps, and each tier's target met
-  or missed (with its size).
+  std over seeds at the chosen lr, the gaps to AdamW, to the dense run of the method's own inner
+  optimizer and to the best dense run, the gap to AdamW against steps, and each tier's target
+  met or missed (with its size).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any
 
-from cokit.validation.records import amortized_bytes
+from cokit.validation.records import (  # noqa: F401 - the lr rules, re-exported
+    amortized_bytes,
+    at_edge,
+    choose_lr,
+    dense_gaps,
+    extend_grid,
+    half_decade,
+    lr_means,
+)
 
 
 def _ok(r: dict) -> bool:
@@ -28,43 +36,6 @@ def _ok(r: dict) -> bool:
 
 def _loss(r: dict) -> float:
     return float(r["summary"]["final_heldout_loss"])
-
-
-def lr_means(records: list[dict], seeds: int) -> dict[float, float]:
-    """lr -> mean final held-out loss over seeds ``0..seeds-1``, for the lrs where every one of
-    those seeds finished (a diverged or failed seed counts as +inf: that lr is not chosen)."""
-    by_lr: dict[float, dict[int, float]] = {}
-    for r in records:
-        if r["seed"] < seeds:
-            by_lr.setdefault(r["lr"], {})[r["seed"]] = _loss(r) if _ok(r) else math.inf
-    return {lr: statistics.fmean(v.values()) for lr, v in by_lr.items() if len(v) == seeds}
-
-
-def choose_lr(records: list[dict], seeds: int = 1) -> float | None:
-    """The lr of ``records`` (one method on one workload) with the lowest held-out loss: seed 0's
-    when ``seeds == 1``, else the mean over ``seeds`` seeds. None when no lr finished."""
-    means = {lr: v for lr, v in lr_means(records, seeds).items() if math.isfinite(v)}
-    return min(means, key=lambda lr: (means[lr], lr)) if means else None
-
-
-def at_edge(grid: list[float], lr: float | None) -> bool:
-    """Whether ``lr`` is the smallest or largest point of a grid of at least 2 points."""
-    return lr is not None and len(grid) > 1 and lr in (min(grid), max(grid))
-
-
-def half_decade(lr: float, steps: int) -> float:
-    """The point ``steps`` half-decades from ``lr`` on the 1-3-10 ladder (1e-3, 3e-3, 1e-2, ...)."""
-    k = round(2 * math.log10(lr)) + steps
-    mantissa = 1.0 if k % 2 == 0 else 3.0
-    return float(f"{mantissa * 10.0 ** ((k - k % 2) // 2):.4g}")
-
-
-def extend_grid(grid: list[float], lr: float | None) -> float | None:
-    """The next lr beyond the edge ``lr`` won at, one half-decade further out on the 1-3-10
-    ladder; None when ``lr`` is interior, missing or the grid too short."""
-    if lr is None or not at_edge(grid, lr):
-        return None
-    return half_decade(lr, 1 if lr == max(grid) else -1)
 
 
 def relative_gap(loss: float, reference: float) -> float:
@@ -136,16 +107,23 @@ def _stats(xs: list[float]) -> tuple[float | None, float | None]:
 
 
 def result_rows(
-    records: list[dict], methods: list[str], seeds: int, grids: dict[str, list[float]]
+    records: list[dict],
+    methods: list[str],
+    seeds: int,
+    grids: dict[str, list[float]],
+    baselines: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per method on one workload and horizon: the chosen lr (AdamW by the mean over
-    ``seeds`` seeds, the others by seed 0), whether it sits at its grid's edge, the mean and
-    std of the final held-out loss over the seeds run there, the ratio to dense bytes, and the
-    relative gap of the mean to AdamW's mean."""
+    """One row per method on one workload and horizon: the chosen lr (a dense baseline by the
+    mean over ``seeds`` seeds, the others by seed 0), whether it sits at its grid's edge, the
+    mean and std of the final held-out loss over the seeds run there, the ratio to dense bytes,
+    and the relative gap of the mean to AdamW's mean, to its own dense baseline's and to the
+    best dense run's (:func:`cokit.validation.records.dense_gaps`; ``baselines``: method -> the
+    label of the dense run of its inner optimizer, a dense method itself; default: AdamW)."""
+    baselines = baselines or dict.fromkeys(methods, "adamw")
     rows: list[dict[str, Any]] = []
     for m in methods:
         mine = [r for r in records if r["method"] == m]
-        lr = choose_lr(mine, seeds if m == "adamw" else 1)
+        lr = choose_lr(mine, seeds if baselines.get(m) == m else 1)
         at = [r for r in mine if r["lr"] == lr and r["seed"] < seeds]
         done = [r for r in at if _ok(r)]
         mean, std = _stats([_loss(r) for r in done])
@@ -172,6 +150,7 @@ def result_rows(
             if base is not None and r["heldout_mean"] is not None
             else None
         )
+    dense_gaps(rows, baselines, "heldout_mean")
     return rows
 
 
@@ -214,7 +193,9 @@ def tier_results(
 ) -> list[dict[str, Any]]:
     """Each tier's target on each held-out table (``tables``: "workload @ horizon" -> rows):
     met when the tier's method has at least the tier's ratio there and a mean gap within its
-    tolerance; otherwise missed, with the gap over the tolerance and the ratio short of it."""
+    tolerance; otherwise missed, with the gap over the tolerance and the ratio short of it. The
+    gap is AdamW's; ``gap_vs_best_dense`` and ``met_vs_best_dense`` judge the same row against the
+    best dense run of the table."""
     out = []
     for ratio, tol in tiers:
         m = chosen.get(ratio)
@@ -223,6 +204,7 @@ def tier_results(
             gap = None if row is None else row["gap_vs_adamw"]
             got = None if row is None else row["ratio_to_dense"]
             met = gap is not None and got is not None and gap <= tol and got >= ratio
+            best = None if row is None else row.get("gap_vs_best_dense")
             out.append(
                 {
                     "tier_ratio": ratio,
@@ -234,6 +216,12 @@ def tier_results(
                     "met": met,
                     "gap_over_tolerance": None if gap is None else max(0.0, gap - tol),
                     "ratio_short": None if got is None else max(0.0, ratio - got),
+                    "best_dense": None if row is None else row.get("best_dense"),
+                    "gap_vs_best_dense": best,
+                    "met_vs_best_dense": best is not None
+                    and got is not None
+                    and best <= tol
+                    and got >= ratio,
                 }
             )
     return out

@@ -1,9 +1,9 @@
-"""The validation study: AdamW, SGD-momentum, PowerSGD, DeMo (four inner update rules),
-SparseLoCo and DiLoCo at small scale; or, with ``--on``, a small grid on your own model.
+"""The validation study: AdamW, Muon and SGD-momentum run dense (the baselines), PowerSGD, DeMo
+(four inner update rules), SparseLoCo and DiLoCo at small scale; or, with ``--on``, a small grid on your own model.
 
     cokit bench validate --on mymodule:make_workload   # calibrate on your model -> ./calibration/
     cokit bench validate               # the study, full mode -> benchmarks/results/validation/
-    cokit bench validate --quick       # < 10 minutes on 2 CPU cores -> benchmarks/out/validation-quick/
+    cokit bench validate --quick       # short runs, 1 seed -> benchmarks/out/validation-quick/
     python benchmarks/validate_compression.py --quick    # the same
 
 ``--on module:factory`` runs in any install (see docs/validation-study.md for the factory).
@@ -15,13 +15,17 @@ transformer on the Python standard library's own sources), ``digits`` (an MLP on
 scikit-learn's bundled 8x8 digits) and ``digits-ae`` (a convolutional autoencoder of the same
 images). Every method trains the same model from the same seed on the same batches for the
 same number of steps, on ``--world-size`` local gloo ranks (CPU). Each method runs a small
-learning-rate grid (4 values, seed 0); the lr with the lowest final held-out loss is reported.
+learning-rate grid (4 values, seed 0; the dense baselines every seed); the lr with the lowest
+final held-out loss (the dense baselines: its mean over the seeds) is reported. Every method's
+gap is reported against the dense run of its own inner optimizer and against the best dense run.
 
 Phases, each resumable (a run whose JSON exists with the same configuration is skipped):
-1. the lr grid of every method on every workload (seed 0);
+1. the lr grid of every method on every workload (seed 0; the dense baselines every seed), then
+   one point past each grid edge that won;
 2. at their best lr, seeds 1..N-1: the fixed headline methods, and per family the best
    configuration and the best one at >= 100x fewer bytes than dense;
-3. (full) AdamW and the best compressed configuration at >= 100x fewer bytes, at 3x the steps;
+3. (full) AdamW, dense Muon and the best compressed configuration at >= 100x fewer bytes, at 3x
+   the steps;
 4. the report: ``table.md``, ``table.csv``, ``runs.csv``, ``study.json`` and the plots, with
    the Pareto front of held-out loss vs bytes per step and the >= 100x target check.
 
@@ -59,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="short runs, 5 methods, 1 seed (< 10 minutes on 2 CPU cores); same as --preset quick",
+        help="short runs, 6 methods, 1 seed (5 methods took < 10 minutes on 2 CPU cores; dense Muon "
+        "and the points past winning grid edges add runs); same as --preset quick",
     )
     p.add_argument(
         "--preset",
@@ -96,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--long-horizon",
         choices=("on", "off"),
         default=None,
-        help=f"phase 3: AdamW and the best >= {TARGET_RATIO:g}x-compressed method at {LONG_FACTOR}x the "
+        help=f"phase 3: AdamW, Muon and the best >= {TARGET_RATIO:g}x-compressed method at {LONG_FACTOR}x the "
         "steps (default: on for full)",
     )
     p.add_argument(

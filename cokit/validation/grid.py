@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cokit.train import MethodSpec
-from cokit.validation.records import best_lr
+from cokit.validation.records import choose_lr, extend_grid
 from cokit.validation.report import write_report
 
 #: the presets of the study's protocols: toy (seconds, for tests), quick, full
@@ -43,6 +43,13 @@ TARGET_RATIO = 100.0
 TARGET_DELTA = 0.03  # held-out loss within 3% of AdamW's mean
 LONG_FACTOR = 3  # the longer horizon: this many times the workload's steps
 COMPRESSED_FAMILIES = ("demo", "demo-rms", "demo-adam", "demo-ns", "sparseloco", "diloco")
+#: the dense baselines: every step one fp32 all-reduce of the gradients, then the optimizer
+DENSE_FAMILIES = ("adamw", "sgd", "muon")
+#: an inner optimizer -> the label of its dense run (a method's own baseline)
+INNER_BASELINES = {"adamw": "adamw", "muon": "muon", "sgd": "sgd-momentum"}
+#: families with Muon's lr scale (~10-20x AdamW's): without a grid of their own they take each
+#: other's, never AdamW's
+MUON_GRIDS = ("muon", "sparseloco-muon", "dion")
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,10 +61,31 @@ class MethodDef:
     """A method of the study: its label, family (for lr grids and colours) and runner options."""
 
     label: str
-    family: str  # adamw | sgd | powersgd | demo | demo-rms | demo-adam | demo-ns | sparseloco | diloco
+    family: str  # adamw | sgd | muon | powersgd | demo | demo-rms | demo-adam | demo-ns | sparseloco | diloco
     runner: str  # the cokit.train method name
     options: tuple[tuple[str, Any], ...] = ()
     about: str = ""
+
+    @property
+    def dense(self) -> bool:
+        """Whether this is a dense baseline (one fp32 all-reduce every step, then its optimizer)."""
+        return self.family in DENSE_FAMILIES
+
+    @property
+    def baseline(self) -> str:
+        """The label of the dense run of this method's inner optimizer, its gap's reference: a
+        dense method itself; SparseLoCo / DiLoCo their ``inner`` one's (AdamW by default, Muon
+        -> ``"muon"``); PowerSGD its ``base``'s; Dion (orthonormalized updates, AdamW on the
+        rest) ``"muon"``; DeMo ``"adamw"`` (its update rules act on a decoded momentum, no
+        optimizer of their own runs dense)."""
+        if self.dense:
+            return self.label
+        opts = dict(self.options)
+        if self.runner == "sparseloco":
+            return INNER_BASELINES[opts.get("inner", "adamw")]
+        if self.runner == "powersgd":
+            return INNER_BASELINES[opts.get("base", "adamw")]
+        return "muon" if self.runner == "dion" else "adamw"
 
     def spec(self, lr: float, seed: int, steps: int) -> MethodSpec:
         """The runner spec of this method at ``lr`` (PowerSGD: 10% dense warm-up, seeded; a
@@ -122,6 +150,13 @@ def method_catalog() -> dict[str, MethodDef]:
     """Every method the study knows, by label, in table order."""
     ms = [
         MethodDef("adamw", "adamw", "adamw", about="AdamW, dense fp32 all-reduce (baseline)"),
+        MethodDef(
+            "muon",
+            "muon",
+            "muon",
+            about="Muon (cokit.compress.inner.Muon: Muon on the matrices, AdamW on embeddings, "
+            "heads and vectors), dense fp32 all-reduce (the baseline of Muon-inner methods)",
+        ),
         MethodDef(
             "sgd-momentum",
             "sgd",
@@ -197,9 +232,18 @@ class WorkloadDef:
     def grid(self, family: str, points: int) -> tuple[float, ...]:
         """The family's lr grid: all of it, or (``points == 1``) one value from its middle.
         Families without a grid of their own use AdamW's: their lr rules say AdamW's lr carries
-        over (DeMo's update rules; the inner AdamW of SparseLoCo and DiLoCo)."""
+        over (DeMo's update rules; the inner AdamW of SparseLoCo and DiLoCo); those at Muon's lr
+        scale (:data:`MUON_GRIDS`) use another of theirs, and ValueError when there is none."""
         lrs = dict(self.lrs)
-        grid = lrs.get(family, lrs["adamw"])
+        if family in MUON_GRIDS:
+            grid = next((lrs[f] for f in (family, *MUON_GRIDS) if f in lrs), None)
+            if grid is None:
+                raise ValueError(
+                    f"workload {self.name!r} has no lr grid at Muon's scale for {family!r}: add a "
+                    f"'muon' grid (about 10-20x AdamW's lrs)"
+                )
+        else:
+            grid = lrs.get(family, lrs["adamw"])
         return grid if points >= len(grid) else (grid[len(grid) // 2],)
 
 
@@ -304,13 +348,46 @@ def load_run(path: str, key: str | None = None) -> dict | None:
     return doc if key is None or doc.get("key") == key else None
 
 
+def lr_seeds(cfg: StudyConfig, label: str) -> int:
+    """How many seeds choose ``label``'s lr: every seed for a dense baseline (its mean), else seed 0."""
+    return cfg.seeds if cfg.method(label).dense else 1
+
+
+def chosen_lr(cfg: StudyConfig, label: str, records: list[dict]) -> float | None:
+    """``label``'s lr among ``records`` (any methods): by :func:`lr_seeds` seeds' mean."""
+    return choose_lr([r for r in records if r["method"] == label], lr_seeds(cfg, label))
+
+
 def sweep_jobs(cfg: StudyConfig, wl: WorkloadDef) -> list:
-    """Phase 1: every method at every lr of its grid, seed 0."""
+    """Phase 1: every method at every lr of its grid, seed 0 (a dense baseline: every seed)."""
     return [
-        make_job(cfg, wl, m, lr, 0)
+        make_job(cfg, wl, m, lr, s)
         for m in cfg.methods
         for lr in wl.grid(cfg.method(m).family, cfg.lr_points)
+        for s in range(lr_seeds(cfg, m))
     ]
+
+
+def edge_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
+    """Phase 1b: for each method whose chosen lr is an edge of its grid, one point beyond it
+    (:func:`cokit.validation.records.extend_grid`), at the seeds of :func:`lr_seeds`."""
+    jobs: list = []
+    for m in cfg.methods:
+        nxt = extend_grid(
+            list(wl.grid(cfg.method(m).family, cfg.lr_points)), chosen_lr(cfg, m, sweep_records)
+        )
+        if nxt is not None:
+            jobs.extend(make_job(cfg, wl, m, nxt, s) for s in range(lr_seeds(cfg, m)))
+    return jobs
+
+
+def lr_sweep(cfg: StudyConfig, wl: WorkloadDef, run: bool = True) -> list[dict]:
+    """Phases 1 and 1b: the lr grids, then a point past every winning edge."""
+    records = execute(cfg, wl, sweep_jobs(cfg, wl), "lr sweep (seed 0; dense baselines every seed)", run)
+    more = edge_jobs(cfg, wl, records)
+    if more:
+        records += execute(cfg, wl, more, "lr sweep, one point past each winning grid edge", run)
+    return records
 
 
 def _best_seed0(records: list[dict], min_ratio: float = 0.0) -> dict | None:
@@ -344,11 +421,12 @@ def headline_methods(cfg: StudyConfig, sweep_records: list[dict]) -> list[str]:
 
 
 def seed_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> list:
-    """Phase 2: the headline methods at their best lr (from phase 1's run JSONs), seeds 1..seeds-1."""
+    """Phase 2: the headline methods at their chosen lr (from phase 1's run JSONs), seeds
+    1..seeds-1 (the dense baselines have them already)."""
     jobs: list = []
     for m in headline_methods(cfg, sweep_records):
-        lr = best_lr([r for r in sweep_records if r["method"] == m])
-        if lr is not None:
+        lr = chosen_lr(cfg, m, sweep_records)
+        if lr is not None and not cfg.method(m).dense:
             jobs.extend(make_job(cfg, wl, m, lr, s) for s in range(1, cfg.seeds))
     return jobs
 
@@ -364,15 +442,15 @@ def long_workload(wl: WorkloadDef) -> WorkloadDef:
 
 
 def long_methods(cfg: StudyConfig, sweep_records: list[dict]) -> list[str]:
-    """Phase 3's methods: AdamW and the best compressed configuration at >= ``TARGET_RATIO`` x
-    fewer bytes (seed 0 of phase 1)."""
+    """Phase 3's methods: AdamW, dense Muon and the best compressed configuration at >=
+    ``TARGET_RATIO`` x fewer bytes (seed 0 of phase 1)."""
     compressed = [
         r
         for r in sweep_records
         if r["method"] in cfg.methods and cfg.method(r["method"]).family in COMPRESSED_FAMILIES
     ]
     best = _best_seed0(compressed, TARGET_RATIO)
-    out = ["adamw"] if "adamw" in cfg.methods else []
+    out = [m for m in ("adamw", "muon") if m in cfg.methods]
     return out + ([best["method"]] if best is not None else [])
 
 
@@ -381,7 +459,7 @@ def long_jobs(cfg: StudyConfig, wl: WorkloadDef, sweep_records: list[dict]) -> l
     longer = long_workload(wl)
     jobs = []
     for m in long_methods(cfg, sweep_records):
-        lr = best_lr([r for r in sweep_records if r["method"] == m])
+        lr = chosen_lr(cfg, m, sweep_records)
         if lr is not None:
             jobs.append(make_job(cfg, longer, m, lr, 0))
     return jobs
@@ -462,7 +540,7 @@ def describe(cfg: StudyConfig) -> dict[str, Any]:
         "long_horizon": cfg.long_horizon
         and {
             "factor": LONG_FACTOR,
-            "methods": f"adamw and the best compressed method at >= {TARGET_RATIO:g}x fewer bytes",
+            "methods": f"adamw, muon and the best compressed method at >= {TARGET_RATIO:g}x fewer bytes",
         },
         "target": cfg.target_workload
         and {
@@ -473,7 +551,9 @@ def describe(cfg: StudyConfig) -> dict[str, Any]:
         "methods": {m: cfg.method(m).about for m in cfg.methods},
         "headline": cfg.headline,
         "workloads": wls,
-        "lr_selection": "lowest final held-out loss of the seed-0 run",
+        "lr_selection": "dense baselines: lowest mean final held-out loss over every seed; the "
+        "others: lowest of the seed-0 run; a grid edge that wins gets one point beyond it",
+        "baselines": {m: cfg.method(m).baseline for m in cfg.methods},
     }
 
 
@@ -483,9 +563,7 @@ def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
     os.makedirs(cfg.out_dir, exist_ok=True)
     start = time.perf_counter()
     run = not report_only
-    records = {
-        wl.name: execute(cfg, wl, sweep_jobs(cfg, wl), "lr sweep (seed 0)", run) for wl in cfg.workloads
-    }
+    records = {wl.name: lr_sweep(cfg, wl, run) for wl in cfg.workloads}
     if cfg.seeds > 1:
         for wl in cfg.workloads:
             records[wl.name] += execute(
@@ -498,10 +576,8 @@ def run_study(cfg: StudyConfig, report_only: bool = False) -> dict[str, Any]:
     longer: dict[str, list[dict]] = {}
     if cfg.long_horizon:
         for wl in cfg.workloads:
-            sweep = [r for r in records[wl.name] if r["seed"] == 0]
-            longer[wl.name] = execute(
-                cfg, long_workload(wl), long_jobs(cfg, wl, sweep), f"{LONG_FACTOR}x the steps, seed 0", run
-            )
+            jobs = long_jobs(cfg, wl, records[wl.name])
+            longer[wl.name] = execute(cfg, long_workload(wl), jobs, f"{LONG_FACTOR}x the steps, seed 0", run)
     info = {
         **describe(cfg),
         "machine": machine_info(),
