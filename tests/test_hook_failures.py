@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_gloo
 from gloo_cases import Case, run_cases
 from helpers import ROOT, script_env
 
@@ -82,14 +81,6 @@ def _carried_timeouts(rank: int, world: int) -> list:
     return seen
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_the_hook_s_collectives_carry_the_default_timeout():
-    for seen in run_gloo(2, _carried_timeouts):
-        assert len(seen) >= 3 * 3  # per step: the status row, the dense all-reduce, the payload
-        assert set(seen) == {(DEFAULT, True)}, seen  # gloo's work itself ends at the timeout
-
-
 # ----------------------------------------------------------------------------- a failed hook
 
 
@@ -120,16 +111,28 @@ def _mismatch(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def mismatched() -> dict[int, list]:
-    return {world: run_cases(world, [Case("mismatch", _mismatch)])["mismatch"] for world in (2, 3)}
+def worlds() -> dict[int, dict[str, list]]:
+    """The gloo scenarios, one spawned world per size."""
+    return {
+        2: run_cases(2, [Case("carried", _carried_timeouts), Case("mismatch", _mismatch)]),
+        3: run_cases(3, [Case("mismatch", _mismatch)]),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_hook_s_collectives_carry_the_default_timeout(worlds):
+    for seen in worlds[2]["carried"]:
+        assert len(seen) >= 3 * 3  # per step: the status row, the dense all-reduce, the payload
+        assert set(seen) == {(DEFAULT, True)}, seen  # gloo's work itself ends at the timeout
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_after_a_hook_error_the_next_step_raises_a_cokit_error_on_every_rank(mismatched, world):
+def test_after_a_hook_error_the_next_step_raises_a_cokit_error_on_every_rank(worlds, world):
     assert issubclass(CommHookFailed, RuntimeError)
-    for rank, out in enumerate(mismatched[world]):
+    for rank, out in enumerate(worlds[world]["mismatch"]):
         first, *later = out["errors"][2:]
         assert out["errors"][:2] == [None, None], (rank, out)
         assert first[0] == "SettingsMismatch" and "the ranks disagree" in first[1], (rank, first)
@@ -179,8 +182,8 @@ def _frozen_peer(tmp: Path, freeze: str, world: int, timeout: float) -> list[dic
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("freeze", ["status", "payload"])
+# each freeze once, each world once: a run starts a fresh interpreter per rank (seconds each)
+@pytest.mark.parametrize(("freeze", "world"), [("status", 2), ("payload", 3)])
 def test_a_frozen_peer_raises_within_the_timeout_then_the_next_step_says_what_to_do(tmp_path, freeze, world):
     timeout = 3.0
     for r, rank in enumerate(_frozen_peer(tmp_path, freeze, world, timeout)):
