@@ -166,7 +166,9 @@ class DCTTopKState:
     :data:`~cokit.compress.comm.DEFAULT_TIMEOUT_S`, 300 s; None or inf: only the process
     group's own, gloo's 30 min by default); after a timeout ``backward()`` raises, the group is
     unusable and the DDP model's next step raises :class:`CommHookFailed`: restart every rank
-    from its checkpoint. ``validate_payload``: check every peer's payload before decoding (default
+    from its checkpoint. On NCCL only the status exchange (waited in the hook) ends at
+    ``timeout``: the bucket's collectives, which DDP waits on as futures, do not carry it (NCCL's
+    watchdog would end the process) and end at the process group's own. ``validate_payload``: check every peer's payload before decoding (default
     True). ``comm_stats`` counts this rank's bytes per iteration (ring volumes, the status row
     and non-finite flags included) and the dense all-reduce bytes of the same gradients, and
     times it (:mod:`cokit.compress.timing`): encode and decode of every bucket, each
