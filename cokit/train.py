@@ -39,16 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cokit.compress.comm import Communicator, parse_timeout
+from cokit.compress.comm import DEFAULT_TIMEOUT_S, Communicator, parse_timeout
 from cokit.compress.inner import EXCLUDE, Muon
 from cokit.compress.stats import CommStats, dense_allreduce_bytes
 from cokit.launch import backend_for, in_torchrun, local_device, run  # noqa: F401 - re-exported
 
 Log = Callable[[str], None]
 SCHEDULES = ("constant", "cosine")
-# Seconds a collective may take before CollectiveTimeout: above the slowest CPU step, far
-# below gloo's own 30 min, so a frozen or dead rank stops the others in minutes.
-DEFAULT_TIMEOUT_S = 300.0
 
 
 class Workload(Protocol):

@@ -41,6 +41,7 @@ from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
 from cokit.compress.timing import CollectiveTiming, StepTimer, StepTiming
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "CollectiveTimeout",
     "Communicator",
     "Pending",
@@ -49,6 +50,14 @@ __all__ = [
     "parse_timeout",
     "standalone",
 ]
+
+#: Seconds each cokit collective may take unless the caller says otherwise (every front end, the
+#: DDP hook, :class:`Communicator`, the CLI and the study). Above the slowest step cokit takes on
+#: a CPU, far below the process group's own defaults (gloo: 30 min; NCCL: 10 min), so a frozen
+#: or dead rank stops the others in minutes. Raise it where one rank may work alone between
+#: steps for longer (a long evaluation or checkpoint write on rank 0); ``timeout=None`` or
+#: ``float("inf")``, passed explicitly, leaves only the process group's own timeout.
+DEFAULT_TIMEOUT_S = 300.0
 
 RESTART_HINT = (
     "The step cannot be retried in place: restart every rank from the last checkpoint "
@@ -89,7 +98,8 @@ def parse_timeout(timeout: object, owner: str = "cokit") -> datetime.timedelta |
     """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; ``None`` for no limit.
 
     ``None`` and ``float('inf')`` mean no limit of cokit's own (the process group's timeout,
-    ``init_process_group(timeout=...)``, still ends a collective). Zero, negative, NaN and
+    ``init_process_group(timeout=...)``, still ends a collective: gloo's default is 30 min).
+    Owners that are given no timeout at all use :data:`DEFAULT_TIMEOUT_S`. Zero, negative, NaN and
     ``bool`` values raise ``ValueError``; other types ``TypeError``.
     """
     if timeout is None:
@@ -315,8 +325,9 @@ def guard_future(
 class Communicator:
     """Collectives on one process group for one owner, with running byte counts.
 
-    ``timeout``: seconds or a ``timedelta`` each collective may take (``None``/``inf``: no
-    limit of its own, the process group's timeout applies). ``local=True``: a group of this
+    ``timeout``: seconds or a ``timedelta`` each collective may take (default
+    :data:`DEFAULT_TIMEOUT_S`; ``None``/``inf``: no limit of its own, the process group's
+    timeout applies). ``local=True``: a group of this
     rank alone (nothing to exchange, e.g. parameters sharded on every mesh dimension).
     ``timer``: share another communicator's step timer (one step timed over several groups).
     """
@@ -325,7 +336,7 @@ class Communicator:
         self,
         process_group=None,
         owner: str = "cokit",
-        timeout: float | datetime.timedelta | None = None,
+        timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT_S,
         *,
         local: bool = False,
         timer: StepTimer | None = None,

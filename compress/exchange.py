@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress.agreement import Report, Round, canonical, fingerprint, run_round
-from cokit.compress.comm import Communicator, Pending
+from cokit.compress.comm import DEFAULT_TIMEOUT_S, Communicator, Pending
 from cokit.compress.payload import PayloadCodec
 from cokit.compress.peer_check import UNCHANGED, check_dense, check_selection
 from cokit.compress.priority import PriorityGroup
@@ -50,7 +50,8 @@ class Exchange:
     Args:
         owner: names the front end in every error (``"DeMo.step"``).
         process_group: the exchange group (None: the default group).
-        timeout: seconds (or a timedelta) each collective may take; None/inf: the group's own.
+        timeout: seconds (or a timedelta) each collective may take (default
+            :data:`~cokit.compress.comm.DEFAULT_TIMEOUT_S`); None/inf: the group's own.
         agree_groups: groups whose ranks agree each round but exchange nothing.
         local: the exchange group is this rank alone (DTensor parameters sharded on every
             mesh dimension).
@@ -66,7 +67,7 @@ class Exchange:
         self,
         owner: str,
         process_group: Any = None,
-        timeout: float | datetime.timedelta | None = None,
+        timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT_S,
         *,
         agree_groups: Sequence[Any] = (),
         local: bool = False,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from cokit.compress.agreement import FOUND_INF, Round, canonical, fingerprint
-from cokit.compress.comm import parse_timeout
+from cokit.compress.comm import DEFAULT_TIMEOUT_S, parse_timeout
 from cokit.compress.exchange import Exchange, ExchangeOwner
 from cokit.compress.groups import check_process_group
 from cokit.compress.guards import Amp, nonfinite
@@ -73,8 +73,9 @@ class FrontEndOptions:
         process_group: the group exchanged over (None: the world; none initialized or world
             size 1: local steps without communication).
         timeout: seconds (or a timedelta) each collective may take before an error naming the
-            front end (None or inf: the process group's own). After a timeout the group is
-            aborted: restart every rank from its checkpoint.
+            front end (default :data:`~cokit.compress.comm.DEFAULT_TIMEOUT_S`, 300 s; None or
+            inf: only the process group's own, gloo's 30 min by default). After a timeout the
+            group is aborted: restart every rank from its checkpoint.
         validate_payload: check what every peer sent before it is used (positions inside their
             tiles and in order, finite values and dense results; :mod:`cokit.compress.peer_check`):
             a malformed payload raises on every rank, naming the sender. False skips the check for
@@ -106,7 +107,7 @@ class FrontEndOptions:
     """
 
     process_group: Any = None
-    timeout: float | datetime.timedelta | None = None
+    timeout: float | datetime.timedelta | None = DEFAULT_TIMEOUT_S
     validate_payload: bool = True
     clock: Callable[[], float] = time.perf_counter
     comm_priority: str | int = "normal"

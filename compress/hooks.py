@@ -1,7 +1,7 @@
 """A DDP communication hook: DCT + top-k compressed gradients with error feedback.
 
     from cokit.compress.hooks import DCTTopKState, dct_topk_hook
-    state = DCTTopKState(topk=32, chunk=64, warmup_steps=10, timeout=60)
+    state = DCTTopKState(topk=32, chunk=64, warmup_steps=10)  # timeout: 300 s per collective
     ddp_model.register_comm_hook(state, dct_topk_hook)
 
 Per DDP bucket and rank: ``e = decay * e + grad``; the top-k DCT coefficients per tile of
@@ -20,9 +20,18 @@ The guarantees come from the exchange core (:mod:`cokit.compress.exchange`): eve
 opens, in its first bucket, with the fixed-size status all-gather whose 64-bit fingerprint
 covers the settings, the iteration and the payload format, waited before any payload is sent
 (ranks with other settings raise the same error instead of pairing collectives of different
-sizes); every collective carries ``timeout`` (a frozen peer makes ``backward()`` raise
-:class:`~cokit.compress.comm.CollectiveTimeout`); every peer's payload is validated before it
-is decoded; and failed collectives are kept alive until exit.
+sizes); every collective carries ``timeout`` (default
+:data:`~cokit.compress.comm.DEFAULT_TIMEOUT_S`, 300 s: a frozen peer makes ``backward()`` raise
+:class:`~cokit.compress.comm.CollectiveTimeout` in minutes, not at the process group's own
+30 min); every peer's payload is validated before it is decoded; and failed collectives are
+kept alive until exit.
+
+A failed hook stops its DDP model: when the hook raises while DDP runs it (the DDP reducer is
+then left mid-iteration) or a collective of its fails (the process group is then unusable),
+the state records it, and the model's next forward, or the hook's next call, raises
+:class:`CommHookFailed` naming the first failure and what to do, instead of the error torch's
+reducer would give (an internal assert). A non-finite gradient under ``nonfinite="error"``
+is no such failure: every bucket completes, and training can go on.
 
 Checkpoints (like PowerSGD's state): the state pickles, without its process group (the loaded
 state uses the default group: set ``state.process_group = g`` if it ran on another), and
@@ -60,11 +69,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from cokit.compress import hook_checkpoint
 from cokit.compress.agreement import Report, canonical, fingerprint
 from cokit.compress.buckets import sends_dense
-from cokit.compress.comm import Pending, parse_timeout
+from cokit.compress.comm import DEFAULT_TIMEOUT_S, Pending, parse_timeout
 from cokit.compress.exchange import Exchange
 from cokit.compress.frontend import check_nonfinite_mode, check_value_dtype, nonfinite_message
 from cokit.compress.groups import check_process_group
@@ -76,20 +86,89 @@ from cokit.triton_kernels._checks import check_flag, check_int, check_number
 from cokit.triton_kernels.dct import dct_decode_multi
 from cokit.triton_kernels.error_feedback import ef_encode, payload_layout
 
-__all__ = ["DCTTopKState", "dct_topk_hook"]
+__all__ = ["CommHookFailed", "DCTTopKState", "dct_topk_hook"]
 
 # shapes whose payload layout goes into the fingerprint: a codec that lays out bytes differently
 # (another cokit version on one rank) is caught before any payload is sent
 _PROBE = [(64, 64), (96, 40), (130,)]
 
 
+class CommHookFailed(RuntimeError):
+    """A DDP model whose :func:`dct_topk_hook` failed was asked for another step (module
+    docstring); the message names the first failure and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """The first failure of a state's hook: when, what, and whether its process group died."""
+
+    iteration: int
+    what: str  # "<exception type>: <first sentence of its message>"
+    group_dead: bool
+
+    def error(self) -> CommHookFailed:
+        if self.group_dead:
+            fate = "its process group is unusable"
+            todo = (
+                "Restart every rank from the last checkpoint (model, optimizer and "
+                "DCTTopKState.state_dict()), e.g. under torchrun --max-restarts; a process that goes "
+                "on must call torch.distributed.destroy_process_group() and build a new process "
+                "group, DDP model and DCTTopKState"
+            )
+        else:
+            fate = "DDP's reducer stopped mid-iteration"
+            todo = (
+                "Build a new DDP model on every rank (e.g. DDP(ddp_model.module): its parameters are "
+                "those of the last completed step) with a new DCTTopKState loaded from the last "
+                "checkpoint, or restart every rank from the last checkpoint"
+            )
+        return CommHookFailed(
+            f"dct_topk_hook: this DDP model cannot take another step: its comm hook failed at "
+            f"iteration {self.iteration} ({self.what}): {fate}. {todo}."
+        )
+
+
+def _first_sentence(exc: BaseException, limit: int = 400) -> str:
+    """``"Type: first sentence"`` of an exception, at most ``limit`` characters of message."""
+    text = str(exc).strip().split("\n", 1)[0].split(". ", 1)[0]
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+_STOPPER: Any = None  # the handle of the global forward pre-hook below, once a hook failed
+_STOPPER_LOCK = threading.Lock()
+
+
+def _stop_failed_models(module: torch.nn.Module, args: Any) -> None:
+    """A global forward pre-hook: a DDP model whose DCTTopKState recorded a failure raises
+    :class:`CommHookFailed` before DDP's forward reaches its reducer (which would assert)."""
+    if not isinstance(module, DistributedDataParallel):
+        return
+    for _, state in getattr(module, "_comm_hooks", ()):  # what register_comm_hook registered
+        if isinstance(state, DCTTopKState) and state._failure is not None:
+            raise state._failure.error()
+
+
+def _install_stopper() -> None:
+    """Install :func:`_stop_failed_models` once, at the first failure: the hook is not told its
+    DDP model, and a DDP model lists its hooks' states. Every module call pays an
+    ``isinstance`` from then on; none does before."""
+    global _STOPPER
+    with _STOPPER_LOCK:
+        if _STOPPER is None:
+            _STOPPER = torch.nn.modules.module.register_module_forward_pre_hook(_stop_failed_models)
+
+
 @dataclasses.dataclass
 class DCTTopKState:
     """Settings and error-feedback buffers of :func:`dct_topk_hook`.
 
-    ``timeout``: seconds each collective may take (None: the process group's own); after a
-    timeout ``backward()`` raises and the group is unusable: restart every rank from its
-    checkpoint. ``validate_payload``: check every peer's payload before decoding (default
+    ``timeout``: seconds each collective may take (default
+    :data:`~cokit.compress.comm.DEFAULT_TIMEOUT_S`, 300 s; None or inf: only the process
+    group's own, gloo's 30 min by default); after a timeout ``backward()`` raises, the group is
+    unusable and the DDP model's next step raises :class:`CommHookFailed`: restart every rank
+    from its checkpoint. On NCCL only the status exchange (waited in the hook) ends at
+    ``timeout``: the bucket's collectives, which DDP waits on as futures, do not carry it (NCCL's
+    watchdog would end the process) and end at the process group's own. ``validate_payload``: check every peer's payload before decoding (default
     True). ``comm_stats`` counts this rank's bytes per iteration (ring volumes, the status row
     and non-finite flags included) and the dense all-reduce bytes of the same gradients, and
     times it (:mod:`cokit.compress.timing`): encode and decode of every bucket, each
@@ -127,7 +206,7 @@ class DCTTopKState:
     iteration: int = 0
     skipped_steps: int = 0
     comm_stats: CommStats = dataclasses.field(default_factory=CommStats)
-    timeout: "float | None" = None
+    timeout: "float | None" = DEFAULT_TIMEOUT_S
     validate_payload: bool = True
     comm_priority: "str | int" = "normal"
     comm_guard: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -146,6 +225,8 @@ class DCTTopKState:
     _round: "_Round | None" = dataclasses.field(default=None, repr=False, compare=False)
     _device: Any = dataclasses.field(default=None, repr=False, compare=False)  # of the last iteration
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+    # the hook's first failure: the DDP model can take no more steps (module docstring)
+    _failure: "_Failure | None" = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         where = "DCTTopKState"
@@ -232,7 +313,16 @@ class DCTTopKState:
         at normal ``comm_priority`` (a runtime setting, like the group); call :meth:`attach`
         with the new DDP model before training."""
         self.comm_priority, self.comm_guard, self.comm_priority_info = "normal", None, None
+        self._failure = None  # a failure stops the DDP model it happened on, not a new one
         hook_checkpoint.setstate(self, saved)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Record the hook's first failure (any thread); the DDP model's next step raises."""
+        group_dead = self._exchange is not None and self._exchange.comm.aborted
+        with self._lock:
+            if self._failure is None:
+                self._failure = _Failure(self.iteration, _first_sentence(exc), group_dead)
+        _install_stopper()
 
     def _check_restored(self) -> None:
         """An unpickled state's first bucket: it must be this rank's, and attached if it has buffers."""
@@ -419,7 +509,20 @@ class _BucketLayout:
 
 
 def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the average of every rank's DCT/top-k-compressed gradient (module doc)."""
+    """DDP comm hook: the average of every rank's DCT/top-k-compressed gradient (module doc).
+
+    Raises :class:`CommHookFailed` once an earlier call failed (module docstring)."""
+    if state._failure is not None:
+        raise state._failure.error()
+    try:
+        return _launch(state, bucket)
+    except BaseException as exc:  # DDP's reducer is left mid-iteration: no later step can work
+        state._failed(exc)
+        raise
+
+
+def _launch(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The hook's work: encode the bucket, launch its collectives, and the future assembling it."""
     if state._restored is not None:
         state._check_restored()
     buffer = bucket.buffer()
@@ -457,6 +560,14 @@ def dct_topk_hook(state: DCTTopKState, bucket: dist.GradBucket) -> torch.futures
     state._launched(rnd, bucket.is_last(), device)
 
     def assemble(fut: torch.futures.Future) -> torch.Tensor:
+        try:
+            return assemble_bucket(fut)
+        except Exception as exc:
+            if ex.comm.aborted:  # a collective failed: the group is unusable
+                state._failed(exc)
+            raise
+
+    def assemble_bucket(fut: torch.futures.Future) -> torch.Tensor:
         if device.type == "cuda":  # the stream got here once they completed (CPU: callbacks)
             arrived = timer.mark(device)
             for p in pending:

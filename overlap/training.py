@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from cokit.compress.agreement import Report, canonical, fingerprint
+from cokit.compress.comm import DEFAULT_TIMEOUT_S
 from cokit.compress.exchange import Exchange
 from cokit.triton_kernels._checks import check_int, check_number
 from cokit.triton_kernels.backend import ArchLimits, arch_limits, cached_device_limits, kernel_path
@@ -435,7 +436,7 @@ def apply_overlap(
     comm_sms: int | None = None,
     target: str | None = None,
     process_group: Any = None,
-    timeout: float | None = 300.0,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
     clock: Callable[[], float] | None = None,
     monitor: Any = None,
     trials: int = 2,
