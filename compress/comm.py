@@ -18,7 +18,8 @@ aborted, every collective still in flight on it moves to ``_FAILED_WORK``; an ow
 raised for another reason calls :meth:`Communicator.drain`, which waits for what the step
 launched. At exit the collectives still held are never freed. So no gloo worker thread is
 ever the one that frees a collective while the interpreter finalizes, which would
-``std::terminate`` the process (SIGABRT: freeing its tensors needs the GIL).
+``std::terminate`` the process (SIGABRT: freeing its tensors needs the GIL). A group the user
+destroyed has no threads left by then: :mod:`cokit.compress.teardown` frees it at exit.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.teardown import release_captured_groups
 from cokit.compress.timing import CollectiveTiming, StepTimer, StepTiming
 
 __all__ = [
@@ -153,6 +155,9 @@ def _settle_before_exit(limit_s: float = 60.0) -> None:
     _FAILED_WORK.clear()
 
 
+# at exit (last registered, first run): settle the failed groups' collectives, then free the
+# destroyed groups that torch's function defaults still hold (cokit.compress.teardown)
+atexit.register(release_captured_groups)
 atexit.register(_settle_before_exit)
 
 
