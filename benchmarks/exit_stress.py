@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +157,25 @@ def run_once(case: Case, timeout_s: float, *, release: bool = True) -> Run:
 
 
 def run_stress(
-    cases: list[str], runs: int, *, timeout_s: float = 300.0, jobs: int = 1, release: bool = True
+    cases: list[str],
+    runs: int,
+    *,
+    timeout_s: float = 300.0,
+    jobs: int = 1,
+    release: bool = True,
+    progress: Callable[[int, int, Run], None] | None = None,
 ) -> list[Run]:
-    """``runs`` rounds of every case in ``cases``, ``jobs`` at a time; every run's result."""
+    """``runs`` rounds of every case in ``cases``, ``jobs`` at a time; every run's result
+    (``progress(done, total, run)`` after each)."""
     todo = [CASES[name] for _ in range(runs) for name in cases]
+    results: list[Run] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda c: run_once(c, timeout_s, release=release), todo))
+        futures = [pool.submit(run_once, c, timeout_s, release=release) for c in todo]
+        for fut in concurrent.futures.as_completed(futures):
+            results.append(fut.result())
+            if progress is not None:
+                progress(len(results), len(todo), results[-1])
+    return results
 
 
 def summarize(results: list[Run], cases: list[str]) -> dict[str, dict[str, Any]]:
@@ -301,7 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     with Hog(args.hog):
         results = run_stress(
-            args.cases, args.runs, timeout_s=args.timeout, jobs=args.jobs, release=not args.no_release
+            args.cases,
+            args.runs,
+            timeout_s=args.timeout,
+            jobs=args.jobs,
+            release=not args.no_release,
+            progress=lambda done, total, r: print(
+                f"[{done}/{total}] {r.case}: {r.outcome} ({r.seconds:.1f} s)", flush=True
+            ),
         )
         load_after = os.getloadavg()
     summary = summarize(results, args.cases)
