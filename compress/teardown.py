@@ -19,8 +19,8 @@ GIL for that). A group that was never destroyed stays alive, as before.
 
 from __future__ import annotations
 
-import inspect
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,14 +49,13 @@ def release_captured_groups() -> int:
 def _functions(module: Any, name: str) -> Iterator[Any]:
     """The functions ``module`` defines, and those of the classes it defines."""
     for obj in list(vars(module).values()):
-        if getattr(obj, "__module__", None) != name:
-            continue
-        if inspect.isfunction(obj):
+        kind = type(obj)  # not isinstance: it would ask deprecated objects, which warn
+        if kind is types.FunctionType and obj.__module__ == name:
             yield obj
-        elif isinstance(obj, type):
+        elif issubclass(kind, type) and obj.__module__ == name:
             for attr in list(vars(obj).values()):
-                fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-                if inspect.isfunction(fn):
+                fn = attr.__func__ if type(attr) in (staticmethod, classmethod) else attr
+                if type(fn) is types.FunctionType:
                     yield fn
 
 
