@@ -18,7 +18,8 @@ aborted, every collective still in flight on it moves to ``_FAILED_WORK``; an ow
 raised for another reason calls :meth:`Communicator.drain`, which waits for what the step
 launched. At exit the collectives still held are never freed. So no gloo worker thread is
 ever the one that frees a collective while the interpreter finalizes, which would
-``std::terminate`` the process (SIGABRT: freeing its tensors needs the GIL).
+``std::terminate`` the process (SIGABRT: freeing its tensors needs the GIL). A group the user
+destroyed has no threads left by then: :mod:`cokit.compress.teardown` frees it at exit.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cokit.compress.stats import ring_allgather_bytes, ring_allreduce_bytes
+from cokit.compress.teardown import release_captured_groups
 from cokit.compress.timing import CollectiveTiming, StepTimer, StepTiming
 
 __all__ = [
@@ -171,6 +173,9 @@ def _settle_before_exit(limit_s: float = 60.0) -> None:
     _FAILED_WORK.clear()
 
 
+# at exit (last registered, first run): settle the failed groups' collectives, then free the
+# destroyed groups that torch's function defaults still hold (cokit.compress.teardown)
+atexit.register(release_captured_groups)
 atexit.register(_settle_before_exit)
 
 
@@ -218,7 +223,9 @@ class Pending:
         self._work, self._result = work, result
         self._timer, self._record = timer, record
         self._owner, self._what, self._timeout = owner, what, timeout
-        self._group = group
+        # weakly: a gloo thread drops the last reference to a Pending (its future's callback),
+        # and must never be the one that frees the group (its destructor joins that thread)
+        self._group_ref = weakref.ref(group) if group is not None else None
         self._op_timeout = op_timeout  # the collective itself ends at `timeout`
         self._source = source  # the input tensor, when it is not the result
         self._abandoned = False  # its group was aborted while it was in flight
@@ -227,21 +234,29 @@ class Pending:
             with _INFLIGHT_LOCK:
                 _INFLIGHT.setdefault(group, {})[id(self)] = self
 
+    @property
+    def _group(self) -> Any:
+        """The process group, while it exists (None for a local collective)."""
+        return self._group_ref() if self._group_ref is not None else None
+
     def _landed(self) -> None:
         """The collective completed: held a little longer (``_RECENT``), then released."""
         if self._work is not None:
             _keep((self._work, self._result, self._source))
         self._work = None
-        if self._group is not None:
+        group = self._group
+        if group is not None:
             with _INFLIGHT_LOCK:
-                _INFLIGHT.get(self._group, {}).pop(id(self), None)
+                _INFLIGHT.get(group, {}).pop(id(self), None)
 
     def wait(self) -> torch.Tensor:
         """The result, once every rank took part; ``CollectiveTimeout`` (group aborted) if not."""
         if self._abandoned:
+            group = self._group
+            why = _ABORTED.get(group, "unknown") if group is not None else "unknown"
             raise ProcessGroupAborted(
                 f"{self._owner}: the {self._what} was abandoned: its process group was aborted after "
-                f"another collective failed ({_ABORTED.get(self._group, 'unknown')}). {RESTART_HINT}."
+                f"another collective failed ({why}). {RESTART_HINT}."
             )
         if self._work is not None:
             limit = self._timeout
@@ -289,11 +304,12 @@ class Pending:
         if cause is not None:
             happened += f" ({cause})" if timed_out else f": it failed ({cause})"
         first = f"{self._owner}: the {self._what} {happened}"
-        if self._group is not None and self._group not in _ABORTED:
-            _ABORTED[self._group] = first
-            _SETTLES_AT[self._group] = _settles(self._group)
-            _retire(self._group)
-            fate = _abort(self._group) if abort else "it is marked unusable"
+        group = self._group
+        if group is not None and group not in _ABORTED:
+            _ABORTED[group] = first
+            _SETTLES_AT[group] = _settles(group)
+            _retire(group)
+            fate = _abort(group) if abort else "it is marked unusable"
         else:
             fate = "it was aborted"
         raise CollectiveTimeout(
@@ -311,11 +327,13 @@ def guard_future(
     made with a timeout) whose failure raises :class:`CollectiveTimeout` naming ``owner``, and
     marks ``group`` unusable, as a failed :class:`Pending` does."""
     limit = parse_timeout(timeout, owner)
+    group_ref = weakref.ref(group) if group is not None else None  # gloo's thread drops `check`
 
     def check(done: torch.futures.Future) -> Any:
         try:
             return done.value()
         except RuntimeError as exc:
+            group = group_ref() if group_ref is not None else None
             failed = Pending(None, torch.empty(0), owner, what, limit, group, op_timeout=limit is not None)
             failed._fail(exc, timed_out="timed out" in str(exc).lower(), abort=False)
 

@@ -24,7 +24,6 @@ scale (rank 0 first) and, on an overflow, which ranks skipped their step:
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 
 import torch
@@ -82,11 +81,6 @@ def main() -> None:
     same = all(torch.equal(seen[0], s) for s in seen[1:])
     if rank == 0:
         print("replicas: bit-identical weights" if same else "replicas: DIFFER", flush=True)
-    # every rank done with the group, and the optimizer (its timeout watchdog) gone, before any
-    # rank tears it down: a group torn down under a peer can abort that peer at exit
-    del opt, scaler
-    gc.collect()
-    dist.barrier()
     dist.destroy_process_group()
     if not same:
         raise SystemExit(1)
