@@ -64,6 +64,7 @@ __all__ = [
     "pack",
     "records",
     "relaxed_loading",
+    "replicated",
 ]
 
 FORMAT = 2
@@ -464,3 +465,23 @@ def apply_load(opt: DeMo, plan: LoadPlan) -> None:
         opt._driver.load_state_dict(plan.policy)
     if plan.comm_stats is not None:
         opt.comm_stats = plan.comm_stats
+    opt._checked = False  # the first round after a load compares the replicated state
+
+
+def replicated(opt: DeMo, entries: list[tuple[int, int, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """What must be alike on every rank of DeMo's group, named: every parameter (its local
+    shard) and its shared state (:data:`SHARED_KEYS`: the adam rule's ``v`` and ``rule_step``,
+    the fp32 ``master``), not the per-rank error buffers. As many tensors on every rank: each
+    key the agreed settings may create is there, empty where the state lacks it."""
+    out = []
+    for gi, i, p in entries:
+        group, shard, name = opt.param_groups[gi], local(p), opt.plan.name(gi, i, p)
+        keys = []
+        if rules.effective_rule(group["update_rule"], group["rule_fallback"], shard.shape) == "adam":
+            keys += ["v", "rule_step"]
+        if opt.precision == "master" and p.dtype != torch.float32:
+            keys.append("master")
+        state = opt.state.get(p, {})
+        out.append((f"parameter {name}", shard))
+        out += [(f"the {k!r} of {name}", state.get(k, torch.zeros(0, device=shard.device))) for k in keys]
+    return out
