@@ -110,7 +110,7 @@ def origin_problem(
     mine = ranks.get(who["rank"])
     if saved_world != world:
         return (
-            f"the state was saved at world size {saved_world}, this run has {world}: {per_rank} "
+            f"the state was saved at world size {saved_world}, this run has world size {world}: {per_rank} "
             "belong to the rank that saved them"
         )
     if not isinstance(mine, Mapping):

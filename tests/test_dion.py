@@ -421,7 +421,7 @@ def test_resume_is_exact_and_bad_loads_change_nothing(world2):
     # a world-2 state in a single process (world 1): refused before anything changes
     opt = _build([torch.nn.Parameter(t) for t in _init()], **CONFIGS["rank3"])
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match="the state was saved at world size 2, this run has 1"):
+    with pytest.raises(ValueError, match="the state was saved at world size 2, this run has world size 1"):
         opt.load_state_dict(world2[0]["resume"]["state"])
     after = opt.state_dict()
     for n in before["state"]:

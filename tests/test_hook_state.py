@@ -312,7 +312,7 @@ def test_bad_loads_raise_clear_errors_and_change_nothing(worlds):
     for errors, iteration, buffers in worlds[3]["other world"]:
         assert len(errors) == 2 and iteration == 0 and not buffers
         for message in errors:
-            assert "saved at world size 2, this run has 3" in message
+            assert "saved at world size 2, this run has world size 3" in message
 
 
 def _group_note(rank: int, world: int):
