@@ -22,7 +22,6 @@ against an optimizer before anything changes; :meth:`DeMo.load_state_dict` appli
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import re
@@ -37,19 +36,42 @@ import torch.distributed as dist
 from cokit.compress import rules
 from cokit.compress.demo_settings import GROUP_SETTINGS, check_group, fingerprinted
 from cokit.compress.dtensor import local
+from cokit.compress.state_records import (
+    check_counts,
+    check_entries,
+    check_format,
+    check_groups,
+    check_origin,
+    check_policy_state,
+    check_saved_groups,
+    check_settings,
+    check_tensor,
+    damaged,
+    load_comm_stats,
+    origin_problem,
+    setting_differences,
+)
 from cokit.compress.stats import CommStats
 
 if TYPE_CHECKING:
     from cokit.compress.optimizer import DeMo
 
-__all__ = ["FORMAT", "LoadPlan", "apply_load", "check_load", "pack", "records", "relaxed_loading"]
+__all__ = [
+    "FORMAT",
+    "LoadPlan",
+    "apply_load",
+    "check_load",
+    "pack",
+    "records",
+    "relaxed_loading",
+    "replicated",
+]
 
 FORMAT = 2
 COMMON_KEY = "demo"
 _RANK_KEY = re.compile(r"^demo_rank(\d+)$")
 _DELTA_KEY = re.compile(r"^delta_rank(\d+)$")
 _WHERE = "DeMo.load_state_dict"
-_IDENTITY = ("rank", "world", "group_rank", "group_world")
 # per-parameter state identical on every rank (update rules, precision): plain keys
 SHARED_KEYS = ("v", "rule_step", "master")
 
@@ -199,24 +221,17 @@ def check_load(opt: DeMo, sd: object, strict: bool) -> LoadPlan:
         mine: dict[str, Any] | None = {"comm_stats": extra.get("comm_stats", {})}
         key = "delta"
     else:
-        common, mine = _parse_records(g0, who)
-        keep_rank = _check_world(common, mine, who, strict, warns)
+        common, ranks = _parse_records(g0)
+        mine = ranks.get(who["rank"])
+        keep_rank = _check_world(common, ranks, who, strict, warns)
         _check_settings(opt, common, strict, warns)
         key = delta_key(who["rank"])
     deltas, shared = _check_deltas(opt, sd["state"], id_map, key, keep_rank, fmt, strict, warns)
     counters = {k: common.get(k, 0) for k in ("steps", "skipped_steps", "skipped_syncs")}
-    for name, value in counters.items():
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise ValueError(f"{_WHERE}: the saved {name} is {value!r}, not a count; the file is damaged")
+    check_counts(_WHERE, counters, counters)
     policy = _check_policy(opt, common.get("policy"), strict, warns)
-    stats = None
     if keep_rank and mine is not None:
-        try:
-            stats = CommStats.from_dict(mine.get("comm_stats", {}))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"{_WHERE}: the saved comm_stats do not load ({exc}); the file is damaged"
-            ) from None
+        stats = load_comm_stats(_WHERE, mine.get("comm_stats", {}))
     else:
         warns.append(f"{_WHERE}: comm_stats start again from zero (this rank's record was dropped)")
         stats = CommStats()
@@ -253,88 +268,45 @@ def _format_of(opt: DeMo, sd: Mapping[str, Any], g0: Mapping[str, Any]) -> int:
 
 def _check_groups(opt: DeMo, saved: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The saved param groups without DeMo's records, checked against ``opt``'s."""
-    live = opt.param_groups
-    if len(saved) != len(live):
-        raise ValueError(
-            f"{_WHERE}: the checkpoint has {len(saved)} param groups, this optimizer has {len(live)}; "
-            "build the optimizer with the param groups it was saved with"
-        )
-    out = []
-    for gi, (s, g) in enumerate(zip(saved, live, strict=True)):
-        if len(s["params"]) != len(g["params"]):
-            raise ValueError(
-                f"{_WHERE}: param group {gi} has {len(s['params'])} parameters in the checkpoint, "
-                f"{len(g['params'])} here; build the same model (and groups) as when saving"
-            )
-        names, saved_names = g.get("param_names"), s.get("param_names")
-        if names is not None and saved_names is not None and list(names) != list(saved_names):
-            n = next(i for i, (a, b) in enumerate(zip(names, saved_names, strict=True)) if a != b)
-            raise ValueError(
-                f"{_WHERE}: param group {gi} parameter {n} is {saved_names[n]!r} in the checkpoint but "
-                f"{names[n]!r} here; build the same model, with its parameters in the same order"
-            )
-        # saved before the update rules existed: those ran DeMo's sign rule
-        s = {**rules.RULE_DEFAULTS, **s} if "update_rule" not in s else s
-        missing = sorted(set(GROUP_SETTINGS) - set(s))
-        if missing:
-            raise ValueError(f"{_WHERE}: saved param group {gi} lacks DeMo's settings {missing}")
-        group = {k: v for k, v in s.items() if not (k == COMMON_KEY or _RANK_KEY.match(str(k)))}
-        check_group({**group, "params": []}, gi)
-        out.append(group)
+    check_groups(_WHERE, saved, opt.param_groups)
+    # saved before the update rules existed: those ran DeMo's sign rule
+    out = [{**rules.RULE_DEFAULTS, **s} if "update_rule" not in s else dict(s) for s in saved]
+    out = [{k: v for k, v in s.items() if not (k == COMMON_KEY or _RANK_KEY.match(str(k)))} for s in out]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in out]
+    check_saved_groups(_WHERE, hyper, GROUP_SETTINGS, lambda g, gi: check_group({**g, "params": []}, gi))
     return out
 
 
-def _parse_records(
-    g0: Mapping[str, Any], who: dict[str, int]
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The shared record and this rank's (None when the state holds other ranks' only)."""
+def _parse_records(g0: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, Any]]:
+    """The shared record and every rank's."""
     try:
         common = json.loads(g0[COMMON_KEY])
         ranks = {int(m[1]): json.loads(v) for k, v in g0.items() if (m := _RANK_KEY.match(str(k)))}
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{_WHERE}: the DeMo records do not parse ({exc}); the file is damaged") from None
-    if not isinstance(common, dict) or common.get("format") != FORMAT:
-        raise ValueError(
-            f"{_WHERE}: checkpoint format {common.get('format') if isinstance(common, dict) else None!r}"
-            f", this cokit reads format {FORMAT}; load it with the cokit version that saved it"
-        )
-    if common.get("optimizer") != "DeMo":
-        raise ValueError(
-            f"{_WHERE}: the checkpoint was saved by optimizer {common.get('optimizer')!r}, not DeMo"
-        )
-    common["_ranks"] = sorted(ranks)
-    return common, ranks.get(who["rank"])
+        raise damaged(_WHERE, f"the DeMo records do not parse ({exc})") from None
+    check_format(_WHERE, common, optimizer="DeMo", fmt=FORMAT)
+    return common, ranks
 
 
 def _check_world(
-    common: dict[str, Any], mine: dict[str, Any] | None, who: dict[str, int], strict: bool, warns: list[str]
+    common: dict[str, Any], ranks: dict[int, Any], who: dict[str, int], strict: bool, warns: list[str]
 ) -> bool:
     """True when this rank's buffers can load: same world sizes, and the record is this rank's."""
-    saved = f"world size {common.get('world')} (DeMo group size {common.get('group_world')})"
-    here = f"world size {who['world']} (DeMo group size {who['group_world']})"
-    problem = None
-    if (common.get("world"), common.get("group_world")) != (who["world"], who["group_world"]):
-        problem = (
-            f"the checkpoint was saved at {saved}, this run has {here}: each rank's error buffers "
-            "belong to the rank that saved them"
-        )
-    elif mine is None:
-        problem = (
-            f"this state holds the records of rank(s) {common['_ranks']}, this is rank {who['rank']}: "
-            "every rank must load the state it saved itself (saving on rank 0 only loses the other "
-            "ranks' error buffers: save on every rank, one file each, or use torch.distributed.checkpoint)"
-        )
-    elif any(mine.get(k) != who[k] for k in _IDENTITY):
-        diff = ", ".join(f"{k} {mine.get(k)!r} (here {who[k]})" for k in _IDENTITY if mine.get(k) != who[k])
-        problem = f"this rank's record says {diff}: the file belongs to another rank or run"
+    problem = origin_problem(
+        saved_world=f"{common.get('world')} (DeMo group size {common.get('group_world')})",
+        world=f"{who['world']} (DeMo group size {who['group_world']})",
+        ranks=ranks,
+        who=who,
+        per_rank="error buffers",
+    )
     if problem is None:
         return True
     if strict:
-        raise ValueError(
-            f"{_WHERE}: {problem}. Nothing changed. Load each rank's own checkpoint at the world "
-            "size it was saved at, or pass strict=False (DCP: with cokit.compress.checkpoint."
-            "relaxed_loading(opt)) to keep the settings, counters and policy and start the error "
-            "buffers from zero"
+        check_origin(
+            _WHERE,
+            problem,
+            ", or pass strict=False (DCP: with cokit.compress.checkpoint.relaxed_loading(opt)) to keep "
+            "the settings, counters and policy and start the error buffers from zero",
         )
     warns.append(
         f"{_WHERE}: {problem}; strict=False: dropped this rank's error buffers (zero) and comm_stats"
@@ -344,29 +316,16 @@ def _check_world(
 
 # settings that change nothing a checkpoint holds (checking peers' bytes): not compared on load
 _LOOSE = ("validate_payload",)
+_RELAX_SETTINGS = ", or pass strict=False to load the buffers under this optimizer's settings"
 
 
 def _check_settings(opt: DeMo, common: dict[str, Any], strict: bool, warns: list[str]) -> None:
     saved, here = common.get("settings") or {}, _settings(opt)
-    diffs = []
-    for k in sorted((set(saved) | set(here)) - set(_LOOSE)):
-        if saved.get(k) != here.get(k):
-            if k == "policy":
-                diffs.append(
-                    f"the checkpoint was saved with policy {saved.get(k)}, this optimizer has {here.get(k)}"
-                )
-            else:
-                diffs.append(
-                    f"setting {k!r} was {saved.get(k)!r} when saved, this optimizer has {here.get(k)!r}"
-                )
-    if not diffs:
-        return
     if strict:
-        raise ValueError(
-            f"{_WHERE}: {'; '.join(diffs)}. Nothing changed. Build DeMo with the settings it was saved "
-            "with, or pass strict=False to load the buffers under this optimizer's settings"
-        )
-    warns.append(f"{_WHERE}: {'; '.join(diffs)}; strict=False: kept this optimizer's settings")
+        check_settings(_WHERE, here, saved, _LOOSE, relax=_RELAX_SETTINGS)
+    differ = setting_differences(here, saved, _LOOSE)
+    if differ:
+        warns.append(f"{_WHERE}: {'; '.join(differ)}; strict=False: kept this optimizer's settings")
 
 
 def _check_deltas(
@@ -390,12 +349,8 @@ def _check_deltas(
     shared: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
     found: set[int] = set()
     bad: list[str] = []
+    check_entries(_WHERE, state, id_map)
     for k, entry in state.items():
-        if k not in id_map:
-            raise ValueError(
-                f"{_WHERE}: the state has an entry for parameter {k!r}, which no param group of the "
-                "checkpoint lists; the file is damaged"
-            )
         p = id_map[k]
         if not isinstance(entry, Mapping) or (keep and set(map(str, entry)) - {key, *SHARED_KEYS}):
             others = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
@@ -414,17 +369,9 @@ def _check_deltas(
         delta = entry.get(key)
         if delta is None:
             continue
-        shard = local(p)
-        if not isinstance(delta, torch.Tensor) or not delta.is_floating_point():
-            raise ValueError(
-                f"{_WHERE}: the buffer of {names[id(p)]} is {type(delta).__name__}, not a float tensor"
-            )
-        if tuple(delta.shape) != tuple(shard.shape):
-            raise ValueError(
-                f"{_WHERE}: the buffer of {names[id(p)]} has shape {tuple(delta.shape)}, the parameter"
-                f"{' shard' if shard is not p else ''} has {tuple(shard.shape)}: build the same model "
-                "(and sharding) as when saving"
-            )
+        check_tensor(
+            _WHERE, f"the error buffer of {names[id(p)]}", delta, tuple(local(p).shape), finite=False
+        )
         if not bool(torch.isfinite(delta).all()):
             bad.append(names[id(p)])
             continue
@@ -465,14 +412,8 @@ def _check_shared(entry: Mapping[Any, Any], shard: torch.Tensor, name: str) -> d
         value = entry.get(key)
         if value is None:
             continue
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            raise ValueError(f"{_WHERE}: the {key!r} of {name} is {type(value).__name__}, not a float tensor")
         want: tuple[int, ...] = () if key == "rule_step" else tuple(shard.shape)
-        if tuple(value.shape) != want:
-            raise ValueError(
-                f"{_WHERE}: the {key!r} of {name} has shape {tuple(value.shape)}, expected {want}: "
-                "build the same model as when saving"
-            )
+        check_tensor(_WHERE, f"the {key!r} of {name}", value, want, finite=False)
         if not bool(torch.isfinite(value).all()):
             return None
         device = value.device if key == "rule_step" else shard.device  # the step count stays on CPU
@@ -491,21 +432,14 @@ def _check_policy(opt: DeMo, saved: object, strict: bool, warns: list[str]) -> d
     if saved is None:
         return None
     if not isinstance(saved, dict):
-        raise ValueError(f"{_WHERE}: the saved policy record is {type(saved).__name__}; the file is damaged")
-    if saved.get("policy") != opt.policy.describe():
-        message = (
-            f"the checkpoint was saved with policy {saved.get('policy')}, this optimizer has "
-            f"{opt.policy.describe()}"
-        )
-        if strict:  # _check_settings raised already unless the settings record was edited
-            raise ValueError(f"{_WHERE}: {message}; build it with the same policy")
-        warns.append(f"{_WHERE}: {message}; strict=False: the policy starts afresh")
+        raise damaged(_WHERE, f"the saved policy record is {type(saved).__name__}")
+    differ = setting_differences({"policy": opt.policy.describe()}, {"policy": saved.get("policy")})
+    if differ:  # unless the settings record was edited, _check_settings found it already
+        if strict:
+            check_settings(_WHERE, {"policy": opt.policy.describe()}, {"policy": saved.get("policy")})
+        warns.append(f"{_WHERE}: {differ[0]}; strict=False: the policy starts afresh")
         return None
-    probe = copy.deepcopy(opt.policy)
-    try:
-        probe.load_state_dict(saved.get("state", {}))
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ValueError(f"{_WHERE}: the saved policy state does not load: {exc}") from None
+    check_policy_state(_WHERE, opt._driver, saved, "DeMo")
     return saved
 
 
@@ -531,3 +465,23 @@ def apply_load(opt: DeMo, plan: LoadPlan) -> None:
         opt._driver.load_state_dict(plan.policy)
     if plan.comm_stats is not None:
         opt.comm_stats = plan.comm_stats
+    opt._checked = False  # the first round after a load compares the replicated state
+
+
+def replicated(opt: DeMo, entries: list[tuple[int, int, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """What must be alike on every rank of DeMo's group, named: every parameter (its local
+    shard) and its shared state (:data:`SHARED_KEYS`: the adam rule's ``v`` and ``rule_step``,
+    the fp32 ``master``), not the per-rank error buffers. As many tensors on every rank: each
+    key the agreed settings may create is there, empty where the state lacks it."""
+    out = []
+    for gi, i, p in entries:
+        group, shard, name = opt.param_groups[gi], local(p), opt.plan.name(gi, i, p)
+        keys = []
+        if rules.effective_rule(group["update_rule"], group["rule_fallback"], shard.shape) == "adam":
+            keys += ["v", "rule_step"]
+        if opt.precision == "master" and p.dtype != torch.float32:
+            keys.append("master")
+        state = opt.state.get(p, {})
+        out.append((f"parameter {name}", shard))
+        out += [(f"the {k!r} of {name}", state.get(k, torch.zeros(0, device=shard.device))) for k in keys]
+    return out

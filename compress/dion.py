@@ -44,7 +44,6 @@ changes.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import warnings
@@ -66,7 +65,14 @@ from cokit.compress.named_params import (
     param_groups,
 )
 from cokit.compress.precision import LowPrecisionWarning
-from cokit.compress.state_records import check_groups, check_settings, hyper_parameters, read_records
+from cokit.compress.state_records import (
+    check_counts,
+    check_saved_groups,
+    check_tensor,
+    lacks,
+    load_comm_stats,
+    read_records,
+)
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_int, check_number
 
@@ -526,31 +532,25 @@ def _load(opt: Dion, sd: object) -> None:
         world=opt.comm.world_size,
         where=_LOAD,
         per_rank="the momentum buffers",
+        settings=json.loads(json.dumps(opt._settings())),
+        live_groups=opt.param_groups,
+        loose=_LOOSE,
     )
-    groups, common, mine = rec.groups, rec.common, rec.mine
-    check_settings(json.loads(json.dumps(opt._settings())), common.get("settings") or {}, _LOAD, _LOOSE)
+    common, mine, hyper = rec.common, rec.mine, rec.hyper
     if common.get("ranks") != opt._ranks:
         raise ValueError(
             f"{_LOAD}: the saved per-parameter ranks are {common.get('ranks')!r}, this optimizer's "
             f"{opt._ranks!r}: build the same model"
         )
-    check_groups(groups, opt.param_groups, _LOAD)
-    hyper = hyper_parameters(groups, COMMON_KEY)
-    for index, h in enumerate(hyper):
-        missing = [k for k in _GROUP_KEYS if k not in h]
-        if missing:
-            raise ValueError(f"{_LOAD}: saved param group {index} lacks {missing}; the file is damaged")
-        h["adamw_betas"] = tuple(h["adamw_betas"]) if isinstance(h["adamw_betas"], list) else h["adamw_betas"]
-        try:
-            _check_group(h, index)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{_LOAD}: saved {exc}") from None
-    keys_in_order = [k for g in groups for k in g["params"]]
+    for h in hyper:
+        if isinstance(h.get("adamw_betas"), list):
+            h["adamw_betas"] = tuple(h["adamw_betas"])
+    check_saved_groups(_LOAD, hyper, _GROUP_KEYS, _check_group)
     loaded: list[dict[str, torch.Tensor]] = []
-    for n, (p, key_n) in enumerate(zip(opt._model_params, keys_in_order, strict=True)):
+    for n, (p, key_n) in enumerate(zip(opt._model_params, rec.keys, strict=True)):
         entry = rec.state.get(key_n)
         if not isinstance(entry, Mapping):
-            raise ValueError(f"{_LOAD}: no state for {opt._name(n)}: the file is damaged or of another model")
+            raise lacks(_LOAD, f"the entry of {opt._name(n)}")
         r = opt._ranks[n]
         if r:
             cols = p.numel() // p.shape[0]
@@ -563,23 +563,13 @@ def _load(opt: Dion, sd: object) -> None:
             }
         ours: dict[str, torch.Tensor] = {}
         for key, (name, shape) in want.items():
-            value = entry.get(key)
-            if not (isinstance(value, torch.Tensor) and tuple(value.shape) == shape):
-                raise ValueError(f"{_LOAD}: {key} of {opt._name(n)} is not a tensor of shape {shape}")
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"{_LOAD}: {key} of {opt._name(n)} is not finite: the checkpoint is damaged")
+            value = check_tensor(_LOAD, f"{key} of {opt._name(n)}", entry.get(key), shape)
             device = torch.device("cpu") if name == "step" else p.device
             ours[name] = value.detach().to(device, torch.float32).clone()
         loaded.append(ours)
     counters = common.get("counters") or {}
-    for name in ("steps", "skipped_steps"):
-        value = counters.get(name)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise ValueError(f"{_LOAD}: the saved {name} is {value!r}, not a count; the file is damaged")
-    try:
-        stats = CommStats.from_dict(copy.deepcopy(mine.get("comm_stats", {})))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{_LOAD}: the saved comm_stats do not load ({exc}); the file is damaged") from None
+    check_counts(_LOAD, counters, ("steps", "skipped_steps"), default=None)
+    stats = load_comm_stats(_LOAD, mine.get("comm_stats", {}))
     # everything checked: load
     for g, h in zip(opt.param_groups, hyper, strict=True):
         g.update(h)

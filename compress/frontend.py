@@ -350,16 +350,22 @@ class FrontEnd(ExchangeOwner):
     def check_replicas(self, named: Sequence[tuple[str, torch.Tensor]], *, when: str = AT_FIRST_STEP) -> None:
         """Raise ``ValueError`` on every rank unless every rank holds the same tensors (``(name,
         tensor)`` pairs; their float64 sums compared, 0 for empty ones), naming the first that
-        differs. Every rank must pass as many (decide from agreed settings and counters)."""
+        differs and the ranks that hold other values than the group's first. Every rank must pass as many (decide from agreed settings and counters)."""
         if not named:
             return
         tensors = [t for _, t in named]
-        sums = torch.stack([t.detach().double().sum() for t in tensors]).to(tensors[0].device)
+        device = tensors[0].device  # (a step count may sit on the CPU beside CUDA tensors)
+        sums = torch.stack([t.detach().double().sum().to(device) for t in tensors])
         seen = self.exchange.wait(self.comm.all_gather(sums, "parameter check")).cpu()
         differ = (seen != seen[:1]).any(dim=0).nonzero().flatten().tolist()
         if differ:
+            first = differ[0]
+            others = [
+                self.exchange.global_rank(r) for r in range(len(seen)) if seen[r, first] != seen[0, first]
+            ]
             raise ValueError(
-                f"{self.owner}: {named[differ[0]][0]} differs between the ranks {when}; every rank must "
-                "start from the same weights and state (seed the model alike or broadcast rank 0's; "
-                "load each rank's own checkpoint of one run)"
+                f"{self.owner}: {named[first][0]} differs between the ranks {when}: rank(s) {others} hold "
+                f"other values than rank {self.exchange.global_rank(0)}; every rank must start from the same "
+                "weights and state (seed the model alike or broadcast rank 0's; load each rank's own "
+                "checkpoint of one run)"
             )

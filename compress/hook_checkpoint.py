@@ -24,8 +24,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from cokit.compress import state_records
 from cokit.compress.buckets import sends_dense
 from cokit.compress.payload import get_codec
+from cokit.compress.state_records import (
+    check_counts,
+    check_format,
+    check_settings,
+    check_tensor,
+    damaged,
+    load_comm_stats,
+    origin_problem,
+)
 from cokit.compress.stats import CommStats
 
 if TYPE_CHECKING:
@@ -138,17 +148,16 @@ def buffers_by_name(state: DCTTopKState, owner: str) -> dict[str, torch.Tensor]:
 def check_origin(owner: str, origin: tuple[int, int], here: tuple[int, int]) -> None:
     """Raise unless the state was saved on this rank of a world of this size."""
     (rank, world), (my_rank, my_world) = origin, here
-    if world != my_world:
-        raise ValueError(
-            f"{owner}: the state was saved in a world of {world} ranks, this one has {my_world}: "
-            "error buffers do not carry over to another world size; start a fresh DCTTopKState "
-            "(or resume with the same number of ranks)"
-        )
-    if rank != my_rank:
-        raise ValueError(
-            f"{owner}: the state was saved by rank {rank}, this is rank {my_rank}: each rank must "
-            "load its own state (save one file per rank, e.g. hook_state.rank{rank}.pt)"
-        )
+    problem = origin_problem(
+        saved_world=world,
+        world=my_world,
+        ranks={rank: {"rank": rank}},
+        who={"rank": my_rank},
+        per_rank="error buffers",
+    )
+    state_records.check_origin(
+        owner, problem, " (one file per rank, e.g. hook_state.rank{rank}.pt), or start a fresh DCTTopKState"
+    )
 
 
 def check_buffers(
@@ -176,24 +185,15 @@ def check_buffers(
                 f"{owner}: error buffer for {name!r}, but the model has no trainable parameter of "
                 f"that name ({known}): load it into the model it was saved from"
             )
-        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.float32:
-            what = buf.dtype if isinstance(buf, torch.Tensor) else type(buf).__name__
-            raise TypeError(f"{owner}: error buffer {name!r} must be a float32 tensor, got {what}")
-        if tuple(buf.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"{owner}: error buffer {name!r} has shape {tuple(buf.shape)}, the parameter has "
-                f"{tuple(params[name].shape)}: the checkpoint is from another model"
-            )
+        check_tensor(
+            owner, f"error buffer {name!r}", buf, tuple(params[name].shape), dtype=torch.float32, finite=False
+        )
         if name not in compressed:
             raise ValueError(
                 f"{owner}: error buffer for {name!r}, which these settings all-reduce dense "
                 f"(world size {world}): the checkpoint is from other settings or another world size"
             )
-        if not bool(torch.isfinite(buf).all()):
-            raise ValueError(
-                f"{owner}: error buffer {name!r} is not finite: the checkpoint is corrupt (or was "
-                "saved after a bad step); load an earlier one or start a fresh DCTTopKState"
-            )
+        check_tensor(owner, f"error buffer {name!r}", buf, tuple(buf.shape))
     missing = sorted(compressed - set(buffers))
     if buffers and missing:
         raise ValueError(
@@ -272,43 +272,15 @@ def _stats_dict(stats: CommStats) -> dict[str, Any]:
     return {k: v for k, v in stats.as_dict().items() if k in names}
 
 
-def _count(owner: str, name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{owner}: {name} must be an integer >= 0, got {value!r}")
-    return value
-
-
-def _stats(owner: str, saved: object) -> CommStats:
-    if not isinstance(saved, dict):
-        raise TypeError(
-            f"{owner}: comm_stats must be a dict (CommStats.as_dict()), got {type(saved).__name__}"
-        )
-    for key, value in saved.items():
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            raise ValueError(f"{owner}: comm_stats[{key!r}] must be a number >= 0, got {value!r}")
-    try:
-        return CommStats.from_dict(saved)
-    except TypeError as exc:
-        raise ValueError(f"{owner}: comm_stats is not CommStats.as_dict() output: {exc}") from None
-
-
 def load_state_dict(state: DCTTopKState, sd: object) -> None:
     """See :meth:`DCTTopKState.load_state_dict`."""
     owner = "DCTTopKState.load_state_dict"
     if not isinstance(sd, dict):
         raise TypeError(f"{owner}: expected the dict from DCTTopKState.state_dict(), got {type(sd).__name__}")
-    if sd.get("format") != FORMAT:
-        raise ValueError(
-            f"{owner}: not a DCTTopKState state dict (format {sd.get('format')!r}, expected {FORMAT!r})"
-        )
+    check_format(owner, sd, optimizer="DCTTopKState", fmt=FORMAT)
     if set(sd) != _KEYS:
-        raise ValueError(
-            f"{owner}: state dict keys {sorted(sd)} differ from DCTTopKState.state_dict()'s {sorted(_KEYS)}"
+        raise damaged(
+            owner, f"the state has the keys {sorted(sd)}, DCTTopKState.state_dict() saves {sorted(_KEYS)}"
         )
     if in_flight(state):
         raise RuntimeError(f"{owner}: called during backward(); call it between iterations")
@@ -317,15 +289,10 @@ def load_state_dict(state: DCTTopKState, sd: object) -> None:
     saved, mine = sd["settings"], settings(state)
     if not isinstance(saved, dict):
         raise TypeError(f"{owner}: settings must be a dict, got {type(saved).__name__}")
-    differ = [f"{k}={saved.get(k)!r} (this state: {mine[k]!r})" for k in MATCHING if saved.get(k) != mine[k]]
-    if differ:
-        raise ValueError(
-            f"{owner}: the checkpoint was saved with {', '.join(differ)}; these settings change what "
-            "the hook computes: build the DCTTopKState with the saved settings"
-        )
-    iteration = _count(owner, "iteration", sd["iteration"])
-    skipped = _count(owner, "skipped_steps", sd["skipped_steps"])
-    stats = _stats(owner, sd["comm_stats"])
+    check_settings(owner, {k: mine[k] for k in MATCHING}, {k: saved.get(k) for k in MATCHING})
+    check_counts(owner, sd, ("iteration", "skipped_steps"))
+    iteration, skipped = sd["iteration"], sd["skipped_steps"]
+    stats = load_comm_stats(owner, sd["comm_stats"])
     buffers = sd["error_buffers"]
     if not isinstance(buffers, dict):
         raise TypeError(f"{owner}: error_buffers must be a dict name -> tensor, got {type(buffers).__name__}")

@@ -169,6 +169,7 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         self.skipped_steps = self.skipped_syncs = self._steps = 0
         self._driver = PolicyDriver(self.policy, opts.clock)
         self._precision_checked = False  # warn_if_unmastered runs at the first step
+        self._checked = True  # False after a load: its first round compares the replicas
         self._generators: dict[torch.device, torch.Generator] = {}  # this step's rounding draws
         self.plan = DemoPlan(self)  # entries, names, buckets, inputs and layout
         self._guards = StepGuards()  # momentum alias sync, DDP double-sync warning
@@ -334,6 +335,7 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
             device=self.plan.device(),
             extra=self._driver.measurement(torch.device("cpu")),
         )
+        self._check_loaded(entries)
         if not self._skip_or_raise(rnd, entries):
             return None
         self._driver.decide(rnd.extras if self.policy.observes else None, self._steps + 1)
@@ -355,6 +357,15 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         its two aliases are reconciled first)."""
         sync_decay(self.param_groups, self.defaults["compression_decay"])
         self._status_round()
+        self._check_loaded(self.plan.entries())
+
+    def _check_loaded(self, entries: list[Entry]) -> None:
+        """The first round after a load, once its status row agreed on settings, layout and
+        counters: every rank must hold the same parameters and shared state
+        (:func:`~cokit.compress.checkpoint.replicated`); raises on every rank before any change."""
+        if not self._checked:
+            self.check_replicas(checkpoint.replicated(self, entries))
+            self._checked = True
 
     def _skip_or_raise(self, rnd: Round, entries: list[Entry]) -> bool:
         """True to go on; False when every rank skips (counted in ``skipped_steps``)."""

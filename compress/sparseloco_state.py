@@ -21,7 +21,6 @@ counters, the policy state) before anything changes.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from collections.abc import Mapping
@@ -35,14 +34,15 @@ from cokit.compress.named_params import indexed_groups
 from cokit.compress.payload import wire_sizes
 from cokit.compress.sparseloco_local import hyper
 from cokit.compress.state_records import (
+    check_counts,
     check_finite_hyper_parameters,
-    check_groups,
     check_inner_state,
-    check_settings,
-    hyper_parameters,
+    check_policy_state,
+    check_tensor,
+    lacks,
+    load_comm_stats,
     read_records,
 )
-from cokit.compress.stats import CommStats
 
 if TYPE_CHECKING:
     from cokit.compress.sparseloco import SparseLoCo
@@ -148,24 +148,19 @@ def load(opt: SparseLoCo, sd: object) -> None:
         world=opt.comm.world_size,
         where=_WHERE,
         per_rank="error buffers and inner state",
+        settings=_settings(opt),
+        live_groups=opt.param_groups,
+        loose=_LOOSE,
+        optional=_OPTIONAL,
     )
-    groups, common = rec.groups, rec.common
-    check_settings(_settings(opt), common.get("settings") or {}, _WHERE, _LOOSE, _OPTIONAL)
-    check_groups(groups, opt.param_groups, _WHERE)
-    check_finite_hyper_parameters(groups, _WHERE)
+    common = rec.common
+    check_finite_hyper_parameters(_WHERE, rec.hyper)
     params = opt._model_params
     inner_state: dict[int, dict[str, Any]] = {}
     loaded: list[dict[str, torch.Tensor]] = []
     prefix = f"inner_rank{rank}."
     keys = {"global", "momentum", f"error_rank{rank}", f"master_rank{rank}", f"local_rank{rank}"}
-    # the saved groups list each parameter's key in order (indices, or names after DCP)
-    keys_in_order = [k for g in groups for k in g["params"]]
-    extra = sorted(map(str, set(rec.state) - set(keys_in_order)))
-    if extra:
-        raise ValueError(
-            f"{_WHERE}: the state has entries {extra} that no saved param group lists; the file is damaged"
-        )
-    for n, (p, key_n) in enumerate(zip(params, keys_in_order, strict=True)):
+    for n, (p, key_n) in enumerate(zip(params, rec.keys, strict=True)):
         entry = rec.state.get(key_n, {})
         if not isinstance(entry, Mapping):
             raise ValueError(f"{_WHERE}: the state of {opt._name(n)} is {type(entry).__name__}, not a dict")
@@ -175,39 +170,26 @@ def load(opt: SparseLoCo, sd: object) -> None:
             if key.startswith(prefix):
                 inner_state.setdefault(n, {})[key[len(prefix) :]] = value
             elif key in keys:
-                if not (isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(p.shape)):
-                    raise ValueError(
-                        f"{_WHERE}: {key} of {opt._name(n)} is not a tensor of shape {tuple(p.shape)}"
-                    )
-                if not bool(torch.isfinite(value).all()):
-                    raise ValueError(
-                        f"{_WHERE}: {key} of {opt._name(n)} is not finite: the checkpoint is damaged"
-                    )
+                check_tensor(_WHERE, f"{key} of {opt._name(n)}", value, tuple(p.shape))
                 dtype = p.dtype if key.startswith("local") else torch.float32
                 ours[key.split("_rank")[0]] = value.detach().to(p.device, dtype).clone()
             elif not (key.startswith(("error_rank", "master_rank", "local_rank", "inner_rank"))):
                 raise ValueError(f"{_WHERE}: unknown state {key!r} for {opt._name(n)}")
         loaded.append(ours)
-    check_inner_state(inner_state, opt._name, _WHERE)
+    check_inner_state(_WHERE, inner_state, opt._name)
     counters = common.get("counters") or {}
-    for name in _COUNTERS:
-        value = counters.get(name, 0)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise ValueError(f"{_WHERE}: the saved {name} is {value!r}, not a count; the file is damaged")
+    check_counts(_WHERE, counters, _COUNTERS)
     _check_present(opt, loaded, counters)
     interval = common.get("interval", opt.sync_every)
     if not (isinstance(interval, int) and interval >= 1):
         raise ValueError(f"{_WHERE}: saved interval {interval!r} is not a positive integer")
     policy = common.get("policy")
     if policy is not None:
-        copy.deepcopy(opt._driver).load_state_dict(policy, owner="SparseLoCo")  # raises if it does not load
+        check_policy_state(_WHERE, opt._driver, policy, "SparseLoCo")
     topks = _saved_topks(opt, common) if opt.adaptive_topk else None
-    try:
-        stats = CommStats.from_dict(rec.mine.get("comm_stats", {}))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{_WHERE}: the saved comm_stats do not load ({exc}); the file is damaged") from None
+    stats = load_comm_stats(_WHERE, rec.mine.get("comm_stats", {}))
     # everything checked: the inner optimizer first (it validates its own state), then ours
-    hyper = hyper_parameters(groups, COMMON_KEY)
+    hyper = rec.hyper
     inner_groups = opt.inner.state_dict()["param_groups"]
     opt.inner.load_state_dict(
         {
@@ -250,11 +232,9 @@ def _check_present(
     compressed = {i for b in opt.plan.static() if not b.dense for i in b.members}
     for n, ours in enumerate(loaded):
         if steps and "global" not in ours:
-            raise ValueError(f"{_WHERE}: the state lacks theta_global of {opt._name(n)}; the file is damaged")
+            raise lacks(_WHERE, f"theta_global of {opt._name(n)}")
         if syncs and n in compressed and "error" not in ours:
-            raise ValueError(
-                f"{_WHERE}: the state lacks this rank's error buffer of {opt._name(n)}; the file is damaged"
-            )
+            raise lacks(_WHERE, f"this rank's error buffer of {opt._name(n)}")
 
 
 def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:

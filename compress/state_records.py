@@ -1,48 +1,139 @@
-"""The JSON records that SparseLoCo's and Dion's state dicts keep in param group 0, and the
-checks every load runs on them before anything changes.
+"""The checkpoint records of every front end (DeMo, SparseLoCo, Dion, the DDP hook), and the
+checks every load runs on them before anything changes, with one wording for each defect.
 
-Both optimizers save torch.optim's layout (``state`` and ``param_groups``, which DCP keeps) and
+The optimizers save torch.optim's layout (``state`` and ``param_groups``, which DCP keeps) and
 put two kinds of JSON string in group 0: ``<key>`` (shared: format, optimizer, world size,
-settings, counters) and ``<key>_rank<R>`` (rank ``R``'s own: its comm stats). A load reads
-them with :func:`read_records`, compares the settings with :func:`check_settings` and the
-groups with :func:`check_groups`; each raises ``ValueError`` naming what differs.
+settings, counters) and ``<key>_rank<R>`` (rank ``R``'s own: its comm stats); the hook saves a
+plain dict with the same fields. A load checks, each raising ``ValueError`` naming what differs
+and what to do:
+
+* the format and the optimizer that saved it (:func:`check_format`);
+* the rank and world size (:func:`origin_problem`, :func:`check_origin`): per-rank state loads
+  only on its own rank at its own world size;
+* the settings (:func:`setting_differences`, :func:`check_settings`);
+* the param groups (:func:`check_groups`) and their hyper-parameters
+  (:func:`check_saved_groups`, :func:`check_finite_hyper_parameters`);
+* the state's entries (:func:`check_entries`, :func:`lacks`), tensors (:func:`check_tensor`,
+  :func:`check_inner_state`), counters (:func:`check_counts`), comm stats
+  (:func:`load_comm_stats`) and policy state (:func:`check_policy_state`).
+
+:func:`read_records` runs the first two for the optimizers' JSON records.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from cokit.compress.stats import CommStats
+
 __all__ = [
     "Records",
+    "check_counts",
+    "check_entries",
     "check_finite_hyper_parameters",
+    "check_format",
     "check_groups",
     "check_inner_state",
+    "check_origin",
+    "check_policy_state",
+    "check_saved_groups",
     "check_settings",
+    "check_tensor",
+    "damaged",
     "hyper_parameters",
+    "lacks",
+    "load_comm_stats",
+    "origin_problem",
     "read_records",
+    "setting_differences",
 ]
+
+#: how every refusal ends: the load changed nothing
+NOTHING_CHANGED = "Nothing changed"
 
 
 @dataclass(frozen=True)
 class Records:
     """What :func:`read_records` found: the saved state and groups, the shared record and this
-    rank's."""
+    rank's, the groups' hyper-parameters (:func:`hyper_parameters`) and the state's keys of the
+    parameters in order (indices, or names after DCP)."""
 
     state: Mapping[Any, Any]
     groups: list[Mapping[str, Any]]
     common: dict[str, Any]
     mine: dict[str, Any]
+    hyper: list[dict[str, Any]]
+    keys: list[Any]
 
 
 def _rank_key(key: str) -> re.Pattern[str]:
     return re.compile(rf"^{re.escape(key)}_rank(\d+)$")
+
+
+def damaged(where: str, what: str) -> ValueError:
+    """The error of a state that no save writes: ``what`` it holds."""
+    return ValueError(f"{where}: {what}; the file is damaged")
+
+
+def check_format(where: str, record: object, *, optimizer: str, fmt: object) -> None:
+    """Raise unless ``record`` (a dict with ``format`` and, for optimizers, ``optimizer``) is
+    ``optimizer``'s format ``fmt``."""
+    saved = record.get("format") if isinstance(record, Mapping) else None
+    if saved != fmt:
+        raise ValueError(
+            f"{where}: the state has format {saved!r}, this cokit reads {optimizer} format {fmt!r}: "
+            "it is another optimizer's state, or another cokit version saved it (load it with that one)"
+        )
+    assert isinstance(record, Mapping)
+    if record.get("optimizer", optimizer) != optimizer:
+        raise ValueError(
+            f"{where}: the state was saved by optimizer {record.get('optimizer')!r}, not {optimizer}: "
+            "load it into the optimizer that saved it"
+        )
+
+
+def origin_problem(
+    *, saved_world: object, world: object, ranks: Mapping[int, object], who: Mapping[str, int], per_rank: str
+) -> str | None:
+    """Why this rank (``who``: its ``rank`` and whatever else its record keeps) cannot load the
+    per-rank part of a state saved at ``saved_world`` with the records ``ranks`` (by rank); None
+    when it can. ``per_rank`` says what is kept per rank."""
+    mine = ranks.get(who["rank"])
+    if saved_world != world:
+        return (
+            f"the state was saved at world size {saved_world}, this run has world size {world}: {per_rank} "
+            "belong to the rank that saved them"
+        )
+    if not isinstance(mine, Mapping):
+        return (
+            f"the state holds the records of rank(s) {sorted(ranks)}, this is rank {who['rank']}: every "
+            "rank must load the state it saved itself (saving on rank 0 only loses the other ranks' "
+            f"{per_rank}: save on every rank, one file each, or use torch.distributed.checkpoint)"
+        )
+    differ = [k for k in who if mine.get(k) != who[k]]
+    if differ:
+        diff = ", ".join(f"{k} {mine.get(k)!r} (here {who[k]})" for k in differ)
+        return f"this rank's record says {diff}: the state belongs to another rank or run"
+    return None
+
+
+def check_origin(where: str, problem: str | None, relax: str = "") -> None:
+    """Raise with :func:`origin_problem`'s ``problem`` (nothing when None); ``relax`` says how
+    to load anyway."""
+    if problem is not None:
+        raise ValueError(
+            f"{where}: {problem}. {NOTHING_CHANGED}. Load each rank's own state at the world size it "
+            f"was saved at{relax}"
+        )
 
 
 def read_records(
@@ -55,10 +146,15 @@ def read_records(
     world: int,
     where: str,
     per_rank: str,
+    settings: Mapping[str, Any],
+    live_groups: list[dict[str, Any]],
+    loose: Iterable[str] = (),
+    optional: Mapping[str, Any] | None = None,
 ) -> Records:
     """Check that ``sd`` is an ``optimizer`` state dict of format ``fmt`` saved by rank
-    ``rank`` of a world of ``world``, and return its records. ``per_rank`` says what is kept
-    per rank (the reason a state loads only on its own rank at its own world size)."""
+    ``rank`` of a world of ``world`` (``per_rank`` says what is kept per rank), with the
+    ``settings`` (:func:`check_settings`), param groups like ``live_groups`` and no entry that
+    no group lists, and return its records."""
     if not (
         isinstance(sd, Mapping)
         and isinstance(sd.get("state"), Mapping)
@@ -79,43 +175,76 @@ def read_records(
             f"{where}: param group 0 has no readable {key!r} record: this is not a {optimizer} state (or "
             "something dropped the record, e.g. DCP with flatten_optimizer_state_dict=True)"
         ) from None
-    if not isinstance(common, dict) or common.get("format") != fmt or common.get("optimizer") != optimizer:
-        raise ValueError(f"{where}: the record says {common!r}; expected {optimizer} format {fmt}")
-    mine = ranks.get(rank)
-    if common.get("world") != world or not isinstance(mine, dict):
-        raise ValueError(
-            f"{where}: saved by rank(s) {sorted(ranks)} of a world of {common.get('world')}, loading on rank "
-            f"{rank} of {world}: {per_rank} are per rank; load each rank's own state at the world size it "
-            "was saved at (DCP keeps every rank's)"
-        )
-    return Records(sd["state"], groups, common, mine)
+    check_format(where, common, optimizer=optimizer, fmt=fmt)
+    problem = origin_problem(
+        saved_world=common.get("world"), world=world, ranks=ranks, who={"rank": rank}, per_rank=per_rank
+    )
+    check_origin(where, problem)
+    check_settings(where, settings, common.get("settings") or {}, loose, optional)
+    check_groups(where, groups, live_groups)
+    keys = [k for g in groups for k in g["params"]]
+    check_entries(where, sd["state"], keys)
+    return Records(sd["state"], groups, common, ranks[rank], hyper_parameters(groups, key), keys)
+
+
+def setting_differences(
+    here: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    loose: Iterable[str] = (),
+    optional: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Every setting that differs between ``here`` and ``saved``, said the same way for every
+    front end. ``loose`` settings do not change what is computed and may differ; ``optional``
+    ones are recorded only when on and compare as their value when off (``{name: off value}``)
+    when either side lacks them."""
+    optional = optional or {}
+    out = []
+    for name in sorted((set(here) | set(saved) | set(optional)) - set(loose)):
+        now, then = here.get(name, optional.get(name)), saved.get(name, optional.get(name))
+        if now != then:
+            out.append(f"setting {name!r} was {then!r}, is {now!r} now")
+    return out
 
 
 def check_settings(
+    where: str,
     here: Mapping[str, Any],
     saved: Mapping[str, Any],
-    where: str,
-    loose: tuple[str, ...] = (),
+    loose: Iterable[str] = (),
     optional: Mapping[str, Any] | None = None,
+    relax: str = "",
 ) -> None:
-    """Raise unless every setting in ``here`` equals the saved one. ``loose`` settings do not
-    change what is computed and may differ; ``optional`` ones are recorded only when on and
-    compare as their value when off (``{name: off value}``) when either side lacks them."""
-    optional = optional or {}
-    for name in [*here, *(k for k in optional if k not in here)]:
-        now, then = here.get(name, optional.get(name)), saved.get(name, optional.get(name))
-        if name not in loose and now != then:
-            raise ValueError(f"{where}: setting {name!r} was {then!r}, is {now!r} now")
-
-
-def check_groups(saved: list[Mapping[str, Any]], param_groups: list[dict[str, Any]], where: str) -> None:
-    """Raise unless the saved groups hold as many parameters, group by group, as ours."""
-    if len(saved) != len(param_groups) or any(
-        len(s["params"]) != len(g["params"]) for s, g in zip(saved, param_groups, strict=True)
-    ):
+    """Raise naming every setting that differs (:func:`setting_differences`); ``relax`` says
+    how to load anyway."""
+    differ = setting_differences(here, saved, loose, optional)
+    if differ:
         raise ValueError(
-            f"{where}: the saved param groups do not match this optimizer's (build the same model)"
+            f"{where}: {'; '.join(differ)}. {NOTHING_CHANGED}. Build it with the settings it was saved "
+            f"with{relax}"
         )
+
+
+def check_groups(where: str, saved: list[Mapping[str, Any]], live: list[dict[str, Any]]) -> None:
+    """Raise unless the saved groups hold as many parameters, group by group, as ``live``, under
+    the same names where both name them."""
+    if len(saved) != len(live):
+        raise ValueError(
+            f"{where}: the checkpoint has {len(saved)} param groups, this optimizer has {len(live)}; "
+            "build the optimizer with the param groups it was saved with"
+        )
+    for gi, (s, g) in enumerate(zip(saved, live, strict=True)):
+        if len(s["params"]) != len(g["params"]):
+            raise ValueError(
+                f"{where}: param group {gi} has {len(s['params'])} parameters in the checkpoint, "
+                f"{len(g['params'])} here; build the same model (and groups) as when saving"
+            )
+        names, saved_names = g.get("param_names"), s.get("param_names")
+        if names is not None and saved_names is not None and list(names) != list(saved_names):
+            n = next(i for i, (a, b) in enumerate(zip(names, saved_names, strict=True)) if a != b)
+            raise ValueError(
+                f"{where}: param group {gi} parameter {n} is {saved_names[n]!r} in the checkpoint but "
+                f"{names[n]!r} here; build the same model, with its parameters in the same order"
+            )
 
 
 def hyper_parameters(groups: list[Mapping[str, Any]], key: str) -> list[dict[str, Any]]:
@@ -127,26 +256,83 @@ def hyper_parameters(groups: list[Mapping[str, Any]], key: str) -> list[dict[str
     ]
 
 
-def check_finite_hyper_parameters(groups: list[Mapping[str, Any]], where: str) -> None:
+def _number(value: object) -> object:
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def check_finite_hyper_parameters(where: str, groups: Sequence[Mapping[str, Any]]) -> None:
     """Raise unless every number among the saved groups' hyper-parameters (``lr``, betas, ...)
     is finite and every ``lr`` is >= 0: a NaN lr would turn the weights NaN at the next step."""
     for gi, group in enumerate(groups):
         for name, value in group.items():
-            values = value if isinstance(value, (tuple, list)) else [value]
-            for v in values:
-                if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    v = v.item()
+            for v in value if isinstance(value, (tuple, list)) else [value]:
+                v = _number(v)
                 if isinstance(v, float) and not math.isfinite(v):
-                    raise ValueError(
-                        f"{where}: saved param group {gi} has {name}={value!r}; the file is damaged"
-                    )
-        lr = group.get("lr")
-        lr = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+                    raise damaged(where, f"saved param group {gi} has {name}={value!r}")
+        lr = _number(group.get("lr"))
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr < 0:
-            raise ValueError(f"{where}: saved param group {gi} has lr={lr!r} < 0; the file is damaged")
+            raise damaged(where, f"saved param group {gi} has lr={lr!r} < 0")
 
 
-def check_inner_state(state: Mapping[int, Mapping[str, Any]], name: Callable[[int], str], where: str) -> None:
+def check_saved_groups(
+    where: str,
+    hyper: list[dict[str, Any]],
+    keys: Iterable[str],
+    check: Callable[[dict[str, Any], int], None],
+) -> None:
+    """Raise unless every saved group's hyper-parameters (:func:`hyper_parameters`) are finite
+    (:func:`check_finite_hyper_parameters`), hold ``keys`` and pass the front end's own
+    ``check(group, index)``, whose error is told as the saved group's."""
+    check_finite_hyper_parameters(where, hyper)
+    for gi, h in enumerate(hyper):
+        missing = sorted(set(keys) - set(h))
+        if missing:
+            raise damaged(where, f"saved param group {gi} lacks {missing}")
+        try:
+            check(h, gi)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: saved {exc}") from None
+
+
+def check_entries(where: str, state: Mapping[Any, Any], listed: Iterable[Any]) -> None:
+    """Raise unless every entry of ``state`` belongs to a parameter some saved group lists."""
+    extra = sorted(map(str, set(state) - set(listed)))
+    if extra:
+        raise damaged(where, f"the state has entries {extra} that no saved param group lists")
+
+
+def lacks(where: str, what: str) -> ValueError:
+    """The error of a state that lacks ``what`` a save always writes."""
+    return damaged(where, f"the state lacks {what}")
+
+
+def check_tensor(
+    where: str,
+    what: str,
+    value: object,
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype | None = None,
+    finite: bool = True,
+) -> torch.Tensor:
+    """``value``, checked: a float tensor (of ``dtype`` when given) of ``shape``, and finite
+    unless ``finite=False`` (the caller decides)."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{where}: {what} is {got}, not a float tensor")
+    if dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{where}: {what} must be a {dtype} tensor, got {value.dtype}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"{where}: {what} has shape {tuple(value.shape)}, expected {tuple(shape)}: build the same "
+            "model (and sharding) as when saving"
+        )
+    if finite and not bool(torch.isfinite(value).all()):
+        raise damaged(where, f"{what} is not finite")
+    return value
+
+
+def check_inner_state(where: str, state: Mapping[int, Mapping[str, Any]], name: Callable[[int], str]) -> None:
     """Raise unless every tensor of a saved inner-optimizer state is finite and every second
     moment (``exp_avg_sq``, ``max_exp_avg_sq``) is >= 0: a negative one turns every later
     step's update NaN."""
@@ -155,10 +341,50 @@ def check_inner_state(state: Mapping[int, Mapping[str, Any]], name: Callable[[in
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 continue
             if not bool(torch.isfinite(value).all()):
-                raise ValueError(
-                    f"{where}: the inner optimizer's {key} of {name(n)} is not finite; the file is damaged"
-                )
+                raise damaged(where, f"the inner optimizer's {key} of {name(n)} is not finite")
             if key.endswith("exp_avg_sq") and bool((value < 0).any()):
-                raise ValueError(
-                    f"{where}: the inner optimizer's {key} of {name(n)} is negative; the file is damaged"
-                )
+                raise damaged(where, f"the inner optimizer's {key} of {name(n)} is negative")
+
+
+def check_counts(where: str, counters: Mapping[str, Any], names: Iterable[str], default: object = 0) -> None:
+    """Raise unless each of ``names`` in ``counters`` (``default`` where absent) is an int >= 0."""
+    for name in names:
+        value = counters.get(name, default)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise damaged(where, f"the saved {name} is {value!r}, not a count")
+
+
+_STATS = {f.name for f in dataclasses.fields(CommStats) if not f.name.startswith("_")}
+
+
+def load_comm_stats(where: str, saved: object) -> CommStats:
+    """The saved comm stats (:meth:`CommStats.as_dict` output), each total a number >= 0."""
+    problem = None
+    if not isinstance(saved, Mapping):
+        problem = f"a {type(saved).__name__}, not CommStats.as_dict() output"
+    else:
+        for key in sorted(_STATS & set(saved)):
+            value = saved[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                problem = f"{key} is {value!r}, not a number >= 0"
+                break
+            if not math.isfinite(value):
+                problem = f"{key} is {value!r}, not a number >= 0"
+                break
+    if problem is None:
+        assert isinstance(saved, Mapping)
+        try:
+            return CommStats.from_dict(copy.deepcopy(dict(saved)))
+        except (TypeError, ValueError) as exc:
+            problem = str(exc)
+    raise damaged(where, f"the saved comm_stats do not load ({problem})")
+
+
+def check_policy_state(where: str, driver: Any, saved: object, owner: str) -> None:
+    """Raise unless ``saved`` loads into a copy of the policy ``driver``."""
+    if not isinstance(saved, dict):
+        raise damaged(where, f"the saved policy record is {type(saved).__name__}")
+    try:
+        copy.deepcopy(driver).load_state_dict(saved, owner=owner)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"{where}: the saved policy state does not load: {exc}") from None

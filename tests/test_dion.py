@@ -414,15 +414,14 @@ def test_resume_is_exact_and_bad_loads_change_nothing(world2):
         assert r["sent"][1] - r["sent"][0] == (len(world2) - 1) * 8 * (len(SHAPES) + replicated)
         assert r["steps"] == (6, 6)
         assert (
-            "saved by rank(s) [" in r["errors"]["rank"]
-            and f"loading on rank {rank} of 2" in r["errors"]["rank"]
+            f"the state holds the records of rank(s) [{1 - rank}], this is rank {rank}" in r["errors"]["rank"]
         )
         assert "setting 'rank' was 3, is 2 now" in r["errors"]["settings"]
         assert r["unchanged"]
     # a world-2 state in a single process (world 1): refused before anything changes
     opt = _build([torch.nn.Parameter(t) for t in _init()], **CONFIGS["rank3"])
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match="of a world of 2, loading on rank 0 of 1"):
+    with pytest.raises(ValueError, match="the state was saved at world size 2, this run has world size 1"):
         opt.load_state_dict(world2[0]["resume"]["state"])
     after = opt.state_dict()
     for n in before["state"]:
@@ -663,14 +662,22 @@ def test_a_damaged_or_foreign_state_is_refused():
         fresh.load_state_dict(bad)
     bad = copy.deepcopy(good)
     bad["state"][1]["Q"] = torch.zeros(36, 2)
-    with pytest.raises(ValueError, match=r"not a tensor of shape \(36, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"Q of 'conv\.weight' \(8, 4, 3, 3\) has shape \(36, 2\), expected \(36, 3\)"
+    ):
         fresh.load_state_dict(bad)
     with pytest.raises(ValueError, match="not a Dion state_dict"):
         fresh.load_state_dict({"state": {}})
     with pytest.raises(ValueError, match="no readable 'dion' record"):
         fresh.load_state_dict(torch.optim.SGD(params, lr=0.1).state_dict())
-    other = Dion(list(zip(NAMES[:2], params[:2], strict=True)), rank=3)
-    with pytest.raises(ValueError, match="per-parameter ranks"):
+    fewer = Dion(list(zip(NAMES[:2], params[:2], strict=True)), rank=3)
+    with pytest.raises(ValueError, match="param group 0 has 4 parameters in the checkpoint, 2 here"):
+        fewer.load_state_dict(good)
+    # as many parameters, but the norm weight a matrix: Dion's instead of AdamW's
+    other = _build([torch.nn.Parameter(t) for t in [*_init()[:2], torch.randn(4, 4), _init()[3]]], rank=3)
+    with pytest.raises(
+        ValueError, match=r"per-parameter ranks are \[3, 3, 0, 0\], this optimizer's \[3, 3, 3, 0\]"
+    ):
         other.load_state_dict(good)
     assert fresh.comm_stats.steps == 0 and fresh._steps == 0
     fresh.load_state_dict(good)  # the good one loads

@@ -285,20 +285,20 @@ def test_bad_loads_raise_clear_errors_and_change_nothing(worlds):
     for rank, (errors, named) in enumerate(worlds[2]["bad loads"]):
         other = 1 - rank
         expect = {
-            "other rank": f"ValueError: .*saved by rank {other}, this is rank {rank}: each rank must load its own",
-            "other rank (pickle)": f"saved by rank {other}, this is rank {rank}",
-            "other settings": r"saved with topk=4 \(this state: 8\), decay=0.5 \(this state: 1.0\).*build the",
-            "other settings (state)": r"saved with topk=8 \(this state: 4\)",
-            "wrong shape": r"'a.weight' has shape \(3, 3\), the parameter has \(64, 24\)",
+            "other rank": rf"ValueError: .*records of rank\(s\) \[{other}\], this is rank {rank}: every rank must load the state it saved",
+            "other rank (pickle)": rf"rank\(s\) \[{other}\], this is rank {rank}",
+            "other settings": r"setting 'decay' was 0.5, is 1.0 now; setting 'topk' was 4, is 8 now.*Build it with the settings",
+            "other settings (state)": r"setting 'topk' was 8, is 4 now",
+            "wrong shape": r"'a.weight' has shape \(3, 3\), expected \(64, 24\)",
             "nan buffer": "ValueError: .*'a.weight' is not finite",
-            "float64 buffer": "TypeError: .*'a.weight' must be a float32 tensor, got torch.float64",
+            "float64 buffer": "TypeError: .*'a.weight' must be a torch.float32 tensor, got torch.float64",
             "unknown name": "error buffer for 'nope.weight', but the model has no trainable parameter",
             "missing buffer": r"no error buffer for the compressed parameters \['b.weight'\]",
             "dense parameter": "error buffer for 'c.bias', which these settings all-reduce dense",
-            "negative iteration": "iteration must be an integer >= 0, got -1",
-            "bad comm_stats": r"comm_stats\['steps'\] must be a number >= 0, got '2'",
-            "not a state dict": "not a DCTTopKState state dict",
-            "extra key": "state dict keys .* differ",
+            "negative iteration": "the saved iteration is -1, not a count; the file is damaged",
+            "bad comm_stats": r"the saved comm_stats do not load \(steps is '2', not a number >= 0\)",
+            "not a state dict": "this cokit reads DCTTopKState format",
+            "extra key": r"the state has the keys .*, DCTTopKState.state_dict\(\) saves",
             "not attached": r"RuntimeError: .*call state.attach\(ddp_model\) before load_state_dict",
             "unpickled, not attached": r"unpickled with the error buffers of 7 parameters: call state.attach",
             "unattached state_dict": r"does not know their names: call state.attach\(ddp_model\)",
@@ -312,7 +312,7 @@ def test_bad_loads_raise_clear_errors_and_change_nothing(worlds):
     for errors, iteration, buffers in worlds[3]["other world"]:
         assert len(errors) == 2 and iteration == 0 and not buffers
         for message in errors:
-            assert "saved in a world of 2 ranks, this one has 3" in message
+            assert "saved at world size 2, this run has world size 3" in message
 
 
 def _group_note(rank: int, world: int):

@@ -1,18 +1,19 @@
-"""Loads that used to be accepted silently: replicas that disagree after a load, and states that
-SparseLoCo took although DeMo and Dion refuse them (NaN lr, negative second moments, missing
-or extra entries). World 2 and 3, real gloo groups.
+"""Loads that used to be accepted silently: replicas that disagree after a load (DeMo,
+SparseLoCo, Dion), and states that SparseLoCo took although DeMo and Dion refuse them (NaN lr,
+negative second moments, missing or extra entries). World 2 and 3, real gloo groups.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
 import torch
 from distributed import run_gloo
 
-from cokit.compress import Dion, SparseLoCo
+from cokit.compress import DeMo, Dion, SparseLoCo
 
 SHAPES = [(32, 48), (64,), (5,)]
 STEPS = 4  # one sync at H=3, then one local step: a state mid-period
@@ -26,7 +27,7 @@ def _params() -> list[torch.nn.Parameter]:
 def _grads(params, rank: int, step: int) -> None:
     for i, p in enumerate(params):
         g = torch.Generator().manual_seed(1000 * rank + 10 * step + i)
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
 
 def _sparseloco(params, **kwargs) -> SparseLoCo:
@@ -88,6 +89,85 @@ def test_a_replica_that_loaded_other_replicated_state_raises_on_every_rank_befor
     for message in messages:
         assert "differs between the ranks at the first step (or the first after a load)" in message, message
         assert what[kind] in message, message
+        assert f"rank(s) [{world - 1}] hold other values than rank 0" in message, message
+
+
+def _demo(params, **kwargs) -> DeMo:
+    return DeMo(params, lr=1e-3, compression_topk=8, compression_chunk=16, timeout=120, **kwargs)
+
+
+def _demo_drift(rank: int, world: int, where: str):
+    """DeMo (the adam rule: ``v`` and ``rule_step`` are shared state; fp32 masters of bf16
+    weights): save, load, with ``where`` shifted by 1e-3 on the last rank (the step count by 1;
+    nothing: the same everywhere), step twice. The error and whether anything changed before
+    it, or the weights and the bytes each step sent."""
+    low = where == "master"
+    params = _params()
+    if low:
+        params = [torch.nn.Parameter(p.detach().bfloat16()) for p in params]
+    make = functools.partial(_demo, update_rule="adam", precision="master" if low else "nearest")
+    opt = make(params)
+    for step in range(STEPS):
+        _grads(params, rank, step)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    if rank == world - 1 and where != "nothing":
+        if where == "parameter":
+            with torch.no_grad():
+                fresh_params[1] += 1e-3
+        else:  # (a step count stays a count)
+            sd["state"][0][where] = sd["state"][0][where] + (1 if where == "rule_step" else 1e-3)
+    fresh = make(fresh_params)
+    fresh.load_state_dict(sd)
+    before = [p.detach().clone() for p in fresh_params]
+    buffers = [t.clone() for s in fresh.state.values() for t in s.values()]
+    sent = []
+    try:
+        for step in range(STEPS, STEPS + 2):
+            _grads(fresh_params, rank, step)
+            fresh.step()
+            sent.append(fresh.comm_stats.step_sent_bytes)
+    except ValueError as exc:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, fresh_params, strict=True))
+        unchanged = unchanged and all(
+            torch.equal(a, b)
+            for a, b in zip(buffers, [t for s in fresh.state.values() for t in s.values()], strict=True)
+        )
+        return str(exc), unchanged
+    return "", ([p.detach().clone() for p in fresh_params], sent)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("where", ["parameter", "v", "rule_step", "master"])
+def test_demo_replicas_that_loaded_other_shared_state_raise_on_every_rank_before_anything_changes(
+    world, where
+):
+    what = {
+        "parameter": "parameter group 0 param 1 (64,)",
+        "v": "the 'v' of group 0 param 0 (32, 48)",
+        "rule_step": "the 'rule_step' of group 0 param 0 (32, 48)",
+        "master": "the 'master' of group 0 param 0 (32, 48)",
+    }[where]
+    for message, unchanged in run_gloo(world, _demo_drift, where):
+        assert "DeMo: " in message and what in message, message
+        assert "differs between the ranks at the first step (or the first after a load)" in message, message
+        assert f"rank(s) [{world - 1}] hold other values than rank 0" in message, message
+        assert unchanged, "changed before raising"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_demo_replicas_that_loaded_the_same_state_train_on(world):
+    results = run_gloo(world, _demo_drift, "nothing")
+    for message, (weights, sent) in results:
+        assert message == "", message
+        for a, b in zip(weights, results[0][1][0], strict=True):
+            assert torch.equal(a, b)  # DeMo's replicas stay bit-identical
+        # the first step after the load also compares the replicas: one float64 sum per
+        # parameter and per adam-rule buffer (v, rule_step), all-gathered; the next step does not
+        assert sent[0] - sent[1] == (world - 1) * 8 * 3 * len(SHAPES)
 
 
 def _edited(sd: dict, edit: str) -> dict:

@@ -294,7 +294,7 @@ def test_the_policy_state_is_checkpointed_and_must_match(world2):
     saved, loaded, log, other = world2["resume"][0]
     assert json.loads(json.dumps(loaded)) == saved["state"]  # the record is JSON (int keys as str)
     assert log == saved["log"] and log[0]["decision"] == "k x1"
-    assert other is not None and "saved with policy BandwidthTargetPolicy(target=0.2" in other
+    assert other is not None and "setting 'policy' was 'BandwidthTargetPolicy(target=0.2" in other
 
 
 def test_policies_are_checked_before_anything_is_built():
