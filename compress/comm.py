@@ -375,19 +375,20 @@ class Communicator:
 
     @property
     def world_size(self) -> int:
-        if standalone(self.group):
-            return self.group.size()
-        if self.local or not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.group)
+        return self._place()[1]
 
     @property
     def rank(self) -> int:
+        return self._place()[0]
+
+    def _place(self) -> tuple[int, int]:
+        """(this rank, the group's size): a standalone group's own, (0, 1) for a local or
+        uninitialized one, else torch.distributed's."""
         if standalone(self.group):
-            return self.group.rank()
+            return self.group.rank(), self.group.size()
         if self.local or not (dist.is_available() and dist.is_initialized()):
-            return 0
-        return dist.get_rank(self.group)
+            return 0, 1
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     @property
     def backend(self) -> str:
