@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -153,12 +153,8 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
             check_flag("dense_fallback", dense_fallback, where=where)
         if full_sync_every is not None:
             check_int("full_sync_every", full_sync_every, 1, where=where, more="or None")
-        self.nonfinite, self.precision, self.seed, self.clock = (
-            opts.nonfinite,
-            opts.precision,
-            opts.seed,
-            opts.clock,
-        )
+        self.nonfinite, self.precision = opts.nonfinite, opts.precision
+        self.seed, self.clock = opts.seed, opts.clock
         self.comm_priority, self.validate_payload = opts.comm_priority, opts.validate_payload
         self.bucket_cap_mb, self.bucket_cap_bytes = opts.bucket_cap_mb, opts.bucket_cap_bytes
         self.payload, self.requested_value_dtype = payload, opts.value_dtype
@@ -240,9 +236,8 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The torch.optim state in DeMo's checkpoint format (:mod:`cokit.compress.checkpoint`):
-        each parameter's fp32 error buffer under a key naming this rank, and records of the rank,
-        world sizes, settings, optimizer type, step counters, comm_stats and policy state. Works
-        with ``torch.save`` (one file per rank) and with DCP's ``get_optimizer_state_dict``."""
+        this rank's fp32 error buffers and the records of rank, world, settings, counters and
+        policy. Works with ``torch.save`` (a file per rank) and DCP's ``get_optimizer_state_dict``."""
         return checkpoint.pack(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -251,20 +246,13 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         buffers raise ``ValueError`` saying what differs). ``strict=False`` (or
         :func:`cokit.compress.checkpoint.relaxed_loading` around DCP) loads what it can and
         warns about what it drops (:func:`cokit.compress.checkpoint.check_load`)."""
-        plan = checkpoint.check_load(
-            self, state_dict, bool(strict) and not getattr(self, "_relaxed_load", False)
-        )
+        strict = bool(strict) and not getattr(self, "_relaxed_load", False)
+        plan = checkpoint.check_load(self, state_dict, strict)
         super().load_state_dict({"state": {}, "param_groups": plan.groups})
         checkpoint.apply_load(self, plan)
         self._changed_layout()  # the loaded groups may tile or select differently
 
     # ------------------------------------------------------------------ step
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
     # Eager even inside torch.compile (docs/design.md §3): collectives, the status agreement and
     # the timing cannot be traced, and the per-tensor math already runs in cokit's kernels.
     @eager
@@ -360,9 +348,8 @@ class DeMo(FrontEnd, torch.optim.Optimizer):
         self._check_loaded(self.plan.entries())
 
     def _check_loaded(self, entries: list[Entry]) -> None:
-        """The first round after a load, once its status row agreed on settings, layout and
-        counters: every rank must hold the same parameters and shared state
-        (:func:`~cokit.compress.checkpoint.replicated`); raises on every rank before any change."""
+        """The first round after a load, its status row agreed: every rank must hold the same
+        parameters and shared state (:func:`~cokit.compress.checkpoint.replicated`)."""
         if not self._checked:
             self.check_replicas(checkpoint.replicated(self, entries))
             self._checked = True
