@@ -137,6 +137,17 @@ class Run:
                 p.wait(timeout=30)
 
 
+def _kill(run: Run, proc: subprocess.Popen, why: str, live: tuple) -> tuple[float, float]:
+    """SIGKILL replica 2's ``proc`` and wait until replicas a and b synced in a quorum of 2:
+    (when it was killed, seconds until both had synced)."""
+    proc.send_signal(signal.SIGKILL)
+    killed = time.time()
+    proc.wait(timeout=30)
+    for name in ("a", "b"):
+        _wait(lambda n=name: run.syncs(n, killed, world=2), f"{name} {why}", *live)
+    return killed, max(run.syncs(n, killed, world=2)[0]["t"] for n in "ab") - killed
+
+
 @pytest.fixture(scope="module")
 def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
     run = Run(lighthouse, tmp_path_factory.mktemp("ft"))
@@ -148,32 +159,14 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
         live = (a, b)
         # 1. replica 2 freezes in the middle of a period and is killed
         _wait(lambda: run.rows("c1", "hang"), "replica 2 to reach the middle of a period", *live, c1)
-        c1.send_signal(signal.SIGKILL)
-        facts["kill1"] = time.time()
-        c1.wait(timeout=30)
-        for name in ("a", "b"):
-            _wait(
-                lambda n=name: run.syncs(n, facts["kill1"], world=2),
-                f"{name} to sync without replica 2",
-                *live,
-            )
-        facts["continue1"] = max(run.syncs(n, facts["kill1"], world=2)[0]["t"] for n in "ab") - facts["kill1"]
+        facts["kill1"], facts["continue1"] = _kill(run, c1, "to sync without replica 2", live)
         # 2. it restarts, heals, syncs in a quorum of 3, then freezes inside the round in flight
         launched = time.time()
         c2 = run.start("c2", 2, "--hang-after", "2", "--hang", "in")
         _wait(lambda: run.rows("c2", "hang"), "restarted replica 2 to sync twice and freeze", *live, c2)
         facts["heal2"] = run.syncs("c2")[0]["t"] - run.rows("c2", "start")[0]["t"]
         facts["spawn_to_sync2"] = run.syncs("c2")[0]["t"] - launched
-        c2.send_signal(signal.SIGKILL)
-        facts["kill2"] = time.time()
-        c2.wait(timeout=30)
-        for name in ("a", "b"):
-            _wait(
-                lambda n=name: run.syncs(n, facts["kill2"], world=2),
-                f"{name} to sync after the round in flight",
-                *live,
-            )
-        facts["continue2"] = max(run.syncs(n, facts["kill2"], world=2)[0]["t"] for n in "ab") - facts["kill2"]
+        facts["kill2"], facts["continue2"] = _kill(run, c2, "to sync after the round in flight", live)
         # 3. it restarts again and heals; then two bad joiners are refused
         launched = time.time()
         c3 = run.start("c3", 2)
