@@ -1,23 +1,28 @@
-"""SparseLoCo on torchft: survivors keep training when a replica dies, a restarted one heals and rejoins.
+"""cokit's compressed exchange on torchft: survivors keep training when a replica dies, a
+restarted one heals and rejoins.
 
-:class:`FaultTolerant` runs a :class:`~cokit.compress.sparseloco.SparseLoCo` inside a torchft
-``Manager`` (one process per replica group, ``use_async_quorum=False``). Local steps need nobody;
-every sync runs in the quorum of the moment, on torchft's reconfigurable gloo group
-(:mod:`cokit.compress.ft_group`), through cokit's exchange core: the status row (settings
-fingerprint, non-finite report), the timeouts and the validation of peers' bytes hold as without
-torchft. Membership is handled on purpose (docs/ft.md):
+:class:`FaultTolerant` runs a :class:`~cokit.compress.sparseloco.SparseLoCo` or a
+:class:`~cokit.compress.optimizer.DeMo` inside a torchft ``Manager`` (one process per replica
+group, ``use_async_quorum=False``). A round is a SparseLoCo sync or a DeMo step; SparseLoCo's
+local steps need nobody. Every round runs in the quorum of the moment, on torchft's
+reconfigurable gloo group (:mod:`cokit.compress.ft_group`), through cokit's exchange core: the
+status row (settings fingerprint, non-finite report), the timeouts and the validation of peers'
+bytes hold as without torchft. What differs between the front ends is in an adapter
+(:mod:`cokit.compress.ft_replica`, :mod:`cokit.compress.ft_demo`). Membership is handled on
+purpose (docs/ft.md):
 
-- the quorum is taken before the forward pass of a sync step (:meth:`FaultTolerant.zero_grad`),
+- the quorum is taken before the forward pass of a round's step (:meth:`FaultTolerant.zero_grad`),
   so a joining replica is healed before it computes a gradient;
 - a replica that dies takes its contribution to the round in flight with it: the survivors'
-  round fails (a collective error or the timeout), torchft does not commit it, and every survivor
-  goes back to its state before the round (error buffers, local weights, inner state, counters:
-  nothing lost beyond that step) and runs the sync again in the next quorum;
+  round fails (a collective error or the timeout), torchft does not commit it, and every
+  survivor undoes it from a snapshot taken before it: SparseLoCo goes back to its state before
+  the round and runs the sync again at its next step; DeMo redoes the step as a skipped sync
+  (the gradient enters the error buffers, no parameter moves);
 - survivors keep their error buffers and outer state; when the quorum changes, every member
-  compares its replicas again (``theta_global`` and the outer momentum) at the next sync;
-- a (re)joining replica is healed from a live peer through torchft's checkpoint transport: shared
-  state, the peer's inner optimizer state, local weights = ``theta_global``, error buffers zero
-  (:mod:`cokit.compress.ft_heal`); after the next sync every replica is bit-identical. A joiner
+  compares its replicas again at the next round;
+- a (re)joining replica is healed from a live peer through torchft's checkpoint transport:
+  shared state, weights, error buffers zero (:mod:`cokit.compress.ft_heal`,
+  :mod:`cokit.compress.ft_demo`); after the next round every replica is bit-identical. A joiner
   whose settings or model differ gets :class:`JoinRefused`, aborts its group (the peers' round
   fails at once instead of at the timeout) and stays out; the others go on.
 """
@@ -29,10 +34,11 @@ from typing import Any
 
 from cokit.compress.agreement import PeerDataError
 from cokit.compress.comm import CollectiveTimeout, Communicator
+from cokit.compress.ft_demo import DeMoReplica
 from cokit.compress.ft_group import Quorum, QuorumGloo
-from cokit.compress.ft_heal import check_layout, for_joiner
+from cokit.compress.ft_replica import Replica, SparseLoCoReplica
+from cokit.compress.optimizer import DeMo
 from cokit.compress.sparseloco import SparseLoCo
-from cokit.compress.sparseloco_state import records
 
 __all__ = ["FaultTolerant", "JoinRefused"]
 
@@ -45,23 +51,27 @@ class JoinRefused(ValueError):
 
 
 class FaultTolerant:
-    """A SparseLoCo whose syncs run in torchft's quorum (module docstring).
+    """A SparseLoCo or DeMo whose rounds run in torchft's quorum (module docstring).
 
     Args:
         manager: a ``torchft.Manager`` built with ``pg=group`` and ``use_async_quorum=False``.
-        optimizer: the SparseLoCo (``process_group=None``, no ``dense_warmup``).
+        optimizer: the SparseLoCo (``process_group=None``, no ``dense_warmup``) or DeMo
+            (``process_group=None``, plain data parallel: no ``overlap_backward``, ``hierarchy``
+            or DTensor parameters).
         group: the :class:`~cokit.compress.ft_group.QuorumGloo` the manager reconfigures.
         key: the name of this state among the manager's state dict callbacks.
 
-    Use it as the optimizer: ``zero_grad()`` before the forward pass (a sync step's quorum is
-    taken there), ``step()`` after the backward pass. ``rounds``: syncs committed;
-    ``dropped_rounds``: syncs undone because a member failed; ``heals``: times this replica was
+    Use it as the optimizer: ``zero_grad()`` before the forward pass (a round's quorum is
+    taken there), ``step()`` after the backward pass. ``rounds``: rounds committed;
+    ``dropped_rounds``: rounds undone because a member failed; ``heals``: times this replica was
     healed; ``last_error``: the error of the last dropped round.
     """
 
-    def __init__(self, manager: Any, optimizer: SparseLoCo, group: QuorumGloo, *, key: str = "cokit"):
-        if not isinstance(optimizer, SparseLoCo):
-            raise TypeError(f"{WHERE}: optimizer must be a cokit SparseLoCo, got {type(optimizer).__name__}")
+    def __init__(self, manager: Any, optimizer: SparseLoCo | DeMo, group: QuorumGloo, *, key: str = "cokit"):
+        if not isinstance(optimizer, SparseLoCo | DeMo):
+            raise TypeError(
+                f"{WHERE}: optimizer must be a cokit SparseLoCo or DeMo, got {type(optimizer).__name__}"
+            )
         if not isinstance(group, QuorumGloo):
             raise TypeError(
                 f"{WHERE}: group must be the cokit.compress.ft_group.QuorumGloo given to the Manager as pg=, "
@@ -74,30 +84,23 @@ class FaultTolerant:
                 f"{WHERE}: build the Manager with use_async_quorum=False: a sync's quorum, and a "
                 "joiner's healing, must be complete before its step"
             )
-        if optimizer.dense_warmup:
-            raise ValueError(
-                f"{WHERE}: dense_warmup={optimizer.dense_warmup} is not supported (every warm-up step "
-                "is a collective); use dense_warmup=0"
-            )
-        if optimizer.comm.world_size != 1:
-            raise ValueError(
-                f"{WHERE}: build the SparseLoCo with process_group=None and one process per replica "
-                f"group (its group has {optimizer.comm.world_size} ranks); the quorum is its group"
-            )
+        self.replica: Replica = (
+            SparseLoCoReplica(optimizer) if isinstance(optimizer, SparseLoCo) else DeMoReplica(optimizer)
+        )
         self.manager, self.optimizer, self.group = manager, optimizer, group
         self.rounds = self.dropped_rounds = self.heals = 0
         self.last_error: BaseException | None = None
         self._quorum: Quorum | None = None  # the quorum the exchange runs on
-        self._since = 0  # local steps since the last sync (SparseLoCo's count)
+        self._since = 0  # local steps since the last round (SparseLoCo's count; DeMo: 0)
         self._steps = 0  # step() calls
         self._quorum_for = -1  # the step a quorum was taken for
-        manager.register_state_dict_fn(key, self._load_from_peer, optimizer.state_dict)
+        manager.register_state_dict_fn(key, self._load_from_peer, self.replica.peer_state)
 
     # ------------------------------------------------------------------ public
     @property
     def sync_next(self) -> bool:
-        """The next ``step()`` syncs (it runs in a quorum)."""
-        return self._since + 1 >= self.optimizer.current_interval
+        """The next ``step()`` is a round (it runs in a quorum): SparseLoCo's sync, every DeMo step."""
+        return self._since + 1 >= self.replica.interval()
 
     @property
     def quorum(self) -> Quorum | None:
@@ -109,14 +112,14 @@ class FaultTolerant:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients; before a sync step (and this replica's first), take the quorum,
+        """Clear the gradients; before a round's step (and this replica's first), take the quorum,
         healing this replica first if it is behind."""
         if self._quorum is None or self.sync_next:
             self._take_quorum()
         self.optimizer.zero_grad(set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """A local step, or a sync in the quorum: committed on every member, or undone here."""
+        """A local step, or a round in the quorum: committed on every member, or undone here."""
         if not self.sync_next:
             loss = self.optimizer.step(closure)
             self._since += 1
@@ -124,7 +127,7 @@ class FaultTolerant:
             return loss
         if self._quorum_for != self._steps:
             self._take_quorum()
-        before = self.optimizer.state_dict()
+        before = self.replica.snapshot()
         loss, error = None, None
         try:
             loss = self.optimizer.step(closure)
@@ -136,8 +139,8 @@ class FaultTolerant:
             self._steps += 1
             self.rounds += 1
             return loss
-        self.optimizer.load_state_dict(before)  # the round never happened here
-        self._quorum_for = -1  # the sync runs again in a new quorum
+        self.replica.failed(before)  # SparseLoCo: never happened here; DeMo: a skipped sync
+        self._quorum_for = -1  # the next round runs in a new quorum
         self.dropped_rounds += 1
         self.last_error = error
         return loss
@@ -153,7 +156,7 @@ class FaultTolerant:
             )
         if quorum is not self._quorum:  # a new membership: every member compares replicas again
             self._use(quorum)
-            self.optimizer.load_state_dict(self.optimizer.state_dict())
+            self.replica.recheck()
 
     def _use(self, quorum: Quorum) -> None:
         old = self.optimizer.comm
@@ -161,20 +164,19 @@ class FaultTolerant:
         self._quorum = quorum
 
     def _load_from_peer(self, sd: dict[str, Any]) -> None:
-        """torchft heals this replica: the live peer's state, made this replica's (cokit.compress.ft_heal)."""
+        """torchft heals this replica: the live peer's state, made this replica's (the adapter)."""
         quorum = self.group.quorum
         try:
             if quorum is None:
                 raise ValueError("torchft formed no usable quorum to join")
-            check_layout(sd, [p for g in self.optimizer.param_groups for p in g["params"]], WHERE)
-            joined = for_joiner(sd, quorum.rank, quorum.world_size)
+            joined = self.replica.for_joiner(sd, quorum)
             self._use(quorum)
-            self.optimizer.load_state_dict(joined)
+            since = self.replica.load(joined)
         except ValueError as exc:
             self.group.abort()  # the peers' round fails now instead of at its timeout
             raise JoinRefused(
                 f"{WHERE}: this replica cannot join the quorum: the live replicas' state does not load "
                 f"here ({exc}). It is kept out and the others go on; start it with their settings and model"
             ) from exc
-        self._since = int(records(joined)["common"]["counters"]["since_sync"])
+        self._since = since
         self.heals += 1
