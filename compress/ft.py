@@ -16,8 +16,8 @@ purpose (docs/ft.md):
 - a replica that dies takes its contribution to the round in flight with it: the survivors'
   round fails (a collective error or the timeout), torchft does not commit it, and every
   survivor undoes it from a snapshot taken before it: SparseLoCo goes back to its state before
-  the round and runs the sync again at its next step; DeMo redoes the step as a skipped sync
-  (the gradient enters the error buffers, no parameter moves);
+  the round and runs the sync again at its next step; DeMo keeps the step's gradient in its
+  error buffers (as a skipped sync), no parameter or counter moves;
 - survivors keep their error buffers and outer state; when the quorum changes, every member
   compares its replicas again at the next round;
 - a (re)joining replica is healed from a live peer through torchft's checkpoint transport:
@@ -139,7 +139,7 @@ class FaultTolerant:
             self._steps += 1
             self.rounds += 1
             return loss
-        self.replica.failed(before)  # SparseLoCo: never happened here; DeMo: a skipped sync
+        self.replica.failed(before)  # never happened here (DeMo: the gradient kept in its buffers)
         self._quorum_for = -1  # the next round runs in a new quorum
         self.dropped_rounds += 1
         self.last_error = error

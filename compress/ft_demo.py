@@ -3,14 +3,16 @@
 :class:`DeMoReplica` is DeMo's adapter for :class:`~cokit.compress.ft.FaultTolerant`
 (:mod:`cokit.compress.ft_replica`). The choices (docs/ft.md):
 
-- **A failed round becomes a skipped sync on every survivor.** DeMo's encode adds the step's
-  gradient to the error buffer and removes what it sends *before* the exchange, and a member
-  may apply the mean before another one fails. So the step is undone from a snapshot taken
-  before it (parameters, error buffers, the adam rule's ``v``/``rule_step``, fp32 masters,
-  counters, policy) and then redone as DeMo's own skipped sync: ``delta = decay*delta +
-  lr*grad``, no parameter moves, ``steps`` and ``skipped_syncs`` count it. Every survivor does
-  the same, so they stay alike; the survivors' gradients of that step are kept in full in their
-  buffers and go out with the next rounds; the departed replica's is gone with it.
+- **A failed round is undone and its gradient kept.** DeMo's encode adds the step's gradient to
+  the error buffer and removes what it sends *before* the exchange, and a member may apply the
+  mean before another one fails. So the step is undone from a snapshot taken before it
+  (parameters, error buffers, the adam rule's ``v``/``rule_step``, fp32 masters, counters,
+  policy), then the gradient enters the error buffer as in DeMo's skipped sync (``delta =
+  decay*delta + lr*grad``); no parameter moves and **no counter moves**: DeMo's counters then
+  count committed rounds only, so every replica at the same torchft step holds the same
+  counters, even when two survivors dropped different numbers of rounds between two commits
+  (one waited out its timeout while the others failed over twice). The survivors' gradients
+  of that step go out with the next rounds; the departed replica's is gone with it.
 - **Survivors keep their error buffers** (what each computed and has not sent; valid whoever the
   peers are) and compare parameters and shared state again at the first round of a new quorum.
 - **A (re)joining replica is healed from a live peer**: the peer's parameters, shared DeMo state
@@ -90,20 +92,17 @@ def restore(opt: DeMo, snap: Snapshot) -> None:
 
 
 def skip_failed_round(opt: DeMo, snap: Snapshot) -> None:
-    """The round failed here: undo it from ``snap`` and redo it as a skipped sync (module
-    docstring): the gradients enter the error buffers in full, no parameter moves. A step with
-    a non-finite gradient is skipped whole, as DeMo skips it (``skipped_steps``)."""
+    """The round failed here: undo it from ``snap`` and keep its gradient in the error buffers,
+    as a skipped sync does, with no counter moved (module docstring). A non-finite gradient is
+    not kept (DeMo would have skipped that step)."""
     restore(opt, snap)
     with torch.no_grad():
         grads = [(g, p) for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if not all(bool(torch.isfinite(p.grad).all()) for _, p in grads):
-            opt.skipped_steps += 1
             return
         for group, p in grads:
             delta = opt.plan.error_buffer(p)
             delta.mul_(group["compression_decay"]).add_(p.grad.float(), alpha=group["lr"])
-    opt._steps += 1
-    opt.skipped_syncs += 1
 
 
 def check_params(theirs: object, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -184,7 +183,7 @@ def for_joiner(opt: DeMo, sd: Mapping[str, Any], quorum: Quorum) -> tuple[dict[s
 
 
 class DeMoReplica:
-    """DeMo: every step is a round; a failed round becomes a skipped sync (module docstring)."""
+    """DeMo: every step is a round; a failed round is undone, its gradient kept (module docstring)."""
 
     def __init__(self, optimizer: DeMo) -> None:
         if optimizer.comm.world_size != 1:

@@ -111,7 +111,7 @@ def main() -> None:
                 weights=_weights(model),
                 heals=ft.heals,
                 dropped=ft.dropped_rounds,
-                skipped=opt.skipped_syncs,
+                steps=opt._steps,  # DeMo's counter: committed rounds only
                 error=str(ft.last_error) if ft.last_error else None,
             )
             stop = _stop_at(args.stop_file)

@@ -4,7 +4,7 @@ One scenario (a module fixture), replayed by the tests from the replicas' logs
 (tests/ft_demo_worker.py; the lighthouse, the log reader and the bounded waits are
 tests/test_ft.py's): replicas 0, 1, 2 train, every step a round; replica 2 freezes holding the
 quorum of the round in flight and is SIGKILLed; 0 and 1 drop that round (a skipped sync) and go
-on in a quorum of 2. Replica 2 restarts, heals from a live peer and commits rounds in a quorum
+on in a quorum of 2 (the round undone, its gradient kept in their error buffers). Replica 2 restarts, heals from a live peer and commits rounds in a quorum
 of 3 with bit-identical parameters; then two replicas try to join at once, with another
 ``compression_topk`` and another model: each is refused with a clear error and exits, and the
 others go on. Every wait is bounded; the control is by the replicas' own logs, not by sleeps.
@@ -108,25 +108,30 @@ def test_survivors_go_on_when_a_replica_dies(scenario) -> None:
     assert codes["a"] == 0 and codes["b"] == 0 and codes["c2"] == 0, codes  # no hang, no SIGABRT
     assert codes["c1"] == -signal.SIGKILL
     assert facts["continue1"] < TIMEOUT_S + 30, facts
+    # the survivor(s) in replica 2's quorum saw the round in flight fail and undid it (on a
+    # loaded machine the lighthouse may have formed quorums of 2, so maybe only one did)
+    dropped = []
     for name in ("a", "b"):
         after = run.syncs(name, facts["kill1"], world=2)
         before = [r for r in run.syncs(name) if r["t"] < facts["kill1"]]
-        # the round in flight failed, was undone and redone as a skipped sync
-        assert after[0]["dropped"] > (before[-1]["dropped"] if before else 0), after[0]
-        assert after[0]["skipped"] == after[0]["dropped"], after[0]
-        assert "DeMo" in after[0]["error"], after[0]
-        # every committed step once, in order, until the bad joiners
-        numbers = [r["sync"] for r in run.syncs(name) if r["t"] < facts["bad"]]
-        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
+        if after[0]["dropped"] > (before[-1]["dropped"] if before else 0):
+            dropped.append(name)
+            assert "DeMo.step" in after[0]["error"], after[0]
+    assert dropped, "no survivor dropped the round in flight"
 
 
-def test_restarted_replica_heals_and_is_bit_identical(scenario) -> None:
+def test_every_replica_is_bit_identical_at_every_committed_step(scenario) -> None:
     run, _ = scenario
-    mine = run.syncs("c2")
-    assert mine and mine[0]["heals"] == 1 and mine[0]["world"] == 3, mine[:1]
-    for row in mine:  # after every round it took part in, every replica holds the same bytes
-        others = {r["weights"] for n in ("a", "b") for r in run.syncs(n) if r["sync"] == row["sync"]}
-        assert others == {row["weights"]}, row["sync"]
+    names = ("a", "b", "c1", "c2")
+    weights: dict[int, set[str]] = {}
+    for name in names:
+        for row in run.syncs(name):
+            weights.setdefault(row["sync"], set()).add(row["weights"])
+            # a dropped round moves no counter: DeMo's step count is torchft's committed step
+            assert row["steps"] == row["sync"], (name, row)
+    assert all(len(w) == 1 for w in weights.values()), {k: len(w) for k, w in weights.items()}
+    mine = run.syncs("c2")  # the restarted replica healed, then took rounds with the others
+    assert mine and mine[0]["heals"] >= 1 and any(r["world"] == 3 for r in mine), mine[:1]
     final = {run.syncs(n)[-1]["sync"]: run.syncs(n)[-1]["weights"] for n in ("a", "b", "c2")}
     assert len(final) == 1 and len(set(final.values())) == 1, final
 
