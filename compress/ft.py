@@ -124,7 +124,7 @@ class FaultTolerant:
             return loss
         if self._quorum_for != self._steps:
             self._take_quorum()
-        before = self.optimizer.state_dict()
+        undo = self.optimizer.snapshot()  # what this step changes, to undo it if not committed
         loss, error = None, None
         try:
             loss = self.optimizer.step(closure)
@@ -136,7 +136,7 @@ class FaultTolerant:
             self._steps += 1
             self.rounds += 1
             return loss
-        self.optimizer.load_state_dict(before)  # the round never happened here
+        undo()  # the round never happened here
         self._quorum_for = -1  # the sync runs again in a new quorum
         self.dropped_rounds += 1
         self.last_error = error
@@ -153,7 +153,7 @@ class FaultTolerant:
             )
         if quorum is not self._quorum:  # a new membership: every member compares replicas again
             self._use(quorum)
-            self.optimizer.load_state_dict(self.optimizer.state_dict())
+            self.optimizer.recheck()
 
     def _use(self, quorum: Quorum) -> None:
         old = self.optimizer.comm
