@@ -54,8 +54,8 @@ LIGHTHOUSE_ARGS += ("--heartbeat_timeout_ms", str(HEARTBEAT_MS))
 PROFILE = netbed.LinkProfile("ft-cut", partition=netbed.Partition(at_s=0.0, for_s=1.0))
 
 
-#: the facts printed: durations, in seconds
-SHOWN = ("_heal", "_continue", "_wait", "startup", "seconds")
+#: the facts printed: durations in seconds, and the rounds the survivors dropped at the cut
+SHOWN = ("_heal", "_continue", "_wait", "_rounds", "startup", "seconds")
 
 
 def _ip(*args: str) -> None:
@@ -155,6 +155,8 @@ def scenario(testbed: netbed.Testbed, tmp_path_factory: pytest.TempPathFactory):
         for n in "ab":
             _wait(lambda n=n: run.syncs(n, facts["cut"], world=2), f"{n} to sync without replica 2", *live)
         facts["cut_continue"] = max(run.syncs(n, facts["cut"], world=2)[0]["t"] for n in "ab") - facts["cut"]
+        before = [r["dropped"] for r in run.syncs("a") if r["t"] < facts["cut"]][-1]
+        facts["cut_dropped_rounds"] = run.syncs("a", facts["cut"])[0]["dropped"] - before
         _ip("-n", hub, "link", "set", "p2", "up")
         facts["back"] = time.time()
         _wait(
