@@ -72,7 +72,8 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_overlap_metrics.py tests/test_overlap_sweep.py tests/test_overlap_training.py \
 	tests/test_overlap_tuner.py tests/test_peer_check.py tests/test_settings_check.py \
 	tests/test_sparseloco_adaptive_k.py tests/test_sparseloco_options.py tests/test_write_failures.py \
-	tests/test_plot_extras.py tests/test_ft.py tests/test_hook_failures.py tests/test_exit_stress.py
+	tests/test_plot_extras.py tests/test_ft.py tests/test_hook_failures.py tests/test_exit_stress.py \
+	tests/test_ft_scenarios.py tests/test_sparseloco_undo.py tests/test_ft_demo.py tests/test_ft_demo_heal.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q --durations=15 $(PYTEST_PAR) -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 

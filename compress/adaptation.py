@@ -12,6 +12,7 @@ Changes of decision are kept in ``log`` and sent to the ``cokit.compress.policy`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -161,6 +162,19 @@ class PolicyDriver:
         self._last_end = now
         self._blocked_s = 0.0
         self._last = (sent, dense, synced)
+
+    def snapshot(self) -> Callable[[], None]:
+        """Copy this driver's state, measurements and the policy's state included; the function
+        returned puts it back as it was (undoing a step, unlike :meth:`load_state_dict`, which
+        starts the measurements again)."""
+        saved = {**vars(self), "log": list(self.log)}
+        policy = copy.deepcopy(self.policy.state_dict())
+
+        def undo() -> None:
+            vars(self).update(saved, log=list(saved["log"]))
+            self.policy.load_state_dict(copy.deepcopy(policy))
+
+        return undo
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.describe(), "state": self.policy.state_dict(), "log": list(self.log)}

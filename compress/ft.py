@@ -147,7 +147,18 @@ class FaultTolerant:
 
     # ------------------------------------------------------------------ quorum
     def _take_quorum(self) -> None:
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as exc:  # too few replicas alive for the quorum timeout: no way on
+            need = getattr(self.manager, "_min_replica_size", "min_replica_size")
+            waited = getattr(getattr(self.manager, "_quorum_timeout", None), "total_seconds", None)
+            within = f"{waited():g} s" if waited is not None else "the quorum timeout"
+            raise TimeoutError(
+                f"{WHERE}: no quorum of {need} replicas formed within {within} ({exc}): too few "
+                "replicas are alive and reachable to go on. Restart the missing ones; this "
+                "replica's Manager cannot take another quorum, so restart it too (it heals from a "
+                "live peer), or let a lone replica go on with min_replica_size=1 (docs/ft.md)"
+            ) from exc
         self._quorum_for = self._steps
         quorum = self.group.quorum
         if quorum is None:

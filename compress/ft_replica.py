@@ -10,7 +10,7 @@ refuse a joiner raises ``ValueError`` before anything changes (FaultTolerant tur
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from cokit.compress.ft_group import Quorum
@@ -59,7 +59,8 @@ class Replica(Protocol):
 
 
 class SparseLoCoReplica:
-    """SparseLoCo: a round is a sync; a failed sync is undone (the next step runs it again)."""
+    """SparseLoCo: a round is a sync; a failed sync is undone bit for bit from SparseLoCo's own
+    snapshot of what the step changes (the next step runs it again)."""
 
     def __init__(self, optimizer: SparseLoCo) -> None:
         if optimizer.dense_warmup:
@@ -77,14 +78,14 @@ class SparseLoCoReplica:
     def interval(self) -> int:
         return int(self.optimizer.current_interval)
 
-    def snapshot(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+    def snapshot(self) -> Callable[[], None]:
+        return self.optimizer.snapshot()
 
-    def failed(self, before: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(before)  # the round never happened here
+    def failed(self, before: Callable[[], None]) -> None:
+        before()  # the round never happened here
 
     def recheck(self) -> None:
-        self.optimizer.load_state_dict(self.optimizer.state_dict())
+        self.optimizer.recheck()
 
     def peer_state(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

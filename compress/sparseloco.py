@@ -82,6 +82,7 @@ from cokit.compress.sparseloco_local import (
     outer_groups,
     replicated_state,
     reset_nonfinite_state,
+    snapshot,
     step_inner,
     swapped_in,
     write_weights,
@@ -222,6 +223,16 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         """Clear the model's gradients (and the masters' copies of them)."""
         clear_grads(self._model_params, self._masters, set_to_none)
 
+    def recheck(self) -> None:
+        """Compare the replicas (``theta_global``, outer momentum) at the next step, as after a
+        load: for a group whose membership changed (:mod:`cokit.compress.ft`)."""
+        self._checked = False
+
+    def snapshot(self) -> Callable[[], None]:
+        """Copy what the next ``step()`` changes; call the result (once) to undo that step, bit
+        for bit (:func:`~cokit.compress.sparseloco_local.snapshot`)."""
+        return snapshot(self)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "inner"):
             raise NotImplementedError("SparseLoCo: build it with every parameter; no group can come later")
@@ -347,31 +358,22 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         """After a sync that could not be applied: every rank back at theta_global, and the
         inner optimizer's state reset where it is not finite (the names of those parameters)."""
         self._since_sync = 0
-        write_weights(
-            params,
-            [self.state[p]["global"] for p in params],
-            self._masters,
-            self.precision,
-            self._generator(),
-        )
+        thetas = [self.state[p]["global"] for p in params]
+        write_weights(params, thetas, self._masters, self.precision, self._generator())
         reset = reset_nonfinite_state(self.inner, params, self._masters, self._name)
         self.inner_resets += len(reset)
         return reset
 
     def _generator(self) -> torch.Generator | None:
         """The stochastic rounding's generator of this sync (None: round to nearest)."""
-        stochastic = self.precision == "stochastic"
-        return (
-            lowp.rounding_generator(self.seed, self.syncs, self._model_params[0].device)
-            if stochastic
-            else None
-        )
+        if self.precision != "stochastic":
+            return None
+        return lowp.rounding_generator(self.seed, self.syncs, self._model_params[0].device)
 
     def _dense_bytes(self) -> int:
         """What a dense all-reduce of every parameter would send from this rank."""
-        return ring_allreduce_bytes(
-            sum(p.numel() * p.element_size() for p in self._model_params), self.comm.world_size
-        )
+        size = sum(p.numel() * p.element_size() for p in self._model_params)
+        return ring_allreduce_bytes(size, self.comm.world_size)
 
     def _describe(self, globally: bool = False) -> dict[str, Any]:
         return sparseloco_state.describe(self)

@@ -10,13 +10,17 @@ the state that is no longer finite (:func:`reset_nonfinite_state`).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cokit.compress import precision as lowp
 from cokit.compress.guards import all_finite
+
+if TYPE_CHECKING:
+    from cokit.compress.sparseloco import SparseLoCo
 
 __all__ = [
     "build_inner",
@@ -28,6 +32,7 @@ __all__ = [
     "outer_groups",
     "replicated_state",
     "reset_nonfinite_state",
+    "snapshot",
     "step_inner",
     "swapped_in",
     "write_weights",
@@ -246,3 +251,53 @@ def replicated_state(
         zero = torch.zeros((), device=params[0].device)
         named += [(f"the outer momentum of {name(i)}", s.get("momentum", zero)) for i, s in enumerate(states)]
     return named
+
+
+#: SparseLoCo's counters that a step changes (the attributes' names)
+_COUNTS: tuple[str, ...] = ("_steps", "_since_sync", "_skipped", "_checked", "syncs", "skipped_syncs")
+_COUNTS += ("skipped_steps", "inner_resets", "current_interval", "captured_energy")
+
+
+def snapshot(opt: SparseLoCo) -> Callable[[], None]:
+    """A copy of what ``opt.step()`` changes; the function returned puts it back, bit for bit.
+
+    Copied: the local weights (parameters, fp32 masters), the inner optimizer's state, each
+    parameter's ``theta_global`` and outer momentum (an outer step changes them in place), the
+    counters, the adaptive k's and the policy driver's state. Not copied: the error buffers (a sync
+    replaces them with new tensors, so the old ones are kept by reference) and the comm stats
+    (they count what was sent). A fraction of a full ``state_dict()``: no error buffers, no
+    zeros for the buffers not made yet, no records, and no checks on the way back.
+    """
+    params = opt._model_params
+    weights = [p.detach().clone() for p in params]
+    masters = {k: m.detach().clone() for k, m in opt._masters.items()}
+    states = [
+        {k: v.clone() if k in ("global", "momentum") else v for k, v in opt.state.get(p, {}).items()}
+        for p in params
+    ]
+    inner = opt.inner.state_dict()
+    inner["state"] = {
+        n: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
+        for n, s in inner["state"].items()
+    }
+    inner["param_groups"] = copy.deepcopy(inner["param_groups"])
+    counts = {name: copy.copy(getattr(opt, name)) for name in _COUNTS}
+    topks = dict(opt.plan.topks()) if opt.adaptive_topk else None
+    driver = opt._driver.snapshot()
+
+    def undo() -> None:
+        with torch.no_grad():
+            for p, w in zip(params, weights, strict=True):
+                p.copy_(w)
+            for k, m in masters.items():
+                opt._masters[k].copy_(m)
+        for p, s in zip(params, states, strict=True):
+            opt.state[p] = dict(s)
+        opt.inner.load_state_dict(inner)
+        for name, value in counts.items():
+            setattr(opt, name, value)
+        if topks is not None:
+            opt.plan.set_topks(dict(topks))
+        driver()
+
+    return undo

@@ -1,7 +1,8 @@
 """One replica group (one process) of a SparseLoCo run on torchft, for tests/test_ft.py.
 
     python tests/ft_worker.py --lighthouse http://127.0.0.1:PORT --replica N --log out.jsonl \
-        [--stop-file F] [--hang-after S --hang mid|in] [--topk K] [--hidden D]
+        [--stop-file F] [--hang-after S --hang mid|in] [--topk K] [--hidden D] \
+        [--host ADDR] [--quorum-timeout S] [--go-file F]
 
 It hosts its replica group's TCPStore on loopback, builds a torchft Manager over a
 ``QuorumGloo`` and a small model with SparseLoCo wrapped in ``FaultTolerant``, and trains
@@ -10,8 +11,12 @@ committed sync appends one JSON line to ``--log``: the sync count, the quorum, t
 the weights' bytes, heals, dropped rounds and the wall-clock time. ``--hang-after S``
 freezes it after its S-th sync: ``mid`` one local step later (in the middle of a period),
 ``in`` once it holds the quorum of the next sync (the round in flight); it writes a ``hang``
-line first, so the test knows when to SIGKILL it. A refused join writes a ``refused`` line and
-exits with code 3.
+line first, so the test knows when to SIGKILL it. Before it takes a sync's quorum it writes a
+``quorum`` line (so the test knows it waits there). A refused join writes a ``refused`` line and
+exits with code 3; any other error of the fault-tolerant optimizer (no quorum within
+``--quorum-timeout``) an ``error`` line, code 4. ``--host``: the address the replica group's
+store and manager are reached at (its namespace's, on the netbed). ``--go-file``: build the
+model and wait for that file before joining (a replica started ahead, warm, to join at once).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch.distributed import TCPStore
@@ -45,6 +51,12 @@ def _weights(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def _fail(path: Path, replica: int, exc: BaseException) -> NoReturn:
+    """Log the error that stopped this replica and exit with code 4."""
+    _log(path, event="error", replica=replica, error=f"{type(exc).__name__}: {exc}")
+    os._exit(4)
+
+
 def _stop_at(path: Path | None) -> int | None:
     if path is None or not path.exists():
         return None
@@ -65,29 +77,14 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--pace", type=float, default=0.02)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--quorum-timeout", type=float, default=60.0)
+    ap.add_argument("--go-file", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group = QuorumGloo(timeout=timeout)
-    manager = Manager(
-        pg=group,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=60),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        hostname="127.0.0.1",
-        init_sync=False,
-    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 4)
@@ -100,6 +97,28 @@ def main() -> None:
         chunk=16,
         timeout=args.timeout,
     )
+    if args.go_file is not None:
+        _log(args.log, event="ready", replica=args.replica)
+        while not args.go_file.exists():
+            time.sleep(0.02)
+    manager = Manager(
+        pg=group,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=2,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=datetime.timedelta(seconds=args.quorum_timeout),
+        connect_timeout=timeout,
+        rank=0,
+        world_size=1,
+        store_addr=args.host,
+        store_port=store.port,
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"replica_{args.replica}",
+        hostname=args.host,
+        init_sync=False,
+    )
     ft = FaultTolerant(manager, opt, group)
     _log(args.log, event="start", replica=args.replica)
     local = 0
@@ -111,12 +130,16 @@ def main() -> None:
             _log(args.log, event="hang", replica=args.replica, sync=opt.syncs)
             while True:
                 time.sleep(1)
+        if ft.sync_next:
+            _log(args.log, event="quorum", replica=args.replica, sync=opt.syncs)
         try:
             ft.zero_grad()
         except JoinRefused as exc:
             _log(args.log, event="refused", replica=args.replica, error=str(exc))
             manager.shutdown(wait=False)
             os._exit(3)
+        except (TimeoutError, RuntimeError) as exc:
+            _fail(args.log, args.replica, exc)
         if hang_next and args.hang == "in" and ft.sync_next:
             _log(args.log, event="hang", replica=args.replica, sync=opt.syncs)
             while True:
@@ -126,7 +149,10 @@ def main() -> None:
         loss = (model(x) - x[:, :4]).square().mean()
         loss.backward()
         syncs = opt.syncs
-        ft.step()
+        try:
+            ft.step()
+        except (TimeoutError, RuntimeError) as exc:
+            _fail(args.log, args.replica, exc)
         local += 1
         if opt.syncs > syncs:
             q = ft.quorum

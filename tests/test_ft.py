@@ -105,9 +105,11 @@ class Run:
         self.stop = folder / "stop"
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, replica: int, *extra: str) -> subprocess.Popen:
+    def start(self, name: str, replica: int, *extra: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Start replica ``replica`` as ``name`` (``prefix``: a command the worker runs under,
+        such as ``ip netns exec``)."""
         log = self.folder / f"{name}.jsonl"
-        cmd = [sys.executable, str(WORKER), "--lighthouse", self.url, "--replica", str(replica)]
+        cmd = [*prefix, sys.executable, str(WORKER), "--lighthouse", self.url, "--replica", str(replica)]
         cmd += ["--log", str(log), "--stop-file", str(self.stop), "--timeout", str(TIMEOUT_S), *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with open(self.folder / f"{name}.out", "w") as out:
