@@ -112,9 +112,10 @@ class FaultTolerant:
         return self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients; before a round's step (and this replica's first), take the quorum,
-        healing this replica first if it is behind."""
-        if self._quorum is None or self.sync_next:
+        """Clear the gradients; before a round's step, take the quorum, healing this replica first
+        if it is behind. Only there: a member of a quorum must run that quorum's round, so a
+        replica that joined one before a local step would leave its peers' sync waiting."""
+        if self.sync_next:
             self._take_quorum()
         self.optimizer.zero_grad(set_to_none)
 
