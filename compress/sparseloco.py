@@ -323,7 +323,6 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             deltas,
             [s.get("error") for s in states],
             self.exchange,
-            chunk=self.chunk,
             dct=self.dct,
             error_decay=self.error_decay,
             names=[self._name(i) for i in range(len(params))],

@@ -59,7 +59,6 @@ def exchange_means(
     errors: list[torch.Tensor | None],
     exchange: Exchange,
     *,
-    chunk: int,
     dct: bool,
     error_decay: float,
     names: list[str],
@@ -95,7 +94,6 @@ def exchange_means(
                 deltas,
                 [] if bucket.dense else [e for i in members if (e := fresh[i]) is not None],
                 exchange,
-                chunk=chunk,
                 dct=dct,
                 names=[names[i] for i in members],
                 at_positions=all(at_positions[i] for i in members),
@@ -173,7 +171,6 @@ def launch_bucket(
     errors: list[torch.Tensor],
     exchange: Exchange,
     *,
-    chunk: int,
     dct: bool,
     names: list[str],
     at_positions: bool,
@@ -204,7 +201,7 @@ def launch_bucket(
     # buffers (dead once added to the error buffers)
     in_place = not dct and all(e.is_contiguous() for e in errors)
     if dct:
-        coeffs = dct_encode_multi(errors, chunk)
+        coeffs = dct_encode_multi(errors, plan.chunk)
     elif in_place:
         coeffs = [
             tiling.tiles_into(deltas[i], e, t) for i, e, t in zip(members, errors, tilings, strict=True)
@@ -238,7 +235,7 @@ def launch_bucket(
             )
             for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans), strict=True)
         ]
-        for e, s in zip(errors, from_coeffs(sparse, errors, tilings, chunk=chunk, dct=dct), strict=True):
+        for e, s in zip(errors, from_coeffs(sparse, errors, plan, dct=dct), strict=True):
             e.sub_(s)
     # the "average" outer step needs the mean only where some rank sent a value
     at_positions = in_place and at_positions
@@ -264,7 +261,7 @@ def launch_bucket(
             if world > 1:  # x / 1 == x
                 for s in sums:
                     s.div_(world)
-            return [(m, None) for m in from_coeffs(sums, errors, tilings, chunk=chunk, dct=dct)]
+            return [(m, None) for m in from_coeffs(sums, errors, plan, dct=dct)]
 
         return decode
 
@@ -272,17 +269,13 @@ def launch_bucket(
 
 
 def from_coeffs(
-    mats: list[torch.Tensor],
-    like: list[torch.Tensor],
-    tilings: list[tiling.TensorTiling],
-    *,
-    chunk: int,
-    dct: bool,
+    mats: list[torch.Tensor], like: list[torch.Tensor], plan: tiling.TilePlan, *, dct: bool
 ) -> list[torch.Tensor]:
-    """Tile matrices (DCT coefficients when ``dct``) -> tensors shaped like ``like``."""
+    """Tile matrices (DCT coefficients when ``dct``) of ``plan``'s tensors -> tensors shaped like
+    ``like``."""
     if dct:
-        return dct_decode_multi(mats, [list(x.shape) for x in like], chunk)
-    return [tiling.from_tiles(m, t) for m, t in zip(mats, tilings, strict=True)]
+        return dct_decode_multi(mats, [list(x.shape) for x in like], plan.chunk)
+    return [tiling.from_tiles(m, t) for m, t in zip(mats, plan.tilings, strict=True)]
 
 
 def mean_at_positions(
