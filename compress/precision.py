@@ -213,7 +213,8 @@ def write_update(
         raise TypeError(f"{where}: param must be float32, bfloat16 or float16, got {param.dtype}")
     if new_value_fp32.dtype != torch.float32:
         raise TypeError(
-            f"{where}: new_value_fp32 must be float32 (compute the update in fp32), got {new_value_fp32.dtype}"
+            f"{where}: new_value_fp32 must be float32 (compute the update in fp32), "
+            f"got {new_value_fp32.dtype}"
         )
     _same_place(where, "new_value_fp32", new_value_fp32, param)
     low = param.dtype in LOW_PRECISION
