@@ -66,12 +66,12 @@ from cokit.compress.named_params import (
 )
 from cokit.compress.precision import LowPrecisionWarning
 from cokit.compress.state_records import (
+    RecordSpec,
     check_counts,
     check_saved_groups,
     check_tensor,
     lacks,
     load_comm_stats,
-    read_records,
 )
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_int, check_number
@@ -100,6 +100,7 @@ _GROUP_KEYS = {
 }
 _ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
 _LOOSE = ("validate_payload",)  # settings that do not change what is computed
+_RECORDS = RecordSpec(COMMON_KEY, "Dion", FORMAT, _LOAD, "the momentum buffers", _LOOSE)
 
 
 # ---------------------------------------------------------------------------- functional step
@@ -506,36 +507,19 @@ def _pack(opt: Dion) -> dict[str, Any]:
         else:
             state[n] = {k: s[k].clone() for k in _ADAMW_KEYS}
     groups = indexed_groups(opt.param_groups)
-    common = {
-        "format": FORMAT,
-        "optimizer": "Dion",
-        "world": opt.comm.world_size,
-        "settings": json.loads(json.dumps(opt._settings())),
-        "ranks": list(opt._ranks),
-        "counters": opt._counters(),
-    }
-    mine = {"format": FORMAT, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
-    groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
-    groups[0][f"dion_rank{rank}"] = json.dumps(mine, sort_keys=True)
+    _RECORDS.write(groups, opt, _saved_settings(opt), ranks=list(opt._ranks), counters=opt._counters())
     return {"state": state, "param_groups": groups}
+
+
+def _saved_settings(opt: Dion) -> dict[str, Any]:
+    """``opt``'s settings as its records keep them (through JSON)."""
+    return json.loads(json.dumps(opt._settings()))
 
 
 def _load(opt: Dion, sd: object) -> None:
     """Check ``sd`` against ``opt``, then load it (see :meth:`Dion.load_state_dict`)."""
     rank = opt.exchange.global_rank()
-    rec = read_records(
-        sd,
-        key=COMMON_KEY,
-        optimizer="Dion",
-        fmt=FORMAT,
-        rank=rank,
-        world=opt.comm.world_size,
-        where=_LOAD,
-        per_rank="the momentum buffers",
-        settings=json.loads(json.dumps(opt._settings())),
-        live_groups=opt.param_groups,
-        loose=_LOOSE,
-    )
+    rec = _RECORDS.read(sd, opt, _saved_settings(opt))
     common, mine, hyper = rec.common, rec.mine, rec.hyper
     if common.get("ranks") != opt._ranks:
         raise ValueError(

@@ -350,7 +350,8 @@ class FrontEnd(ExchangeOwner):
     def check_replicas(self, named: Sequence[tuple[str, torch.Tensor]], *, when: str = AT_FIRST_STEP) -> None:
         """Raise ``ValueError`` on every rank unless every rank holds the same tensors (``(name,
         tensor)`` pairs; their float64 sums compared, 0 for empty ones), naming the first that
-        differs and the ranks that hold other values than the group's first. Every rank must pass as many (decide from agreed settings and counters)."""
+        differs and the ranks that hold other values than the group's first. Every rank must
+        pass as many tensors (decide them from agreed settings and counters)."""
         if not named:
             return
         tensors = [t for _, t in named]

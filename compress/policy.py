@@ -139,6 +139,7 @@ class StaticPolicy(NetworkPolicy):
         return "StaticPolicy()"
 
 
+@dataclasses.dataclass(eq=False, repr=False)  # the settings are its fields; state is kept aside
 class BandwidthTargetPolicy(NetworkPolicy):
     """Keep exposed communication under ``target`` of the step time, and never pay for a
     change that does not pay back ("no regret").
@@ -189,22 +190,26 @@ class BandwidthTargetPolicy(NetworkPolicy):
     observations and the state (``state_dict()``) only.
     """
 
-    def __init__(
-        self,
-        target: float = 0.2,
-        *,
-        min_topk_scale: float = 0.125,
-        allow_sign: bool = True,
-        allow_dense: bool = False,
-        sign_first: bool = False,
-        headroom: float = 0.7,
-        patience: int = 2,
-        deadline_s: float | None = None,
-        max_skips: int = 1,
-        memory_steps: int = 20,
-        pay_share: float = 0.5,
-        probe_budget: float = 0.02,
-    ):
+    target: float = 0.2
+    _: dataclasses.KW_ONLY
+    min_topk_scale: float = 0.125
+    allow_sign: bool = True
+    allow_dense: bool = False
+    sign_first: bool = False
+    headroom: float = 0.7
+    patience: int = 2
+    deadline_s: float | None = None
+    max_skips: int = 1
+    memory_steps: int = 20
+    pay_share: float = 0.5
+    probe_budget: float = 0.02
+
+    def __post_init__(self) -> None:
+        """Check the settings (each error names one), store them as plain numbers, then start
+        on the optimizer's own settings."""
+        target, min_topk_scale, headroom = self.target, self.min_topk_scale, self.headroom
+        patience, max_skips, memory_steps = self.patience, self.max_skips, self.memory_steps
+        deadline_s, pay_share, probe_budget = self.deadline_s, self.pay_share, self.probe_budget
         if not (_is_number(target) and 0 < target < 1):
             raise ValueError(f"BandwidthTargetPolicy: target must be in (0, 1), got {target!r}")
         if not (_is_number(min_topk_scale) and 0 < min_topk_scale <= 1):
@@ -231,18 +236,11 @@ class BandwidthTargetPolicy(NetworkPolicy):
                 "BandwidthTargetPolicy: probe_budget (a failed probe's cost as a share of the time "
                 f"since the rung's last failed probe) must be in (0, 1), got {probe_budget!r}"
             )
-        self.target = float(target)
-        self.min_topk_scale = float(min_topk_scale)
-        self.allow_sign = bool(allow_sign)
-        self.allow_dense = bool(allow_dense)
-        self.sign_first = bool(sign_first) and self.allow_sign
-        self.headroom = float(headroom)
-        self.patience = patience
+        for name in ("target", "min_topk_scale", "headroom", "pay_share", "probe_budget"):
+            setattr(self, name, float(getattr(self, name)))
+        self.allow_sign, self.allow_dense = bool(self.allow_sign), bool(self.allow_dense)
+        self.sign_first = bool(self.sign_first) and self.allow_sign
         self.deadline_s = None if deadline_s is None else float(deadline_s)
-        self.max_skips = max_skips
-        self.memory_steps = memory_steps
-        self.pay_share = float(pay_share)
-        self.probe_budget = float(probe_budget)
         self.ladder = self._ladder()
         self.level = 1 if self.allow_dense else 0  # the optimizer's own settings
         self._hold = 0

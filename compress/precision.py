@@ -200,30 +200,9 @@ def write_update(
     rounding of ``new`` with ``generator`` (see :func:`stochastic_round`). float32 parameters:
     every mode is an exact copy. ``generator`` is only drawn from by "stochastic" (otherwise
     ignored). Every argument is checked before anything is written."""
-    _check_write(param, new_value_fp32, precision, master, generator)
-    with torch.no_grad():
-        if param.dtype not in LOW_PRECISION or precision == "nearest":
-            param.copy_(new_value_fp32)
-        elif precision == "master":
-            assert master is not None  # checked above
-            master.copy_(new_value_fp32)
-            param.copy_(master)
-        else:
-            assert generator is not None  # checked above
-            param.copy_(_stochastic_fp32(new_value_fp32, param.dtype, generator))
-
-
-def _check_write(
-    param: torch.Tensor,
-    new: torch.Tensor,
-    precision: str,
-    master: torch.Tensor | None,
-    generator: torch.Generator | None,
-) -> None:
-    """Raise on any argument :func:`write_update` cannot honour, saying what to pass."""
     where = "write_update"
     check_precision(where, precision)
-    for name, t in (("param", param), ("new_value_fp32", new), ("master", master)):
+    for name, t in (("param", param), ("new_value_fp32", new_value_fp32), ("master", master)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t is not None and is_dtensor(t):
@@ -232,11 +211,12 @@ def _check_write(
             )
     if param.dtype not in PARAM_DTYPES:
         raise TypeError(f"{where}: param must be float32, bfloat16 or float16, got {param.dtype}")
-    if new.dtype != torch.float32:
+    if new_value_fp32.dtype != torch.float32:
         raise TypeError(
-            f"{where}: new_value_fp32 must be float32 (compute the update in fp32), got {new.dtype}"
+            f"{where}: new_value_fp32 must be float32 (compute the update in fp32), "
+            f"got {new_value_fp32.dtype}"
         )
-    _same_place(where, "new_value_fp32", new, param)
+    _same_place(where, "new_value_fp32", new_value_fp32, param)
     low = param.dtype in LOW_PRECISION
     if master is not None and not (low and precision == "master"):
         raise ValueError(
@@ -265,6 +245,16 @@ def _check_write(
                 f"{where}: the generator is on {generator.device} but param is on {param.device}: "
                 "create it with rounding_generator(seed, step, param.device)"
             )
+    with torch.no_grad():
+        if param.dtype not in LOW_PRECISION or precision == "nearest":
+            param.copy_(new_value_fp32)
+        elif precision == "master":
+            assert master is not None  # checked above
+            master.copy_(new_value_fp32)
+            param.copy_(master)
+        else:
+            assert generator is not None  # checked above
+            param.copy_(_stochastic_fp32(new_value_fp32, param.dtype, generator))
 
 
 def _same_place(where: str, name: str, t: torch.Tensor, param: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ Every guarantee comes from the exchange core (:mod:`cokit.compress.exchange`): e
 with the fixed-size status row (settings fingerprint, non-finite report, the policy's
 measurement), every collective has the timeout, peers' payloads are validated, and a sync that
 raises leaves no collective behind. Nothing of a sync is applied before every rank's bytes are in
-and checked (its error buffers are new ones until then): after a peer's bad data every rank keeps
+and checked (its error buffers are spare ones until then): after a peer's bad data every rank keeps
 its state and a later step syncs again. The state dict has torch's layout, so
 ``torch.distributed.checkpoint`` saves and loads it (:mod:`cokit.compress.sparseloco_state`).
 """
@@ -88,7 +88,7 @@ from cokit.compress.sparseloco_local import (
     write_weights,
 )
 from cokit.compress.sparseloco_plan import SyncPlan
-from cokit.compress.sparseloco_step import average_gradients, exchange_means, outer_step
+from cokit.compress.sparseloco_step import SpareErrors, average_gradients, exchange_means, outer_step
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
@@ -181,7 +181,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self.comm_stats = CommStats()
         self.syncs = self.skipped_syncs = self.skipped_steps = self.inner_resets = 0
         self._steps = self._since_sync = self._skipped = 0  # _skipped: GradScaler skips since the last sync
-        self._checked = False
+        self._checked, self._spares = False, SpareErrors()  # the error buffers' second set
         self.plan = SyncPlan(
             [tuple(p.shape) for p in model_params],
             chunk=chunk,
@@ -334,17 +334,14 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             deltas,
             [s.get("error") for s in states],
             self.exchange,
-            chunk=self.chunk,
             dct=self.dct,
             error_decay=self.error_decay,
             names=[self._name(i) for i in range(len(params))],
             at_positions=[self.outer == "average" and s["global"].is_contiguous() for s in states],
             adaptive=self.adaptive_topk,
+            spares=self._spares.take([s.get("error") for s in states]),
         )
-        # every rank's bytes are in and checked: from here on the sync is applied
-        for s, e in zip(states, errors, strict=True):
-            if e is not None:
-                s["error"] = e
+        self._spares.swap_in(states, errors)  # every rank's bytes are in and checked: the sync applies
         if shares is not None:
             self.captured_energy = shares
             self.plan.set_topks(self.plan.adapt(list(shares.values()), list(shares)))  # the next sync's

@@ -34,6 +34,7 @@ from cokit.compress.named_params import indexed_groups
 from cokit.compress.payload import wire_sizes
 from cokit.compress.sparseloco_local import hyper
 from cokit.compress.state_records import (
+    RecordSpec,
     check_counts,
     check_finite_hyper_parameters,
     check_inner_state,
@@ -41,7 +42,6 @@ from cokit.compress.state_records import (
     check_tensor,
     lacks,
     load_comm_stats,
-    read_records,
 )
 
 if TYPE_CHECKING:
@@ -64,6 +64,9 @@ _OPTIONAL: dict[str, Any] = {
     "adaptive_topk": False,
     "adaptive_range": None,
 }
+_RECORDS = RecordSpec(
+    COMMON_KEY, "SparseLoCo", FORMAT, _WHERE, "error buffers and inner state", _LOOSE, _OPTIONAL
+)
 
 
 def pack(opt: SparseLoCo) -> dict[str, Any]:
@@ -90,20 +93,14 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
             entry[f"inner_rank{rank}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
         state[n] = entry
     groups = indexed_groups(opt.param_groups)
-    common = {
-        "format": FORMAT,
-        "optimizer": "SparseLoCo",
-        "world": opt.comm.world_size,
-        "settings": _settings(opt),
+    shared: dict[str, Any] = {
         "counters": _counters(opt),
         "interval": opt.current_interval,
         "policy": opt._driver.state_dict(),
     }
     if opt.adaptive_topk:
-        common["topk_per_tensor"] = [[i, k] for i, k in sorted(opt.plan.topks().items())]
-    mine = {"format": FORMAT, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
-    groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
-    groups[0][f"sparseloco_rank{rank}"] = json.dumps(mine, sort_keys=True)
+        shared["topk_per_tensor"] = [[i, k] for i, k in sorted(opt.plan.topks().items())]
+    _RECORDS.write(groups, opt, _settings(opt), **shared)
     return {"state": state, "param_groups": groups}
 
 
@@ -139,20 +136,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
             f"{FORMAT}); load it with the cokit version that saved it"
         )
     rank = opt.exchange.global_rank()
-    rec = read_records(
-        sd,
-        key=COMMON_KEY,
-        optimizer="SparseLoCo",
-        fmt=FORMAT,
-        rank=rank,
-        world=opt.comm.world_size,
-        where=_WHERE,
-        per_rank="error buffers and inner state",
-        settings=_settings(opt),
-        live_groups=opt.param_groups,
-        loose=_LOOSE,
-        optional=_OPTIONAL,
-    )
+    rec = _RECORDS.read(sd, opt, _settings(opt))
     common = rec.common
     check_finite_hyper_parameters(_WHERE, rec.hyper)
     params = opt._model_params

@@ -1,7 +1,8 @@
 """SparseLoCo's sync as functions over tensors and an exchange, as ``dion_step`` is to Dion.
 
 :func:`exchange_means` makes each compressed tensor's next error buffer (``e = error_decay *
-e + delta``, a new buffer: the old one is kept until the sync succeeds); :func:`launch_bucket`
+e + delta``, in a second buffer: the live one is kept until the sync succeeds, and
+:class:`SpareErrors` swaps the two then, so that a sync allocates no error buffer); :func:`launch_bucket`
 picks the top-k per tile of ``e`` (raw or in the DCT domain; what the codec sends leaves
 ``e``) and starts its collectives; it returns the bucket's *receive*, which waits for every
 rank's bytes and checks them, and which returns its *decode*: the mean over the ranks of what
@@ -13,6 +14,7 @@ means nothing changes unless every rank's bytes are good.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ __all__ = [
     "SYNC_UNCHANGED",
     "Mean",
     "Receive",
+    "SpareErrors",
     "average_gradients",
     "exchange_means",
     "from_coeffs",
@@ -37,7 +40,7 @@ __all__ = [
 ]
 
 #: what a sync that stopped at a peer's bad data had changed (the error buffers it updated were
-#: new ones, the outer step comes after every check)
+#: spare ones, the outer step comes after every check)
 SYNC_UNCHANGED = (
     "the sync was not applied: theta_global, the outer momentum and the error buffers are as they "
     "were, every rank keeps its local weights (this step's inner step included) and a later "
@@ -56,12 +59,12 @@ def exchange_means(
     errors: list[torch.Tensor | None],
     exchange: Exchange,
     *,
-    chunk: int,
     dct: bool,
     error_decay: float,
     names: list[str],
     at_positions: list[bool],
     adaptive: bool = False,
+    spares: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[Mean | None], list[torch.Tensor | None], dict[int, float] | None]:
     """One sync's exchange: encode every bucket, launch all collectives, check every rank's
     bytes, then decode each into the mean pseudo-gradient of its tensors (:data:`Mean`; None:
@@ -70,15 +73,14 @@ def exchange_means(
     the dense ones), so a sync that raises changes no buffer. ``at_positions[i]``: tensor
     ``i``'s mean is needed only where some rank sent a value (the average outer step). With
     ``adaptive`` also every compressed tensor's captured-energy share, agreed over the ranks
-    (checked, averaged in rank order; tensor index -> share), else None."""
+    (checked, averaged in rank order; tensor index -> share), else None. ``spares[i]``: a
+    buffer like ``errors[i]`` (:meth:`SpareErrors.take`) that tensor ``i``'s next error buffer
+    is written into instead of a new one."""
     means: list[Mean | None] = [None] * len(deltas)
     compressed = {i for bucket in buckets if not bucket.dense for i in bucket.members}
-    fresh: list[torch.Tensor | None] = [
-        (
-            (torch.zeros_like(d) if (e := errors[i]) is None else e.mul(error_decay)).add_(d)
-            if i in compressed
-            else None
-        )
+    spare = spares or [None] * len(deltas)
+    fresh = [
+        _next_error(errors[i], d, error_decay, spare[i]) if i in compressed else None
         for i, d in enumerate(deltas)
     ]
     captured: dict[int, torch.Tensor] | None = {} if adaptive else None
@@ -92,7 +94,6 @@ def exchange_means(
                 deltas,
                 [] if bucket.dense else [e for i in members if (e := fresh[i]) is not None],
                 exchange,
-                chunk=chunk,
                 dct=dct,
                 names=[names[i] for i in members],
                 at_positions=all(at_positions[i] for i in members),
@@ -115,6 +116,54 @@ def exchange_means(
     return means, fresh, shares
 
 
+def _next_error(
+    e: torch.Tensor | None, delta: torch.Tensor, decay: float, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``decay * e + delta`` (``e`` None: zeros) in ``out`` when given, else in a new tensor."""
+    if e is None:
+        return torch.zeros_like(delta).add_(delta)
+    return (e.mul(decay) if out is None else torch.mul(e, decay, out=out)).add_(delta)
+
+
+class SpareErrors:
+    """The second set of error buffers: a sync writes the next buffers into these
+    (:meth:`take`), and :meth:`swap_in` makes them live only once every rank's bytes are in and
+    checked, keeping the buffers they replace as the next sync's spares. A sync that raises
+    leaves the live buffers as they were, and a sync allocates no error buffer. The spares are
+    scratch: never in the optimizer's state or its checkpoints."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, torch.Tensor] = {}  # by tensor index
+
+    def take(self, errors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """A spare for each live error buffer in ``errors`` (None where there is none yet, or
+        where the held one no longer matches its shape, dtype, device or strides)."""
+        out: list[torch.Tensor | None] = []
+        for i, e in enumerate(errors):
+            s = self._held.get(i)
+            fits = (
+                e is not None
+                and s is not None
+                and s is not e
+                and (s.shape, s.dtype, s.device, s.stride()) == (e.shape, e.dtype, e.device, e.stride())
+            )
+            out.append(s if fits else None)
+        return out
+
+    def swap_in(self, states: list[dict[str, Any]], fresh: list[torch.Tensor | None]) -> None:
+        """After a checked sync: ``fresh[i]`` becomes tensor ``i``'s error buffer (None: it has
+        none, e.g. a dense tensor) and the buffer it replaces becomes a spare."""
+        for i, (s, e) in enumerate(zip(states, fresh, strict=True)):
+            if e is None:
+                continue
+            old = s.get("error")
+            s["error"] = e
+            if old is not None and old is not e:
+                self._held[i] = old
+            else:
+                self._held.pop(i, None)
+
+
 def launch_bucket(
     b: int,
     bucket: Bucket,
@@ -122,7 +171,6 @@ def launch_bucket(
     errors: list[torch.Tensor],
     exchange: Exchange,
     *,
-    chunk: int,
     dct: bool,
     names: list[str],
     at_positions: bool,
@@ -153,7 +201,7 @@ def launch_bucket(
     # buffers (dead once added to the error buffers)
     in_place = not dct and all(e.is_contiguous() for e in errors)
     if dct:
-        coeffs = dct_encode_multi(errors, chunk)
+        coeffs = dct_encode_multi(errors, plan.chunk)
     elif in_place:
         coeffs = [
             tiling.tiles_into(deltas[i], e, t) for i, e, t in zip(members, errors, tilings, strict=True)
@@ -187,7 +235,7 @@ def launch_bucket(
             )
             for c, e, (ix, _), part in zip(coeffs, errors, picks, sent[0].split(spans), strict=True)
         ]
-        for e, s in zip(errors, from_coeffs(sparse, errors, tilings, chunk=chunk, dct=dct), strict=True):
+        for e, s in zip(errors, from_coeffs(sparse, errors, plan, dct=dct), strict=True):
             e.sub_(s)
     # the "average" outer step needs the mean only where some rank sent a value
     at_positions = in_place and at_positions
@@ -213,7 +261,7 @@ def launch_bucket(
             if world > 1:  # x / 1 == x
                 for s in sums:
                     s.div_(world)
-            return [(m, None) for m in from_coeffs(sums, errors, tilings, chunk=chunk, dct=dct)]
+            return [(m, None) for m in from_coeffs(sums, errors, plan, dct=dct)]
 
         return decode
 
@@ -221,17 +269,13 @@ def launch_bucket(
 
 
 def from_coeffs(
-    mats: list[torch.Tensor],
-    like: list[torch.Tensor],
-    tilings: list[tiling.TensorTiling],
-    *,
-    chunk: int,
-    dct: bool,
+    mats: list[torch.Tensor], like: list[torch.Tensor], plan: tiling.TilePlan, *, dct: bool
 ) -> list[torch.Tensor]:
-    """Tile matrices (DCT coefficients when ``dct``) -> tensors shaped like ``like``."""
+    """Tile matrices (DCT coefficients when ``dct``) of ``plan``'s tensors -> tensors shaped like
+    ``like``."""
     if dct:
-        return dct_decode_multi(mats, [list(x.shape) for x in like], chunk)
-    return [tiling.from_tiles(m, t) for m, t in zip(mats, tilings, strict=True)]
+        return dct_decode_multi(mats, [list(x.shape) for x in like], plan.chunk)
+    return [tiling.from_tiles(m, t) for m, t in zip(mats, plan.tilings, strict=True)]
 
 
 def mean_at_positions(

@@ -17,7 +17,8 @@ and what to do:
   :func:`check_inner_state`), counters (:func:`check_counts`), comm stats
   (:func:`load_comm_stats`) and policy state (:func:`check_policy_state`).
 
-:func:`read_records` runs the first two for the optimizers' JSON records.
+:func:`read_records` runs the first two for the optimizers' JSON records, and
+:class:`RecordSpec` writes and reads them for an optimizer front end.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from cokit.compress.stats import CommStats
 
 __all__ = [
+    "FrontEnd",
+    "RecordSpec",
     "Records",
     "check_counts",
     "check_entries",
@@ -185,6 +188,55 @@ def read_records(
     keys = [k for g in groups for k in g["params"]]
     check_entries(where, sd["state"], keys)
     return Records(sd["state"], groups, common, ranks[rank], hyper_parameters(groups, key), keys)
+
+
+class FrontEnd(Protocol):
+    """What :class:`RecordSpec` reads of an optimizer front end (:mod:`cokit.compress.frontend`)."""
+
+    exchange: Any  # global_rank(): this rank in the default group
+    comm: Any  # world_size: the exchange group's
+    comm_stats: CommStats
+    param_groups: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    """One optimizer front end's JSON records (module docstring): the group-0 ``key`` of the
+    shared record (``<key>_rank<R>``: rank ``R``'s), the ``optimizer`` and format ``fmt`` they
+    name, the loader's name in messages (``where``), what it keeps per rank (``per_rank``) and
+    the settings a load compares loosely or only when on (``loose``, ``optional``: see
+    :func:`check_settings`)."""
+
+    key: str
+    optimizer: str
+    fmt: int
+    where: str
+    per_rank: str
+    loose: tuple[str, ...] = ()
+    optional: Mapping[str, Any] | None = None
+
+    def write(self, groups: list[dict[str, Any]], opt: FrontEnd, settings: Any, **shared: Any) -> None:
+        """Put the shared record (format, optimizer, world size, ``settings`` and ``shared``) and
+        this rank's (format, rank, comm stats) in param group 0 of ``groups``."""
+        rank = opt.exchange.global_rank()
+        common = {"format": self.fmt, "optimizer": self.optimizer, "world": opt.comm.world_size}
+        common.update(settings=settings, **shared)
+        mine = {"format": self.fmt, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
+        groups[0][self.key] = json.dumps(common, sort_keys=True)
+        groups[0][f"{self.key}_rank{rank}"] = json.dumps(mine, sort_keys=True)
+
+    def read(self, sd: object, opt: FrontEnd, settings: Mapping[str, Any]) -> Records:
+        """:func:`read_records` of ``sd`` for ``opt`` (this rank, its world size and param groups)
+        with ``opt``'s ``settings``."""
+        spec = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return read_records(
+            sd,
+            **spec,
+            rank=opt.exchange.global_rank(),
+            world=opt.comm.world_size,
+            settings=settings,
+            live_groups=opt.param_groups,
+        )
 
 
 def setting_differences(

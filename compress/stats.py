@@ -8,7 +8,7 @@ all-gather of ``n`` bytes per rank sends ``(W-1) * n`` and receives ``(W-1) * n`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from cokit.compress.timing import StepTiming, empty_timing
 
@@ -28,6 +28,30 @@ def dense_allreduce_bytes(tensors, world_size: int) -> int:
 def ring_allgather_bytes(nbytes_per_rank: int, world_size: int) -> int:
     """Bytes one rank sends (and receives) in a ring all-gather of ``nbytes_per_rank`` each."""
     return max(world_size - 1, 0) * nbytes_per_rank
+
+
+#: the seconds of a step's timing (:func:`~cokit.compress.timing.empty_timing`) that
+#: :class:`CommStats` keeps per step (``step_<key>``) and in total (``total_<key>``)
+SECONDS = ("encode_s", "decode_s", "exposed_s", "comm_s")
+T = TypeVar("T")
+
+
+class _LastStep(Generic[T]):
+    """A read-only :class:`CommStats` attribute: one entry of the last step's timing, settled
+    (its CUDA events waited on) when first read."""
+
+    def __init__(self, key: str, doc: str) -> None:
+        self.key, self.__doc__ = key, doc
+
+    @overload
+    def __get__(self, stats: None, owner: type) -> _LastStep[T]: ...
+    @overload
+    def __get__(self, stats: CommStats, owner: type) -> T: ...
+    def __get__(self, stats: CommStats | None, owner: type) -> T | _LastStep[T]:
+        if stats is None:
+            return self
+        stats.settle()
+        return stats._step[self.key]
 
 
 @dataclass
@@ -115,39 +139,20 @@ class CommStats:
             return
         pending, self._pending = self._pending, None
         self._step = pending.resolve()
-        self.total_encode_s += self._step["encode_s"]
-        self.total_decode_s += self._step["decode_s"]
-        self.total_exposed_s += self._step["exposed_s"]
-        self.total_comm_s += self._step["comm_s"]
+        for key in SECONDS:
+            setattr(self, f"total_{key}", getattr(self, f"total_{key}") + self._step[key])
 
-    def _timing(self, key: str) -> Any:
-        self.settle()
-        return self._step[key]
-
-    @property
-    def step_encode_s(self) -> float:
-        """Seconds spent encoding payloads in the last step."""
-        return self._timing("encode_s")
-
-    @property
-    def step_decode_s(self) -> float:
-        """Seconds spent decoding payloads in the last step."""
-        return self._timing("decode_s")
-
-    @property
-    def step_exposed_s(self) -> float:
-        """Seconds this rank was blocked waiting on collectives in the last step."""
-        return self._timing("exposed_s")
-
-    @property
-    def step_comm_s(self) -> float:
-        """Seconds the last step's collectives ran (union of their intervals)."""
-        return self._timing("comm_s")
-
-    @property
-    def step_collectives(self) -> list[dict[str, Any]]:
-        """The last step's collectives: what, bytes sent/received, ``comm_s``, ``exposed_s``."""
-        return self._timing("collectives")
+    step_encode_s = _LastStep[float]("encode_s", "Seconds spent encoding payloads in the last step.")
+    step_decode_s = _LastStep[float]("decode_s", "Seconds spent decoding payloads in the last step.")
+    step_exposed_s = _LastStep[float](
+        "exposed_s", "Seconds this rank was blocked waiting on collectives in the last step."
+    )
+    step_comm_s = _LastStep[float](
+        "comm_s", "Seconds the last step's collectives ran (union of their intervals)."
+    )
+    step_collectives = _LastStep[list[dict[str, Any]]](
+        "collectives", "The last step's collectives: what, bytes sent/received, ``comm_s``, ``exposed_s``."
+    )
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready): every field, ``ratio`` and the last step's timing."""
@@ -156,7 +161,7 @@ class CommStats:
             f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")
         }
         out["ratio"] = self.ratio
-        for key in ("encode_s", "decode_s", "exposed_s", "comm_s"):
+        for key in SECONDS:
             out[f"step_{key}"] = self._step[key]
         out["step_collectives"] = [dict(c) for c in self._step["collectives"]]
         return out

@@ -49,9 +49,19 @@ from cokit.compress.frontend import FrontEndOptions
 from cokit.compress.groups import NodeGroups
 from cokit.compress.guards import GradMarks, all_finite, edited_message
 
-__all__ = ["Flat", "Hierarchical", "Overlapped", "ShardLocal", "Strategy", "make_strategy"]
+__all__ = ["Basis", "Flat", "Hierarchical", "Overlapped", "ShardLocal", "Strategy", "make_strategy"]
 
 Timeout = float | datetime.timedelta | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Basis:
+    """What every strategy is built from: DeMo's plan, its options (the exchange's settings)
+    and where the exchange reports time blocked on collectives (the policy's clock)."""
+
+    plan: DemoPlan
+    options: FrontEndOptions
+    on_blocked: Callable[[float], None]
 
 
 class Strategy:
@@ -59,21 +69,12 @@ class Strategy:
 
     name = "flat"
 
-    def __init__(
-        self,
-        plan: DemoPlan,
-        options: FrontEndOptions,
-        on_blocked: Callable[[float], None],
-        *,
-        group: Any = None,
-        agree: tuple = (),
-        local: bool = False,
-    ):
-        self.plan = plan
-        self.exchange = options.exchange(
-            "DeMo", group=group, agree_groups=agree, local=local, on_blocked=on_blocked
+    def __init__(self, basis: Basis, *, group: Any = None, agree: tuple = (), local: bool = False):
+        self.plan = basis.plan
+        self.exchange = basis.options.exchange(
+            "DeMo", group=group, agree_groups=agree, local=local, on_blocked=basis.on_blocked
         )
-        self.timeout = options.timeout
+        self.timeout = basis.options.timeout
         self.checked = False  # first_round ran
 
     @property
@@ -130,14 +131,10 @@ class ShardLocal(Strategy):
 
     name = "shard-local"
 
-    def __init__(
-        self, plan: DemoPlan, mesh: MeshPlan, options: FrontEndOptions, on_blocked: Callable[[float], None]
-    ):
-        process_group = options.process_group
+    def __init__(self, basis: Basis, mesh: MeshPlan):
+        process_group = basis.options.process_group
         check_exchange_group(mesh, process_group)
-        super().__init__(
-            plan, options, on_blocked, group=process_group, agree=mesh.agree, local=process_group is None
-        )
+        super().__init__(basis, group=process_group, agree=mesh.agree, local=process_group is None)
         # HSDP: the replicate group and the (one) sharded dimension must tile the world
         self.tiling = None
         if process_group is not None and len(mesh.agree) == 1:
@@ -153,14 +150,8 @@ class Hierarchical(Strategy):
 
     name = "hierarchical"
 
-    def __init__(
-        self,
-        plan: DemoPlan,
-        hierarchy: NodeGroups,
-        options: FrontEndOptions,
-        on_blocked: Callable[[float], None],
-    ):
-        super().__init__(plan, options, on_blocked, group=hierarchy.inter, agree=(hierarchy.intra,))
+    def __init__(self, basis: Basis, hierarchy: NodeGroups):
+        super().__init__(basis, group=hierarchy.inter, agree=(hierarchy.intra,))
         self.hierarchy = hierarchy
         self.intra: Communicator = self.exchange.agree_comms[0]
 
@@ -226,14 +217,8 @@ class Overlapped(Strategy):
 
     name = "overlapped"
 
-    def __init__(
-        self,
-        plan: DemoPlan,
-        options: FrontEndOptions,
-        on_blocked: Callable[[float], None],
-        open_round: Callable[[], Any],
-    ):
-        super().__init__(plan, options, on_blocked, group=options.process_group)
+    def __init__(self, basis: Basis, open_round: Callable[[], Any]):
+        super().__init__(basis, group=basis.options.process_group)
         self.open_round = open_round  # the step's status round, at its first hook
         self.hooks: list = []
         # entries, buckets and the bucket of each id(p), planned at the first hook of a layout
@@ -415,10 +400,11 @@ def make_strategy(
             "DeMo: overlap_backward=True works with plain data parallel only (not with DTensor "
             "parameters or hierarchy=); FSDP overlaps its own reduce-scatter"
         )
+    basis = Basis(plan, options, on_blocked)
     if hierarchy is not None:
-        return Hierarchical(plan, hierarchy, options, on_blocked)
+        return Hierarchical(basis, hierarchy)
     if mesh is not None:
-        return ShardLocal(plan, mesh, options, on_blocked)
+        return ShardLocal(basis, mesh)
     if overlap_backward:
-        return Overlapped(plan, options, on_blocked, open_round)
-    return Flat(plan, options, on_blocked, group=options.process_group)
+        return Overlapped(basis, open_round)
+    return Flat(basis, group=options.process_group)

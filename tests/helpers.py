@@ -16,12 +16,24 @@ import torch
 from cokit.compress.adaptation import STATUS_ROW_BYTES
 from cokit.compress.agreement import ROW_BYTES
 from cokit.triton_kernels import tiling
+from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
+from cokit.workloads.text import VOCAB_SIZE
 
 STATUS_ROW = STATUS_ROW_BYTES
 AGREEMENT_ROW = ROW_BYTES
 
 SHAPES = [(1,), (7,), (3, 5), (64, 64), (96, 128), (130, 70), (16, 3, 3, 3)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def toy_workload() -> TextWorkloadConfig:
+    """The smallest text workload the runner trains: the toy model on 100k characters."""
+    return TextWorkloadConfig(
+        corpus=CorpusConfig(max_chars=100_000),
+        model=ModelConfig.preset("toy", VOCAB_SIZE),
+        batch_size=4,
+        eval_batches=2,
+    )
 
 
 def _poisoned(shape, dtype, device):

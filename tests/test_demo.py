@@ -11,8 +11,7 @@ from cokit.cli import main
 from cokit.compress.stats import ring_allreduce_bytes
 from cokit.launch import free_port
 from cokit.train import MethodSpec, RunResult, run_distributed, run_methods
-from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
-from cokit.workloads.text import VOCAB_SIZE
+from tests.helpers import toy_workload
 
 TOY_ARGS = ["--model", "toy", "--max-chars", "100000", "--batch-size", "4", "--eval-every", "3", "--quiet"]
 
@@ -84,22 +83,13 @@ def test_demo_writes_json_csv_png(demo_run, capsys):
     assert int(last["demo"]["cum_bytes_sent"]) < int(last["adamw"]["cum_bytes_sent"])
 
 
-def _toy_config() -> TextWorkloadConfig:
-    return TextWorkloadConfig(
-        corpus=CorpusConfig(max_chars=100_000),
-        model=ModelConfig.preset("toy", VOCAB_SIZE),
-        batch_size=4,
-        eval_batches=2,
-    )
-
-
 def test_runner_is_deterministic_and_counts_dense_bytes():
     specs = [
         MethodSpec("adamw", 3e-3),
         MethodSpec("adamw", 3e-3, label="again"),
         MethodSpec("sgd", 0.1, options={"momentum": 0.9}),
     ]
-    results = run_distributed(run_methods, specs, _toy_config(), 4, 1, 2, "cpu", False, world_size=2)
+    results = run_distributed(run_methods, specs, toy_workload(), 4, 1, 2, "cpu", False, world_size=2)
     a, b, sgd = results
     assert isinstance(a, RunResult) and a.steps == 4 and a.world_size == 2
     assert a.train_loss == b.train_loss and a.evals == b.evals  # same seed, same data order

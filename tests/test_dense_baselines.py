@@ -12,19 +12,8 @@ from cokit.train import MethodSpec, RunResult, build_method, run_distributed, ru
 from cokit.validation.grid import StudyConfig, WorkloadDef, edge_jobs, method_catalog, sweep_jobs
 from cokit.validation.records import dense_gaps, extend_grid
 from cokit.validation.report import aggregate, recommend
-from cokit.workloads import CorpusConfig, ModelConfig, TextWorkloadConfig
-from cokit.workloads.text import VOCAB_SIZE
 from tests.distributed import run_gloo
-
-
-def _toy() -> TextWorkloadConfig:
-    return TextWorkloadConfig(
-        corpus=CorpusConfig(max_chars=100_000),
-        model=ModelConfig.preset("toy", VOCAB_SIZE),
-        batch_size=4,
-        eval_batches=2,
-    )
-
+from tests.helpers import toy_workload
 
 # --------------------------------------------------------------------------------------------
 # the method
@@ -36,7 +25,7 @@ def _muon_split(optimizer, model) -> dict[str, bool]:
 
 
 def test_muon_takes_the_matrices_and_leaves_embeddings_heads_and_vectors_to_adamw():
-    model = _toy().build("cpu").build_model(0)
+    model = toy_workload().build("cpu").build_model(0)
     method = build_method(MethodSpec("muon", 0.02), model)
     split = _muon_split(method.optimizer, model)
     assert type(method.optimizer).__name__ == "Muon"
@@ -48,7 +37,7 @@ def test_muon_takes_the_matrices_and_leaves_embeddings_heads_and_vectors_to_adam
 
 def _inner_split_worker(rank: int, world: int) -> tuple[dict[str, bool], dict[str, bool]]:
     """The dense method's Muon and SparseLoCo's inner Muon, built for the same model."""
-    model = _toy().build("cpu").build_model(0)
+    model = toy_workload().build("cpu").build_model(0)
     dense = build_method(MethodSpec("muon", 0.02), model)
     sparse = build_method(
         MethodSpec("sparseloco", 0.02, options={"inner": "muon", "sync_every": 2, "topk": 8, "chunk": 8}),
@@ -66,7 +55,7 @@ def test_sparseloco_muon_inner_and_dense_muon_are_built_by_the_same_rule():
 @pytest.mark.distributed
 def test_dense_muon_trains_with_identical_replicas_and_adamws_dense_bytes():
     specs = [MethodSpec("adamw", 3e-3), MethodSpec("muon", 0.02)]
-    adamw, muon = run_distributed(run_methods, specs, _toy(), 8, 0, 4, "cpu", False, world_size=2)
+    adamw, muon = run_distributed(run_methods, specs, toy_workload(), 8, 0, 4, "cpu", False, world_size=2)
     assert isinstance(muon, RunResult) and muon.steps == 8
     assert muon.evals[0] == adamw.evals[0]  # the same weights and held-out text at step 0
     assert muon.evals[-1][1] < muon.evals[0][1] - 0.15  # it learns (4.58 -> 4.31 here)
@@ -207,7 +196,7 @@ def test_the_recommendation_refuses_a_compressed_method_that_loses_to_the_best_d
 
 def _study(tmp_path, seeds=3) -> tuple[StudyConfig, WorkloadDef]:
     lrs = (("adamw", (1e-3, 3e-3, 1e-2, 3e-2)), ("muon", (3e-3, 1e-2, 3e-2, 0.1)))
-    wl = WorkloadDef("w", _toy(), 10, 5, lrs)
+    wl = WorkloadDef("w", toy_workload(), 10, 5, lrs)
     cfg = StudyConfig(
         preset="quick",
         out_dir=str(tmp_path),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cokit.compress import SparseLoCo
 from cokit.compress import payload as payload_mod
 from cokit.compress.sparseloco_step import mean_at_positions
 from cokit.triton_kernels import tiling
@@ -96,3 +97,18 @@ def test_int2_quantize_in_place_is_the_plain_formula(scale):
     got, want = codec.quantize(vals), _int2_quantize_plain(codec, vals)
     assert got[0].dtype == want[0].dtype == torch.uint8
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_syncs_alternate_between_two_error_buffers():
+    """From the second sync on, a sync writes the next error buffer into the spare one and
+    swaps the two: no new buffer per sync (the values stay the out-of-place formula's, which
+    the bit-for-bit tests of test_sparseloco.py check)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = SparseLoCo([p], sync_every=1)
+    ptrs = []
+    for _ in range(4):
+        p.grad = torch.randn(64, 64)
+        opt.step()
+        ptrs.append(opt.state[p]["error"].data_ptr())
+    assert ptrs[0] != ptrs[1] and ptrs[2:] == ptrs[:2]
