@@ -201,17 +201,22 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Seed means per (method, fault); loss against the same method without a fault and time to
-    the no-fault ``diloco`` run's mean final loss (or, without one, the best no-fault mean)."""
+    """Seed means per (method, fault); loss against the same method without a fault, and time to
+    the target of each seed: the final loss of that seed's no-fault ``diloco`` run (without one,
+    of the seed's best no-fault run)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["method"], r["fault"]), []).append(r)
     clean = {m: statistics.fmean(r["heldout"] for r in rs) for (m, f), rs in groups.items() if f == "none"}
-    target = clean.get("diloco", min(clean.values(), default=None))
+    targets: dict[int, float] = {}
+    for r in sorted(
+        (r for r in rows if r["fault"] == "none"), key=lambda r: (r["method"] != "diloco", r["heldout"])
+    ):
+        targets.setdefault(r["seed"], r["heldout"])  # diloco's first, else the best
     out = []
     for (method, fault), rs in sorted(groups.items()):
         loss = statistics.fmean(r["heldout"] for r in rs)
-        reached = [time_to(r["curve"], target) for r in rs] if target is not None else []
+        reached = [time_to(r["curve"], targets[r["seed"]]) if r["seed"] in targets else None for r in rs]
         entry: dict[str, Any] = {
             "method": method,
             "fault": fault,
@@ -224,8 +229,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 r["fp8_diloco_bytes_per_step"] / r["bytes_per_step"] for r in rs
             ),
             "wall_s": statistics.fmean(r["wall_s"] for r in rs),
-            "target": target,
+            "target": statistics.fmean(targets[r["seed"]] for r in rs)
+            if all(r["seed"] in targets for r in rs)
+            else None,
             "time_to_target_s": _all_reached(reached),
+            "rejoined": sum(bool(r.get("rejoined")) for r in rs) if fault == "kill" else None,
             "continue_s": _mean(rs, "continue_s"),
             "heal_s": _mean(rs, "heal_s"),
         }
@@ -252,15 +260,16 @@ def table(summary: list[dict[str, Any]]) -> str:
 
     lines = [
         "| method | fault | seeds | held-out loss | vs no fault | bytes/step | x fewer than fp8 DiLoCo "
-        "| wall s | to target s | continue s | heal s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| wall s | to target s | continue s | rejoined | heal s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
             f"| {s['method']} | {s['fault']} | {s['seeds']} | {s['heldout']:.4f} ± {s['heldout_sd']:.4f} "
             f"| {fmt(s['vs_no_fault_pct'], '+.2f')}% | {s['bytes_per_step']:.0f} | {s['fewer_than_fp8_diloco']:.1f} "
             f"| {s['wall_s']:.1f} "
-            f"| {fmt(s['time_to_target_s'], '.1f')} | {fmt(s['continue_s'], '.1f')} | {fmt(s['heal_s'], '.1f')} |"
+            f"| {fmt(s['time_to_target_s'], '.1f')} | {fmt(s['continue_s'], '.1f')} | {fmt(s['rejoined'], 'd')} "
+            f"| {fmt(s['heal_s'], '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -292,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restart-after", type=float, default=60.0, help="seconds from the kill to the restart")
     ap.add_argument("--out", default="ft_bench.json")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument(
+        "--logs", help="keep the replicas' and the lighthouse's logs in this folder (default: removed)"
+    )
     args = ap.parse_args(argv)
     if args.syncs < 2 or args.sync_every < 1 or args.restart_after < 0 or args.timeout <= 0:
         ap.error("--syncs must be >= 2, --sync-every >= 1, --restart-after >= 0 and --timeout > 0")
@@ -300,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     plan = [(m, s, f) for s in args.seeds for f in args.faults for m in args.methods]  # methods interleaved
     with tempfile.TemporaryDirectory(prefix="cokit-ft-bench-") as tmp:
+        tmp = args.logs or tmp
         for i, (method, seed, fault) in enumerate(plan, 1):
             folder = Path(tmp) / f"{method}-{seed}-{fault}"
-            folder.mkdir()
+            folder.mkdir(parents=True, exist_ok=args.logs is not None)
             print(f"[{i}/{len(plan)}] {method} seed {seed} fault {fault} ...", flush=True)
             rows.append(run_once(method, seed, fault, args, folder))
             print(f"    held-out {rows[-1]['heldout']:.4f} in {rows[-1]['wall_s']:.1f} s", flush=True)

@@ -29,9 +29,9 @@ def test_summary_compares_with_the_same_method_without_a_fault_and_times_the_den
     rows = [
         _row("diloco", "none", 0, 2.0, [[1.0, 3.0], [2.0, 2.0]]),
         _row("diloco", "none", 1, 2.2, [[1.0, 3.0], [2.5, 2.05], [3.0, 2.2]]),
-        _row("sparseloco", "none", 0, 2.0, [[0.5, 2.5], [1.5, 2.05]]),
+        _row("sparseloco", "none", 0, 2.0, [[0.5, 2.5], [1.5, 2.0]]),
         _row("sparseloco", "none", 1, 2.0, [[0.5, 2.5], [1.0, 2.0]]),
-        _row("sparseloco", "kill", 0, 2.2, [[3.0, 2.2]], continue_s=1.5, heal_s=2.0),
+        _row("sparseloco", "kill", 0, 2.2, [[3.0, 2.2]], continue_s=1.5, heal_s=2.0, rejoined=False),
     ]
     summary = {(s["method"], s["fault"]): s for s in ft_bench.summarize(rows)}
     assert set(summary) == {("diloco", "none"), ("sparseloco", "none"), ("sparseloco", "kill")}
@@ -40,12 +40,13 @@ def test_summary_compares_with_the_same_method_without_a_fault_and_times_the_den
         summary["sparseloco", "none"],
         summary["sparseloco", "kill"],
     )
-    assert dense["target"] == pytest.approx(2.1)  # the no-fault dense run's seed mean
+    assert dense["target"] == pytest.approx(2.1)  # each seed's: its no-fault dense run's final loss
     assert dense["time_to_target_s"] == pytest.approx((2.0 + 2.5) / 2)
     assert killed["time_to_target_s"] is None  # never reached on one seed: no mean
     assert sparse["time_to_target_s"] == pytest.approx((1.5 + 1.0) / 2)
     assert killed["vs_no_fault_pct"] == pytest.approx(10.0)
     assert dense["fewer_than_fp8_diloco"] == 0.25 and sparse["fewer_than_fp8_diloco"] == 5.0
+    assert killed["rejoined"] == 0 and dense["rejoined"] is None
     assert killed["continue_s"] == 1.5 and killed["heal_s"] == 2.0 and killed["seeds"] == 1
     assert sparse["heldout_sd"] == 0.0 and dense["heldout_sd"] == pytest.approx(0.1414, abs=1e-4)
     table = ft_bench.table(ft_bench.summarize(rows))
