@@ -183,7 +183,9 @@ def ingredient_rows(setting: MethodDef, catalog: dict[str, MethodDef]) -> dict[s
     if h < 2:
         raise ValueError(f"{setting.label}: sync_every is {h}; the interval ingredient needs H >= 2")
     if opts.get("topk", 64) is None:
-        raise ValueError(f"{setting.label}: a dense pseudo-gradient (topk None) has no sparsification to take apart")
+        raise ValueError(
+            f"{setting.label}: a dense pseudo-gradient (topk None) has no sparsification to take apart"
+        )
     decay = float(opts.get("error_decay", DEFAULT_ERROR_DECAY))
     if decay <= 0:
         raise ValueError(f"{setting.label}: error feedback is already off (error_decay {decay})")
@@ -253,7 +255,9 @@ def make_config(
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     catalog = transfer.transfer_methods()
     if setting not in catalog:
-        known = [m for m, d in catalog.items() if d.runner == "sparseloco" and dict(d.options).get("topk", 64)]
+        known = [
+            m for m, d in catalog.items() if d.runner == "sparseloco" and dict(d.options).get("topk", 64)
+        ]
         raise ValueError(f"unknown setting {setting!r}; SparseLoCo settings: {', '.join(known)}")
     rows = ingredient_rows(catalog[setting], catalog)
     names = list(INGREDIENTS) if ingredients is None else ingredients
@@ -267,7 +271,9 @@ def make_config(
     if bad or not chosen or len(set(chosen)) != len(chosen):
         raise ValueError(f"workloads must be distinct names from {', '.join(wls)}; got {chosen}")
     if isinstance(horizon, bool) or not isinstance(horizon, int) or not 1 <= horizon <= 30:
-        raise ValueError(f"horizon must be a whole factor of the workload's steps in [1, 30], got {horizon!r}")
+        raise ValueError(
+            f"horizon must be a whole factor of the workload's steps in [1, 30], got {horizon!r}"
+        )
     if lr_rule not in LR_RULES:
         raise ValueError(f"lr rule must be one of {', '.join(LR_RULES)}, got {lr_rule!r}")
     seeds = (1 if preset == "toy" else 3) if seeds is None else seeds
@@ -330,7 +336,9 @@ def parse_lrs(text: str | None) -> dict[str, float]:
 # running
 
 
-def resolve_lrs(cfg: DecomposeConfig, wl: WorkloadDef, run: bool = True) -> tuple[dict[str, float | None], str]:
+def resolve_lrs(
+    cfg: DecomposeConfig, wl: WorkloadDef, run: bool = True
+) -> tuple[dict[str, float | None], str]:
     """The lr of the dense baselines and (``lr_rule="own"``) of the setting on ``wl``: given,
     or chosen on ``wl`` by the protocol's rules. Returns them and how each was chosen."""
     need = [cfg.dense, cfg.other_dense] + ([cfg.setting] if cfg.lr_rule == "own" else [])
@@ -339,12 +347,14 @@ def resolve_lrs(cfg: DecomposeConfig, wl: WorkloadDef, run: bool = True) -> tupl
     notes = [f"{m} {cfg.lrs[m]:g} (given)" for m in need if m in cfg.lrs]
     if todo:
         seeds = {m: cfg.seeds if m in transfer.DENSE else 1 for m in todo}
-        records, grids = transfer.tune(cfg, wl, todo, seeds, "lr choice", run)  # type: ignore[arg-type]
+        records, grids = transfer.tune(cfg, wl, todo, seeds, "lr choice", run)
         for m in todo:
             lr = transfer.tr.choose_lr([r for r in records if r["method"] == m], seeds[m])
             chosen[m] = lr
             how = f"{seeds[m]}-seed mean" if seeds[m] > 1 else "seed 0"
-            notes.append(f"{m} {lr if lr is None else f'{lr:g}'} (chosen on {wl.name}, {how}, grid {grids[m]})")
+            notes.append(
+                f"{m} {lr if lr is None else f'{lr:g}'} (chosen on {wl.name}, {how}, grid {grids[m]})"
+            )
     return chosen, "; ".join(notes)
 
 
@@ -371,7 +381,9 @@ def _ok_loss(r: dict) -> float | None:
     return r["summary"]["final_heldout_loss"]
 
 
-def table_rows(cfg: DecomposeConfig, records: list[dict], lrs: dict[str, float | None]) -> list[dict[str, Any]]:
+def table_rows(
+    cfg: DecomposeConfig, records: list[dict], lrs: dict[str, float | None]
+) -> list[dict[str, Any]]:
     """One row per ingredient (and the other dense baseline): lr, bytes ratio, held-out loss
     (seed mean, per seed), gaps against the dense run of the same inner optimizer and the best
     dense run."""
@@ -382,7 +394,7 @@ def table_rows(cfg: DecomposeConfig, records: list[dict], lrs: dict[str, float |
 
     entries = [(n, cfg.rows[n], row_lr(cfg, n, lrs)) for n in cfg.ingredients]
     entries.append((f"dense ({cfg.other_dense})", cfg.method(cfg.other_dense), lrs[cfg.other_dense]))
-    out = []
+    out: list[dict[str, Any]] = []
     for name, m, lr in entries:
         rs = runs(m.label, lr)
         per_seed = {r["seed"]: _ok_loss(r) for r in rs}
@@ -437,7 +449,7 @@ def run_decomposition(cfg: DecomposeConfig, report_only: bool = False) -> dict[s
         wl = transfer.at_horizon(base, cfg.horizon)
         lrs, lr_notes[f"{base.name}@{cfg.horizon}x"] = resolve_lrs(cfg, wl, run)
         jobs = row_jobs(cfg, wl, lrs)
-        records = execute(cfg, wl, jobs, f"decomposition of {cfg.setting}", run)  # type: ignore[arg-type]
+        records = execute(cfg, wl, jobs, f"decomposition of {cfg.setting}", run)
         tables[f"{base.name}@{cfg.horizon}x"] = table_rows(cfg, records, lrs)
     doc = {
         "protocol": describe(cfg),
@@ -470,7 +482,9 @@ def describe(cfg: DecomposeConfig) -> dict[str, Any]:
         "lr_rule_about": "every row at the lr of the dense run of the same inner optimizer"
         if cfg.lr_rule == "dense"
         else "the SparseLoCo rows at the setting's own lr, the dense rows at theirs",
-        "ingredients": {n: {"about": INGREDIENTS[n].about, "options": dict(cfg.rows[n].options)} for n in cfg.ingredients},
+        "ingredients": {
+            n: {"about": INGREDIENTS[n].about, "options": dict(cfg.rows[n].options)} for n in cfg.ingredients
+        },
         "own_dense": cfg.dense,
         "other_dense": cfg.other_dense,
     }
@@ -510,11 +524,15 @@ def decomposition_markdown(doc: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            mean = _loss(r["heldout_mean"]) + ("" if r["heldout_std"] is None else f" ± {r['heldout_std']:.4f}")
+            mean = _loss(r["heldout_mean"]) + (
+                "" if r["heldout_std"] is None else f" ± {r['heldout_std']:.4f}"
+            )
             if r["heldout_mean"] is None:
                 mean = "failed" if r["statuses"] else "not run"
             seeds = " / ".join(_loss(v) for v in r["heldout_per_seed"])
-            parent = "-" if r["differs_from"] is None else f"{r['differs_from']} ({', '.join(r['differs_in'])})"
+            parent = (
+                "-" if r["differs_from"] is None else f"{r['differs_from']} ({', '.join(r['differs_in'])})"
+            )
             ratio = "-" if r["ratio_to_dense"] is None else f"{r['ratio_to_dense']:,.1f}x"
             lr = "-" if r["lr"] is None else f"{r['lr']:g}"
             own = "itself" if r["ingredient"] == "dense" else _pct(r["gap_vs_own_dense"])
@@ -563,7 +581,9 @@ def write_decomposition(out_dir: str, doc: dict[str, Any]) -> dict[str, Any]:
                     **r,
                     "table": name,
                     "differs_in": "+".join(r["differs_in"]),
-                    "heldout_per_seed": " ".join("" if v is None else f"{v:g}" for v in r["heldout_per_seed"]),
+                    "heldout_per_seed": " ".join(
+                        "" if v is None else f"{v:g}" for v in r["heldout_per_seed"]
+                    ),
                 }
             )
     atomic_write_text(os.path.join(out_dir, "decompose.csv"), buf.getvalue())

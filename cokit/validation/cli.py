@@ -135,7 +135,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ingredients", default=None, help="--decompose: comma list of ingredients (default: all)"
     )
     p.add_argument(
-        "--horizon", type=int, default=None, help="--decompose: this many times the workload's steps (default 1)"
+        "--horizon",
+        type=int,
+        default=None,
+        help="--decompose: this many times the workload's steps (default 1)",
     )
     p.add_argument(
         "--lr-rule",
@@ -261,7 +264,9 @@ def _decompose_config(args: argparse.Namespace, preset: str, transfer_only: dict
     }
     given = [k for k, v in others.items() if v is not None]
     if given:
-        raise ValueError(f"--decompose uses the held-out protocol's workloads and rules; drop {', '.join(given)}")
+        raise ValueError(
+            f"--decompose uses the held-out protocol's workloads and rules; drop {', '.join(given)}"
+        )
     return decompose.make_config(
         args.decompose,
         preset,
