@@ -151,7 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lrs",
         default=None,
         metavar="LABEL=LR,...",
-        help="--decompose: lrs to use instead of choosing them on the workload, e.g. adamw=0.003,muon=0.03",
+        help="--decompose: lrs to use instead of choosing them on the workload (the dense baselines' "
+        "and, with --lr-rule own, the setting's label), e.g. adamw=0.003,muon=0.03",
     )
     p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
     p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
