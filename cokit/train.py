@@ -285,11 +285,25 @@ def inner_optimizer(
     return build
 
 
+#: payload value dtypes by name (``options["value_dtype"]`` of ``"sparseloco"`` may be one)
+VALUE_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def value_dtype_named(name: str, owner: str) -> torch.dtype:
+    """The payload value dtype called ``name`` (:data:`VALUE_DTYPE_NAMES`); ValueError otherwise."""
+    if name not in VALUE_DTYPE_NAMES:
+        raise ValueError(
+            f"method {owner!r}: value_dtype must be one of {', '.join(VALUE_DTYPE_NAMES)}, got {name!r}"
+        )
+    return VALUE_DTYPE_NAMES[name]
+
+
 class SparseLoCoMethod(DeMoMethod):
     """``cokit.compress.SparseLoCo``: ``options`` are its keyword arguments, with ``inner`` a name
     (``"adamw"``, the default, ``"sgd"`` or ``"muon"``: :class:`cokit.compress.inner.Muon`, Muon on
-    the matrices and AdamW on the rest, its lr Muon's; :func:`inner_optimizer`) and the inner lr /
-    weight decay from the spec. The model's parameters go in by name (``dense_params`` selects by
+    the matrices and AdamW on the rest, its lr Muon's; :func:`inner_optimizer`), the inner lr /
+    weight decay from the spec and ``value_dtype`` a dtype or its name
+    (:data:`VALUE_DTYPE_NAMES`). The model's parameters go in by name (``dense_params`` selects by
     name; Muon keeps embeddings and heads on AdamW by name); ``dense_ends=True`` sends the input
     and output layers dense (:func:`end_layers`). Steps, zeroes and counts bytes as
     :class:`DeMoMethod` does (both communicate themselves)."""
@@ -298,6 +312,8 @@ class SparseLoCoMethod(DeMoMethod):
         from cokit.compress import SparseLoCo  # lazy, like DeMo
 
         options = dict(spec.options)
+        if isinstance(options.get("value_dtype"), str):  # a name keeps the spec JSON-ready
+            options["value_dtype"] = value_dtype_named(options["value_dtype"], spec.display)
         named = list(model.named_parameters())
         build = inner_optimizer(
             options.pop("inner", "adamw"), named, spec, dict(options.pop("inner_options", {}))

@@ -2,6 +2,7 @@
 (four inner update rules), SparseLoCo and DiLoCo at small scale; or, with ``--on``, a small grid on your own model.
 
     cokit bench validate --on mymodule:make_workload   # calibrate on your model -> ./calibration/
+    cokit bench validate --decompose sparseloco-h5-k64-int2-muon --workloads prose   # the gap taken apart
     cokit bench validate               # the study, full mode -> benchmarks/results/validation/
     cokit bench validate --quick       # short runs, 1 seed -> benchmarks/out/validation-quick/
     python benchmarks/validate_compression.py --quick    # the same
@@ -56,6 +57,7 @@ from cokit.validation.grid import (
 #: the checkout's modules of the study's two protocols
 GRID_PROTOCOL = "cokit.bench.study.presets"
 TRANSFER_PROTOCOL = "cokit.bench.study.transfer"
+DECOMPOSE_PROTOCOL = "cokit.bench.study.decompose"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,6 +123,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--select", default=None, help="transfer: comma list of selection workloads")
     p.add_argument("--heldout", default=None, help="transfer: comma list of held-out workloads")
     p.add_argument("--candidates", default=None, help="transfer: comma list of candidate method labels")
+    p.add_argument(
+        "--decompose",
+        default=None,
+        metavar="SETTING",
+        help="take a SparseLoCo setting of the held-out protocol apart on --workloads (default prose): "
+        "the dense run of its inner optimizer, then sparsification, value quantization, error "
+        "feedback, sync interval and outer step each alone and together (cokit.bench.study.decompose)",
+    )
+    p.add_argument(
+        "--ingredients", default=None, help="--decompose: comma list of ingredients (default: all)"
+    )
+    p.add_argument(
+        "--horizon",
+        type=int,
+        default=None,
+        help="--decompose: this many times the workload's steps (default 1)",
+    )
+    p.add_argument(
+        "--lr-rule",
+        choices=("dense", "own"),
+        default=None,
+        help="--decompose: every row at the lr of the dense run of the same inner optimizer (dense, "
+        "default) or the SparseLoCo rows at the setting's own lr (own)",
+    )
+    p.add_argument(
+        "--lrs",
+        default=None,
+        metavar="LABEL=LR,...",
+        help="--decompose: lrs to use instead of choosing them on the workload (the dense baselines' "
+        "and, with --lr-rule own, the setting's label), e.g. adamw=0.003,muon=0.03",
+    )
     p.add_argument("--report-only", action="store_true", help="rebuild table and plots from existing JSONs")
     p.add_argument("--list-methods", action="store_true", help="print the method labels and exit")
     p.add_argument("--verbose", action="store_true", help="a progress line per evaluation, tracebacks")
@@ -146,6 +179,17 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} exists and is not a folder")
     transfer_only = {"--select": args.select, "--heldout": args.heldout, "--candidates": args.candidates}
+    decompose_only = {
+        "--ingredients": getattr(args, "ingredients", None),
+        "--horizon": getattr(args, "horizon", None),
+        "--lr-rule": getattr(args, "lr_rule", None),
+        "--lrs": getattr(args, "lrs", None),
+    }
+    if getattr(args, "decompose", None) is not None:
+        return _decompose_config(args, preset, transfer_only)
+    given = [k for k, v in decompose_only.items() if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} belong to --decompose")
     if args.protocol == "transfer":
         transfer = checkout_module(TRANSFER_PROTOCOL, "cokit bench validate --protocol transfer")
         grid_only = {
@@ -207,6 +251,56 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def _decompose_config(args: argparse.Namespace, preset: str, transfer_only: dict[str, Any]) -> Any:
+    """``--decompose``'s configuration (:func:`cokit.bench.study.decompose.make_config`)."""
+    decompose = checkout_module(DECOMPOSE_PROTOCOL, "cokit bench validate --decompose")
+    others = {
+        **transfer_only,
+        "--on": args.on,
+        "--methods": args.methods,
+        "--lr-points": args.lr_points,
+        "--steps": args.steps,
+        "--long-horizon": args.long_horizon,
+        "--protocol transfer": "transfer" if args.protocol == "transfer" else None,
+    }
+    given = [k for k, v in others.items() if v is not None]
+    if given:
+        raise ValueError(
+            f"--decompose uses the held-out protocol's workloads and rules; drop {', '.join(given)}"
+        )
+    return decompose.make_config(
+        args.decompose,
+        preset,
+        out_dir=args.out,
+        world_size=args.world_size,
+        workloads=_split(args.workloads),
+        ingredients=_split(args.ingredients),
+        seeds=args.seeds,
+        horizon=1 if args.horizon is None else args.horizon,
+        lr_rule=args.lr_rule or "dense",
+        lrs=decompose.parse_lrs(args.lrs),
+        verbose=args.verbose,
+    )
+
+
+def _run_decomposition(args: argparse.Namespace, cfg: Any) -> int:
+    """Run a ``--decompose`` configuration and print its tables."""
+    run = checkout_module(DECOMPOSE_PROTOCOL, "--decompose").run_decomposition
+    print(
+        f"decomposition of {cfg.setting}, preset {cfg.preset}: {len(cfg.ingredients)} rows + the other dense "
+        f"baseline on {', '.join(w.name for w in cfg.workloads)} at {cfg.horizon}x the steps; "
+        f"{cfg.world_size} gloo ranks; {cfg.seeds} seed(s); lr rule {cfg.lr_rule}; out {cfg.out_dir}",
+        flush=True,
+    )
+    doc = run(cfg, report_only=args.report_only)
+    print()
+    print(doc["markdown"])
+    print(f"wrote {', '.join(doc['files'])} in {cfg.out_dir}")
+    if doc["plots_skipped"]:
+        print(f"plots not drawn: {doc['plots_skipped']}")
+    return 0
+
+
 def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> int:
     """Run the study the arguments describe (``cfg``: their configuration, when already built);
     print the table; return an exit code."""
@@ -215,6 +309,8 @@ def run_from_args(args: argparse.Namespace, cfg: StudyConfig | None = None) -> i
             print(f"{label:28s} {m.about}")
         return 0
     cfg = config_from_args(args) if cfg is None else cfg
+    if getattr(args, "decompose", None) is not None:
+        return _run_decomposition(args, cfg)
     if not isinstance(cfg, StudyConfig):
         run_transfer = checkout_module(TRANSFER_PROTOCOL, "--protocol transfer").run_transfer
         print(

@@ -194,3 +194,44 @@ def plot_pareto(
     atomic_savefig(fig, os.path.join(out_dir, name), dpi=100)
     plt.close(fig)
     return name
+
+
+def plot_decomposition(tables: dict[str, list[dict[str, Any]]], out_dir: str) -> list[str]:
+    """One bar chart per table of a decomposition (``benchmarks/study/decompose.py``): each
+    ingredient's held-out loss gap against the dense run of the same inner optimizer (bar: the
+    seed mean; dots: each seed), its bytes ratio under the bar. Saves
+    ``decompose_<table>.png`` in ``out_dir`` (the backend is left alone); returns the names."""
+    plt = pyplot()
+    names = []
+    for table, rows in tables.items():
+        shown = [r for r in rows if r["ingredient"] != "dense"]
+        ref = next((r["heldout_mean"] for r in rows if r["ingredient"] == "dense"), None)
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(shown)), 4.0))
+        for i, r in enumerate(shown):
+            gap = r["gap_vs_own_dense"]
+            if gap is not None:
+                ax.bar(i, 100 * gap, color="tab:pink" if r["ingredient"].startswith("full") else "tab:blue")
+            if ref:
+                seeds = [100 * (v / ref - 1) for v in r["heldout_per_seed"] if v is not None]
+                ax.plot([i] * len(seeds), seeds, "k.", ms=4)
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(shown)))
+        ax.set_xticklabels(
+            [
+                f"{r['ingredient']}\n"
+                + ("-" if r["ratio_to_dense"] is None else f"{r['ratio_to_dense']:,.0f}x fewer")
+                for r in shown
+            ],
+            rotation=30,
+            ha="right",
+            fontsize=7,
+        )
+        own = rows[0]["own_dense"] if rows else "dense"
+        ax.set_ylabel(f"held-out loss vs dense {own} (%)")
+        ax.set_title(f"{table}: the gap taken apart", fontsize=9)
+        fig.tight_layout()
+        name = "decompose_" + re.sub(r"[^A-Za-z0-9_.-]", "_", table) + ".png"
+        atomic_savefig(fig, os.path.join(out_dir, name), dpi=100)
+        plt.close(fig)
+        names.append(name)
+    return names
