@@ -32,6 +32,10 @@ Options that close the gap to AdamW that grows with training length, all off by 
   a tensor whose selection misses more energy, for its k, gets a larger k, within
   ``adaptive_range``).
 
+``sync="eager"`` overlaps the sync's exchange with the next period: each round is applied to
+the shared state one period late and each rank starts the next period from an eager estimate
+(:mod:`cokit.compress.sparseloco_overlap`); ``finish()`` applies the last round.
+
 A hybrid Muon inner optimizer (Muon on the matrices, AdamW on the rest) is in
 :mod:`cokit.compress.inner`.
 

@@ -72,18 +72,18 @@ class InFlight:
 
 def check_sync(sync: object, adaptive_topk: bool, policy: object, where: str) -> str:
     """``sync`` checked against the other settings (before anything is built)."""
-    sync = check_choice("sync", sync, SYNCS, where=where)
-    if sync == "eager" and adaptive_topk:
+    mode = check_choice("sync", sync, SYNCS, where=where)
+    if mode == "eager" and adaptive_topk:
         raise ValueError(
             f"{where}: sync='eager' does not combine with adaptive_topk=True (the k's of a sync "
             "would depend on a round still in flight); use one of them"
         )
-    if sync == "eager" and not isinstance(policy, StaticPolicy):
+    if mode == "eager" and not isinstance(policy, StaticPolicy):
         raise ValueError(
             f"{where}: sync='eager' needs the static policy (policy=None): an overlapped sync "
             "does not block, so there is no blocked time for policy='interval' to act on"
         )
-    return sync
+    return mode
 
 
 def settle(opt: SparseLoCo) -> None:

@@ -10,10 +10,14 @@ ranks share once. So (format 2):
   parameter itself: between syncs every rank's weights differ, and DCP keeps only one copy of
   the model's) and ``inner_rank<R>.<key>`` (the inner optimizer's state), which differ per
   rank, under keys naming the global rank ``R``;
+* with ``sync="eager"`` also ``pending`` (the mean of the round in flight, waited for by
+  ``state_dict()``: shared; zeros when none) and ``start_rank<R>`` (where this rank's period
+  started); the error buffers are then the ones that round produced;
 * ``param_groups``: the groups' hyper-parameters (shared); group 0 also holds two JSON records,
   ``sparseloco`` (shared: format, world size, settings, counters, policy) and
   ``sparseloco_rank<R>`` (this rank's comm stats). With ``adaptive_topk`` the shared record
-  also holds ``topk_per_tensor``: ``[[parameter index, k], ...]``, the k's of the next sync.
+  also holds ``topk_per_tensor``: ``[[parameter index, k], ...]``, the k's of the next sync;
+  with ``sync="eager"``, ``in_flight`` (a round was launched and not yet applied).
 
 :func:`load` checks everything (format, rank, world size, settings, shapes, finiteness,
 counters, the policy state) before anything changes.
