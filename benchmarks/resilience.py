@@ -57,15 +57,23 @@ from cokit.workloads.model import ModelConfig
 from cokit.workloads.text import VOCAB_SIZE, CorpusConfig
 
 OUTPUTS = ("resilience.json", "resilience.csv", "resilience.png")
-METHODS = ("adamw", "demo-static", "demo-adaptive", "sparseloco-static", "sparseloco-interval")
+METHODS = (
+    "adamw",
+    "demo-static",
+    "demo-adaptive",
+    "sparseloco-static",
+    "sparseloco-interval",
+    "sparseloco-eager",
+)
 BASELINE = {
     "adamw": "demo-static",
     "demo-static": "demo-static",
     "demo-adaptive": "demo-static",
     "sparseloco-static": "sparseloco-static",
     "sparseloco-interval": "sparseloco-static",
+    "sparseloco-eager": "sparseloco-static",
 }
-ADAPTIVE = ("demo-adaptive", "sparseloco-interval")
+ADAPTIVE = ("demo-adaptive", "sparseloco-interval", "sparseloco-eager")
 SLOW_PROFILES, SLOW_RATIO = ("10mbit", "10mbit-drops", "latency-50ms-sim"), 0.7
 
 
@@ -108,6 +116,13 @@ def method_specs(
             sparseloco_lr,
             options={"policy": {"name": "interval", "target": target}},
             label="sparseloco-interval",
+            timeout=timeout_s,
+        ),
+        "sparseloco-eager": MethodSpec(
+            "sparseloco",
+            sparseloco_lr,
+            options={"sync": "eager"},
+            label="sparseloco-eager",
             timeout=timeout_s,
         ),
     }
@@ -318,6 +333,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         "demo-adaptive": "tab:orange",
         "sparseloco-static": "tab:green",
         "sparseloco-interval": "tab:red",
+        "sparseloco-eager": "tab:purple",
     }
     for ax, profile in zip(axes.flat, profiles, strict=True):
         recs = [r for r in runs if r["profile"] == profile]

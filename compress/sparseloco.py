@@ -85,6 +85,7 @@ from cokit.compress.sparseloco_local import (
     local_value,
     make_masters,
     outer_groups,
+    recovered,
     replicated_state,
     reset_nonfinite_state,
     step_inner,
@@ -299,10 +300,11 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
 
     def _sync(self) -> None:
         """The status round, then the exchange and the outer step (non-finite: to ``theta_global``)."""
-        overlap.land(self)  # sync="eager": the round in flight into the shared state first
+        if self.sync == "eager":
+            return overlap.eager_sync(self)
         params, states = self._model_params, [self.state[p] for p in self._model_params]
-        deltas = [  # from where the period started: theta_global unless sync="eager"
-            (s.get("start", s["global"]) - local_value(p, self._masters)).contiguous()
+        deltas = [
+            (s["global"] - local_value(p, self._masters)).contiguous()
             for p, s in zip(params, states, strict=True)
         ]
         rnd = self._agree(deltas)
@@ -319,14 +321,12 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
                 self._name,
                 when=f"sync {self.syncs + 1}",
                 what="pseudo-gradient",
-                changed=_recovered(reset),
+                changed=recovered(reset),
                 unit="sync",
             )
             self.skipped_syncs += 1
             self._driver.step_done(0, 0, synced=False)
             return
-        if self.sync == "eager":
-            return overlap.launch(self, deltas)
         means, errors, shares = exchange_means(
             self.plan.buckets(),
             deltas,
@@ -400,16 +400,3 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what this rank saved; everything is checked before anything changes."""
         sparseloco_state.load(self, state_dict)
-
-
-def _recovered(reset: list[str], shown: int = 4) -> str:
-    """What a sync that found a non-finite pseudo-gradient changed (``reset``: the parameters
-    whose inner state this rank reset)."""
-    listing = ", ".join(reset[:shown]) + (f" (and {len(reset) - shown} more)" if len(reset) > shown else "")
-    return (
-        "a non-finite gradient or an overflow reached an inner optimizer; the sync was not applied "
-        "(theta_global, error buffers and outer momentum as they were); every rank's weights are "
-        "back at the last sync's"
-        + (f", and this rank reset the inner optimizer's state of {listing}" if reset else "")
-        + ", so training can go on"
-    )

@@ -26,6 +26,7 @@ __all__ = [
     "local_value",
     "make_masters",
     "outer_groups",
+    "recovered",
     "replicated_state",
     "reset_nonfinite_state",
     "step_inner",
@@ -246,3 +247,16 @@ def replicated_state(
         zero = torch.zeros((), device=params[0].device)
         named += [(f"the outer momentum of {name(i)}", s.get("momentum", zero)) for i, s in enumerate(states)]
     return named
+
+
+def recovered(reset: list[str], shown: int = 4) -> str:
+    """What a sync that found a non-finite pseudo-gradient changed (``reset``: the parameters
+    whose inner state this rank reset)."""
+    listing = ", ".join(reset[:shown]) + (f" (and {len(reset) - shown} more)" if len(reset) > shown else "")
+    return (
+        "a non-finite gradient or an overflow reached an inner optimizer; the sync was not applied "
+        "(theta_global, error buffers and outer momentum as they were); every rank's weights are "
+        "back at the last sync's"
+        + (f", and this rank reset the inner optimizer's state of {listing}" if reset else "")
+        + ", so training can go on"
+    )

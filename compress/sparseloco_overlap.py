@@ -29,21 +29,25 @@ buffers it produced, so a loaded run goes on bit for bit; ``finish()`` applies t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cokit.compress.agreement import PeerDataError, Report, Round
+from cokit.compress.guards import nonfinite
 from cokit.compress.policy import StaticPolicy
-from cokit.compress.sparseloco_local import write_weights
+from cokit.compress.sparseloco_local import local_value, recovered, write_weights
 from cokit.compress.sparseloco_step import Mean, Received, launch_means, outer_step
 from cokit.triton_kernels._checks import check_choice
 
 if TYPE_CHECKING:
     from cokit.compress.sparseloco import SparseLoCo
 
-__all__ = ["INFLIGHT_UNCHANGED", "SYNCS", "InFlight", "check_sync", "land", "launch", "settle"]
+__all__ = ["INFLIGHT_UNCHANGED", "SYNCS", "InFlight", "check_sync", "eager_sync", "land", "launch", "settle"]
 
 SYNCS = ("blocking", "eager")
 
@@ -57,17 +61,36 @@ INFLIGHT_UNCHANGED = (
 
 @dataclass
 class InFlight:
-    """A launched round: its *finish* (wait, check, decode) until called, then its result.
-    A loaded round has only the result (its error buffers already committed: None)."""
+    """A launched round: its status row's *check* and its payload's *finish* (wait, check,
+    decode) until called, then their results. A loaded round has only the results (its status
+    already checked, its error buffers already committed: None)."""
 
     finish: Callable[[], Received] | None
+    check: Callable[[], Round] | None = None
+    status: Round | None = None
     received: Received | None = None
 
+    def round(self) -> Round:
+        """The status row of every rank (waited for and agreed the first time)."""
+        if self.status is None:
+            assert self.check is not None
+            self.status, self.check = self.check(), None
+        return self.status
+
     def result(self) -> Received:
+        """Every rank's payload, waited for, checked and decoded (the first time)."""
         if self.received is None:
             assert self.finish is not None
             self.received, self.finish = self.finish(), None
         return self.received
+
+    def discard(self) -> None:
+        """Wait for a round that will not be applied (a rank reported a non-finite
+        pseudo-gradient: its bytes may fail the checks, which no longer matter)."""
+        if self.received is None and self.finish is not None:
+            finish, self.finish = self.finish, None
+            with contextlib.suppress(PeerDataError):
+                finish()
 
 
 def check_sync(sync: object, adaptive_topk: bool, policy: object, where: str) -> str:
@@ -87,20 +110,65 @@ def check_sync(sync: object, adaptive_topk: bool, policy: object, where: str) ->
 
 
 def settle(opt: SparseLoCo) -> None:
-    """Wait for the round in flight and check it, keeping its result for the next sync
+    """Wait for the round in flight and check it, keeping what it brought for the next sync
     (``state_dict()``); a fault drops the round (:data:`INFLIGHT_UNCHANGED`) and raises."""
     flight, opt._flight = opt._flight, None
     if flight is not None:
-        flight.result()
+        if flight.round().bad:
+            flight.discard()
+        else:
+            flight.result()
         opt._flight = flight
 
 
-def land(opt: SparseLoCo) -> None:
-    """Round ``k - 1`` into the shared state: wait and check (a fault drops it and raises,
-    nothing changed), commit its error buffers, then the outer step with its average."""
-    flight, opt._flight = opt._flight, None
-    if flight is None:
+def eager_sync(opt: SparseLoCo) -> None:
+    """Sync ``k`` with ``sync="eager"`` (module docstring): land round ``k - 1``, then launch
+    round ``k`` (its status row included) and start the next period at the eager point."""
+    if not land(opt):
         return
+    params, states = opt._model_params, [opt.state[p] for p in opt._model_params]
+    deltas = [  # from where this period started on this rank
+        (s.get("start", s["global"]) - local_value(p, opt._masters)).contiguous()
+        for p, s in zip(params, states, strict=True)
+    ]
+    report = opt.exchange.report(nonfinite(deltas), skipped=opt._skipped)
+    opt._skipped = 0  # reported in this round's row
+    device = params[0].device
+    check = opt.exchange.agree_later(
+        opt._fingerprints(),
+        report,
+        opt._describe,
+        extra=opt._driver.measurement(torch.device("cpu")),
+        device=device,
+    )
+    launch(opt, deltas, check)
+
+
+def land(opt: SparseLoCo) -> bool:
+    """Round ``k - 1`` into the shared state: its status rows first (settings that differ raise
+    on every rank; a non-finite pseudo-gradient on some rank sends every rank back to
+    ``theta_global`` and skips or raises, as a blocking sync does: False), then every rank's
+    bytes (a fault drops the round and raises, nothing changed), its error buffers committed and
+    the outer step with its average. True when the sync goes on."""
+    flight, opt._flight = opt._flight, None  # dropped if anything below raises
+    if flight is None:
+        return True
+    rnd = flight.round()
+    opt.skipped_steps += sum(rep.skipped for rep in rnd.reports)
+    if rnd.bad:
+        flight.discard()
+        reset = opt._back_to_global(opt._model_params)
+        opt.skip_or_raise(
+            rnd,
+            opt._name,
+            when=f"sync {opt.syncs + 1}",
+            what="pseudo-gradient",
+            changed=recovered(reset),
+            unit="sync",
+        )
+        opt.skipped_syncs += 1
+        opt._driver.step_done(0, 0, synced=False)
+        return False
     means, errors, _ = flight.result()
     states = [opt.state[p] for p in opt._model_params]
     for s, e in zip(states, errors, strict=True):
@@ -108,9 +176,10 @@ def land(opt: SparseLoCo) -> None:
             s["error"] = e
     opt.syncs += 1
     outer_step(states, means, nesterov=opt.outer == "nesterov", lr=opt.outer_lr, mu=opt.outer_momentum)
+    return True
 
 
-def launch(opt: SparseLoCo, deltas: list[torch.Tensor]) -> None:
+def launch(opt: SparseLoCo, deltas: list[torch.Tensor], check: Callable[[], Round]) -> None:
     """Encode and launch round ``k`` (not waited), then start the next period at the eager
     point (module docstring)."""
     params, states = opt._model_params, [opt.state[p] for p in opt._model_params]
@@ -139,7 +208,7 @@ def launch(opt: SparseLoCo, deltas: list[torch.Tensor]) -> None:
         at_positions=[False] * len(params),  # dense means: what a checkpoint stores is what is applied
         changed=INFLIGHT_UNCHANGED,
     )
-    opt._flight = InFlight(finish)
+    opt._flight = InFlight(finish, check)
     own = [b if b is None or f is None else b.sub_(f) for b, f in zip(before, fresh, strict=True)]
     starts = eager_starts(opt, states, own)
     write_weights(params, starts, opt._masters, opt.precision, opt._generator())
@@ -172,23 +241,44 @@ def eager_starts(
 
 def pending_means(opt: SparseLoCo) -> list[torch.Tensor | None]:
     """The settled round's average per parameter (dense fp32), None where none is pending."""
-    if opt._flight is None:
+    if opt._flight is None or opt._flight.received is None:
         return [None] * len(opt._model_params)
-    means, _, _ = opt._flight.result()
+    means, _, _ = opt._flight.received
     return [None if m is None else _dense(m) for m in means]
 
 
 def pending_errors(opt: SparseLoCo) -> list[torch.Tensor | None]:
     """The error buffers of the settled round (committed when it lands), None where none."""
-    if opt._flight is None:
+    if opt._flight is None or opt._flight.received is None:
         return [None] * len(opt._model_params)
-    return list(opt._flight.result()[1])
+    return list(opt._flight.received[1])
 
 
-def loaded_flight(means: list[torch.Tensor | None]) -> InFlight:
-    """A saved round's average as a received round (its error buffers were saved committed)."""
+def loaded_flight(means: list[torch.Tensor | None], status: object, world: int, where: str) -> InFlight:
+    """A saved round as a received one: its status rows (``status``: one dict of
+    :class:`~cokit.compress.agreement.Report` fields per rank, checked here) and, when no rank
+    reported a non-finite pseudo-gradient, its average (its error buffers were saved committed)."""
+    fields = {f.name for f in dataclasses.fields(Report)}
+    rows: list[Any] = status if isinstance(status, list) else []
+    ok = isinstance(status, list) and len(rows) == world
+    ok = ok and all(
+        isinstance(d, dict)
+        and set(d) == fields
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in d.values())
+        for d in rows
+    )
+    if not ok:
+        raise ValueError(f"{where}: the saved status of the round in flight {status!r} is damaged")
+    rnd = Round([Report(**d) for d in rows], torch.zeros((world, 0), dtype=torch.uint8))
     received: list[Mean | None] = [None if m is None else (m, None) for m in means]
-    return InFlight(None, (received, [None] * len(means), None))
+    return InFlight(None, None, rnd, None if rnd.bad else (received, [None] * len(means), None))
+
+
+def saved_status(opt: SparseLoCo) -> list[dict[str, int]] | None:
+    """The settled round's status rows as JSON (None: nothing in flight)."""
+    if opt._flight is None:
+        return None
+    return [dataclasses.asdict(rep) for rep in opt._flight.round().reports]
 
 
 def _dense(mean: Mean) -> torch.Tensor:
@@ -200,8 +290,3 @@ def _dense(mean: Mean) -> torch.Tensor:
 def state_keys(rank: int) -> tuple[str, str]:
     """The state keys of ``sync="eager"``: the round's average (shared), the start point (this rank's)."""
     return "pending", f"start_rank{rank}"
-
-
-def describe_flight(opt: SparseLoCo) -> dict[str, Any]:
-    """What the shared record says of the overlapped sync (only with ``sync="eager"``)."""
-    return {"in_flight": opt._flight is not None}

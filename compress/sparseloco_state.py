@@ -17,7 +17,8 @@ ranks share once. So (format 2):
   ``sparseloco`` (shared: format, world size, settings, counters, policy) and
   ``sparseloco_rank<R>`` (this rank's comm stats). With ``adaptive_topk`` the shared record
   also holds ``topk_per_tensor``: ``[[parameter index, k], ...]``, the k's of the next sync;
-  with ``sync="eager"``, ``in_flight`` (a round was launched and not yet applied).
+  with ``sync="eager"``, ``in_flight``: every rank's status row of the round launched and not
+  yet applied (a list of report fields), or None.
 
 :func:`load` checks everything (format, rank, world size, settings, shapes, finiteness,
 counters, the policy state) before anything changes.
@@ -117,8 +118,8 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
     }
     if opt.adaptive_topk:
         common["topk_per_tensor"] = [[i, k] for i, k in sorted(opt.plan.topks().items())]
-    if eager:
-        common["in_flight"] = opt._flight is not None
+    if eager:  # every rank's status row of the round in flight (None: nothing in flight)
+        common["in_flight"] = overlap.saved_status(opt)
     mine = {"format": FORMAT, "rank": rank, "comm_stats": opt.comm_stats.as_dict()}
     groups[0][COMMON_KEY] = json.dumps(common, sort_keys=True)
     groups[0][f"sparseloco_rank{rank}"] = json.dumps(mine, sort_keys=True)
@@ -202,9 +203,8 @@ def load(opt: SparseLoCo, sd: object) -> None:
     check_inner_state(_WHERE, inner_state, opt._name)
     counters = common.get("counters") or {}
     check_counts(_WHERE, counters, _COUNTERS)
-    in_flight = common.get("in_flight", False) if eager else False
-    if not isinstance(in_flight, bool):
-        raise ValueError(f"{_WHERE}: saved in_flight {in_flight!r} is not a bool; the file is damaged")
+    status = common.get("in_flight") if eager else None
+    in_flight = status is not None
     _check_present(opt, loaded, counters, in_flight)
     interval = common.get("interval", opt.sync_every)
     if not (isinstance(interval, int) and interval >= 1):
@@ -228,6 +228,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     for g, h in zip(opt.param_groups, hyper, strict=True):
         g.update(h)
     means = [ours.pop("pending", None) for ours in loaded]
+    flight = overlap.loaded_flight(means, status, opt.comm.world_size, _WHERE) if in_flight else None
     for n, p in enumerate(params):
         ours = loaded[n]
         master, local = ours.pop("master", None), ours.pop("local", None)
@@ -242,7 +243,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     opt.syncs, opt.skipped_syncs = counters.get("syncs", 0), counters.get("skipped_syncs", 0)
     opt.skipped_steps, opt.inner_resets = counters.get("skipped_steps", 0), counters.get("inner_resets", 0)
     opt._checked = False  # the first step after a load compares the replicas again
-    opt._flight = overlap.loaded_flight(means) if in_flight else None
+    opt._flight = flight
     opt.current_interval = interval
     if topks is not None:
         opt.plan.set_topks(topks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from contextlib import nullcontext
 from unittest import mock
 
@@ -118,7 +119,7 @@ def _resume(rank: int, world: int) -> dict:
     final = ([p.detach().clone() for p in params], _shared(opt), opt.state[params[0]]["error"].clone())
     out: dict = {"final": final, "in_flight": {}}
     for at, (state, values) in saved.items():
-        out["in_flight"][at] = records(state)["common"]["in_flight"]
+        out["in_flight"][at] = records(state)["common"]["in_flight"] is not None
         again = [torch.nn.Parameter(v.clone()) for v in values]
         opt2 = _build(again, **kwargs)
         opt2.load_state_dict(state)
@@ -168,6 +169,37 @@ def _peer_fault(rank: int, world: int) -> dict:
     return out
 
 
+def _nonfinite(rank: int, world: int) -> dict:
+    """Rank world-1's weight overflows in period 1: its report rides on the round launched at
+    step 2, found when that round lands (step 5): ``"error"`` raises on every rank, ``"skip"``
+    skips it on every rank; either way every rank is back at theta_global and goes on."""
+    out: dict = {}
+    for mode in ("error", "skip"):
+        params = _params()
+        opt = _build(params, nonfinite=mode)
+        for step in range(4 * H):
+            for i, p in enumerate(params):
+                p.grad = _grad(rank, step, i, p.shape)
+            if step == 1 and rank == world - 1:
+                with torch.no_grad():
+                    params[1][3] = math.inf
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    opt.step()
+                except FloatingPointError as exc:
+                    out[mode] = (step, str(exc))
+            if any("skipped a sync" in str(w.message) for w in caught):
+                out[mode] = (step, "skipped")
+            if step == 2 * H - 1:
+                out[mode + " back"] = all(
+                    torch.equal(p.detach(), opt.state[p]["global"]) and "start" not in opt.state[p]
+                    for p in params
+                )
+        out[mode + " then"] = (opt.syncs, opt.skipped_syncs, _shared(opt))
+    return out
+
+
 def _mismatch(rank: int, world: int) -> dict:
     """One rank eager, the others blocking: the first step raises on every rank."""
     params = _params()
@@ -186,6 +218,7 @@ def _world(rank: int, world: int) -> dict:
     out = {
         "configs": _configs(rank, world),
         "peer": _peer_fault(rank, world),
+        "nonfinite": _nonfinite(rank, world),
         "mismatch": _mismatch(rank, world),
     }
     if world == 2:
@@ -258,6 +291,21 @@ def test_bad_peer_data_in_flight_raises_on_every_rank_and_changes_nothing(world,
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_a_nonfinite_pseudo_gradient_in_flight_raises_or_skips_on_every_rank(world, world2, world3):
+    results = world2 if world == 2 else world3
+    for r in results:
+        nf = r["nonfinite"]
+        step, message = nf["error"]
+        assert step == 2 * H - 1 and f"on rank {world - 1}" in message and "back at the last sync" in message
+        assert nf["skip"] == (2 * H - 1, "skipped") and nf["error back"] and nf["skip back"]
+    for mode in ("error", "skip"):
+        then = [r["nonfinite"][mode + " then"] for r in results]
+        # back at theta_global at step 5, no launch there; launched at 8, landed at 11
+        assert all(t[:2] == (1, 1 if mode == "skip" else 0) for t in then), then
+        assert all(_equal(then[0][2], t[2]) for t in then[1:])
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_with_another_sync_setting_stops_every_rank(world, world2, world3):
     results = world2 if world == 2 else world3
     for r in results:
@@ -295,7 +343,7 @@ def test_blocking_keeps_its_saved_settings_and_a_single_process_eager_run_finish
     assert opt.syncs == 1 and opt._flight is not None
     state = opt.state_dict()
     assert records(state)["common"]["settings"]["sync"] == "eager"
-    assert records(state)["common"]["in_flight"] is True
+    assert len(records(state)["common"]["in_flight"]) == 1  # the status row of the round in flight
     opt.finish()
     assert opt.syncs == 2 and opt._flight is None
     with pytest.raises(ValueError, match="sync"):  # an eager state into a blocking optimizer
