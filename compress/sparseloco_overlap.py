@@ -1,16 +1,22 @@
 """SparseLoCo's overlapped outer sync (``sync="eager"``): the exchange runs during the next period.
 
-With ``sync="blocking"`` (the default) every sync waits for the average of its round before the
-next period starts. With ``sync="eager"`` sync ``k`` instead
+With ``sync="blocking"`` (the default) every sync waits for the status round and the average
+of its round before the next period starts. With ``sync="eager"`` sync ``k`` instead
 
-1. waits for round ``k - 1`` (launched one period earlier, in flight since), checks every
-   rank's bytes (the exchange core's timeout and validation) and applies its average to the
-   shared state: ``theta_global`` and the outer momentum take the real averages only, one
-   period late, so they stay bit-identical on every rank; the error buffers of that round are
-   committed;
+1. lands round ``k - 1`` (launched one period earlier, in flight since): its status rows
+   (settings fingerprint, non-finite report, skipped local steps) are agreed first, then every
+   rank's bytes are checked (the exchange core's timeout and validation) and the average is
+   applied to the shared state: ``theta_global`` and the outer momentum take the real averages
+   only, one period late, so they stay bit-identical on every rank; the round's error buffers
+   are committed. A non-finite pseudo-gradient reported in the round sends every rank back to
+   ``theta_global`` and skips or raises (``nonfinite``) as the blocking sync does, one period
+   later, and launches nothing;
 2. measures this rank's pseudo-gradient of period ``k`` from the point the period started at,
-   ``delta = start - theta_local``, runs the status round, encodes it (error feedback, top-k,
-   codec: the blocking sync's bytes) and launches round ``k`` without waiting;
+   ``delta = start - theta_local``, encodes it (error feedback, top-k, codec: the blocking
+   sync's bytes) and launches round ``k``, its status row included
+   (:meth:`~cokit.compress.exchange.Exchange.agree_later`), without waiting: the payload sizes
+   were agreed by the first step's waited status round and no setting that is allowed with
+   ``sync="eager"`` changes them;
 3. starts period ``k + 1`` from the *eager* point (Kale, Douillard, Donchev 2025, arXiv
    2502.12996): ``start = theta_global`` after a tentative outer step (the momentum is not
    stored) with this rank's own share of round ``k``, ``sent / W``, in place of the average
@@ -20,11 +26,11 @@ next period starts. With ``sync="eager"`` sync ``k`` instead
    give the same start point with the ``"average"`` outer step. With ``"nesterov"`` the shared
    momentum sees the real averages one period late instead of each worker's mixture.
 
-Nothing of a round is applied before every rank's bytes are in and checked: a peer's bad data
-raises on every rank at the next sync (or :func:`settle`/:func:`land` from ``state_dict()`` and
-``finish()``), that round is dropped everywhere and nothing else changes. ``state_dict()``
-waits for the round in flight and saves its average (identical on every rank) with the error
-buffers it produced, so a loaded run goes on bit for bit; ``finish()`` applies the last round.
+Nothing of a round is applied before every rank's row and bytes are in and checked: a peer's
+bad data raises on every rank when the round lands, that round is dropped everywhere and
+nothing else changes. ``state_dict()`` waits for the round in flight and saves its status rows
+and average (identical on every rank) with the error buffers it produced, so a loaded run goes
+on bit for bit; ``finish()`` applies the last round.
 """
 
 from __future__ import annotations
