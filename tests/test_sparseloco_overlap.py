@@ -201,16 +201,30 @@ def _nonfinite(rank: int, world: int) -> dict:
 
 
 def _mismatch(rank: int, world: int) -> dict:
-    """One rank eager, the others blocking: the first step raises on every rank."""
+    """One rank eager, the others blocking: the first step (a waited status round) raises on
+    every rank. Then an inner lr changed on one rank in period 1: the row that rides with the
+    round launched at step 2 says so, and every rank raises when it lands (step 5)."""
     params = _params()
     opt = _build(params, sync="eager" if rank == world - 1 else "blocking")
     for i, p in enumerate(params):
         p.grad = _grad(rank, 0, i, p.shape)
+    out: dict = {"raised": None, "later": None}
     try:
         opt.step()
     except ValueError as exc:
-        return {"raised": str(exc)}
-    return {"raised": None}
+        out["raised"] = str(exc)
+    params = _params()
+    opt = _build(params)
+    for step in range(2 * H):
+        if step == 1 and rank == world - 1:
+            opt.param_groups[0]["lr"] = 0.5  # an LR scheduler stepped on one rank only
+        for i, p in enumerate(params):
+            p.grad = _grad(rank, step, i, p.shape)
+        try:
+            opt.step()
+        except ValueError as exc:
+            out["later"] = (step, str(exc), opt.syncs, opt._flight is None)
+    return out
 
 
 def _world(rank: int, world: int) -> dict:
@@ -310,6 +324,8 @@ def test_a_rank_with_another_sync_setting_stops_every_rank(world, world2, world3
     results = world2 if world == 2 else world3
     for r in results:
         assert r["mismatch"]["raised"] is not None and "sync" in r["mismatch"]["raised"]
+        step, message, syncs, dropped = r["mismatch"]["later"]
+        assert step == 2 * H - 1 and "lr" in message and syncs == 0 and dropped
 
 
 def _net() -> torch.nn.Module:
