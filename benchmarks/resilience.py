@@ -1,7 +1,8 @@
 """Resilience benchmark: each network policy against the static settings it adapts, on shaped links.
 
 AdamW (dense), DeMo static vs DeMo with :class:`~cokit.compress.BandwidthTargetPolicy`, and
-SparseLoCo static vs SparseLoCo with :class:`~cokit.compress.IntervalPolicy`.
+SparseLoCo static vs SparseLoCo with :class:`~cokit.compress.IntervalPolicy` and with the
+overlapped sync (``sparseloco-eager``: ``sync="eager"``, judged like a policy against static).
 
     python benchmarks/resilience.py                        # every profile and method, 3 seeds: about 95 min
     python benchmarks/resilience.py --profiles 10mbit-drops --methods demo-adaptive,sparseloco-interval
