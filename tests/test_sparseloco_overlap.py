@@ -21,6 +21,7 @@ from cokit.compress import SparseLoCo
 from cokit.compress.agreement import PeerDataError
 from cokit.compress.exchange import Exchange
 from cokit.compress.sparseloco_state import records
+from cokit.compress.timing import StepTimer
 
 SHAPES = [(32, 48), (64,), (5,)]  # a 2-D weight (6 tiles of 16x16), a 1-D one, a tiny bias (dense)
 CHUNK, K, H, LR = 16, 8, 3, 0.05
@@ -405,3 +406,14 @@ def test_dcp_saves_and_resumes_a_round_in_flight_exactly(tmp_path):
     for straight, resumed, in_flight in run_gloo(2, _dcp_run, str(tmp_path / "ckpt")):
         assert in_flight
         assert _equal(straight, resumed)
+
+
+def test_a_wait_on_a_round_launched_in_an_earlier_step_is_exposed_time_of_the_step_that_waits():
+    clock = iter([0.0, 1.0, 5.0])
+    timer = StepTimer(clock=lambda: next(clock))
+    record = timer.launched("payload all-gather", 8, 8, timer.mark())  # launched at 0 s
+    launch_step = timer.take().resolve()
+    start, end = timer.mark(), timer.mark()  # the next sync waits from 1 s to 5 s
+    timer.waited(record, start, end)
+    landing_step = timer.take().resolve()
+    assert launch_step["exposed_s"] == 0.0 and landing_step["exposed_s"] == 4.0
