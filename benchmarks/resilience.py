@@ -1,7 +1,8 @@
 """Resilience benchmark: each network policy against the static settings it adapts, on shaped links.
 
 AdamW (dense), DeMo static vs DeMo with :class:`~cokit.compress.BandwidthTargetPolicy`, and
-SparseLoCo static vs SparseLoCo with :class:`~cokit.compress.IntervalPolicy`.
+SparseLoCo static vs SparseLoCo with :class:`~cokit.compress.IntervalPolicy` and with the
+overlapped sync (``sparseloco-eager``: ``sync="eager"``, judged like a policy against static).
 
     python benchmarks/resilience.py                        # every profile and method, 3 seeds: about 95 min
     python benchmarks/resilience.py --profiles 10mbit-drops --methods demo-adaptive,sparseloco-interval
@@ -57,15 +58,23 @@ from cokit.workloads.model import ModelConfig
 from cokit.workloads.text import VOCAB_SIZE, CorpusConfig
 
 OUTPUTS = ("resilience.json", "resilience.csv", "resilience.png")
-METHODS = ("adamw", "demo-static", "demo-adaptive", "sparseloco-static", "sparseloco-interval")
+METHODS = (
+    "adamw",
+    "demo-static",
+    "demo-adaptive",
+    "sparseloco-static",
+    "sparseloco-interval",
+    "sparseloco-eager",
+)
 BASELINE = {
     "adamw": "demo-static",
     "demo-static": "demo-static",
     "demo-adaptive": "demo-static",
     "sparseloco-static": "sparseloco-static",
     "sparseloco-interval": "sparseloco-static",
+    "sparseloco-eager": "sparseloco-static",
 }
-ADAPTIVE = ("demo-adaptive", "sparseloco-interval")
+ADAPTIVE = ("demo-adaptive", "sparseloco-interval", "sparseloco-eager")
 SLOW_PROFILES, SLOW_RATIO = ("10mbit", "10mbit-drops", "latency-50ms-sim"), 0.7
 
 
@@ -108,6 +117,13 @@ def method_specs(
             sparseloco_lr,
             options={"policy": {"name": "interval", "target": target}},
             label="sparseloco-interval",
+            timeout=timeout_s,
+        ),
+        "sparseloco-eager": MethodSpec(
+            "sparseloco",
+            sparseloco_lr,
+            options={"sync": "eager"},
+            label="sparseloco-eager",
             timeout=timeout_s,
         ),
     }
@@ -318,6 +334,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
         "demo-adaptive": "tab:orange",
         "sparseloco-static": "tab:green",
         "sparseloco-interval": "tab:red",
+        "sparseloco-eager": "tab:purple",
     }
     for ax, profile in zip(axes.flat, profiles, strict=True):
         recs = [r for r in runs if r["profile"] == profile]

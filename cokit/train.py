@@ -328,7 +328,10 @@ class SparseLoCoMethod(DeMoMethod):
         )
 
     def evaluation(self) -> contextlib.AbstractContextManager[None]:
-        """The last sync's weights (``theta_global``), the same on every rank."""
+        """The last sync's weights (``theta_global``), the same on every rank. With
+        ``sync="eager"`` the round in flight is applied first (``finish()``): landing it now
+        rather than at the next sync changes nothing the run computes later."""
+        self.optimizer.finish()  # type: ignore[attr-defined]
         return self.optimizer.synchronized()  # type: ignore[attr-defined]  # a SparseLoCo
 
 

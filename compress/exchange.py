@@ -28,7 +28,7 @@ import datetime
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -148,16 +148,7 @@ class Exchange:
         is the matching JSON description for a mismatch report. The exchange's own settings
         (``comm_priority``) are added to both.
         """
-        own = {"comm_priority": self.priority.requested} if self.priority is not None else {}
-        if own:
-            text = canonical(own)
-            fingerprints = (fingerprint(str(fingerprints[0]), text), fingerprint(str(fingerprints[1]), text))
-
-        def described(comm: Communicator) -> dict[str, Any]:
-            out = describe(comm is not self.comm)
-            return {**out, "settings": {**(out.get("settings") or {}), **own}} if own else out
-
-        exchange_fp, agree_fp = fingerprints
+        (exchange_fp, agree_fp), described = self._own_settings(fingerprints, describe)
         stages = [(c, agree_fp) for c in self.agree_comms] + [(self.comm, exchange_fp)]
         return run_round(
             stages,
@@ -169,6 +160,49 @@ class Exchange:
             has_grad=has_grad,
             names=names,
         )
+
+    def agree_later(
+        self,
+        fingerprints: tuple[int, int],
+        report: Report,
+        describe: Callable[[bool], dict[str, Any]],
+        *,
+        extra: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> Callable[[], Round]:
+        """:meth:`agree` with the status row launched now and checked by the returned call: an
+        overlapped round (SparseLoCo's ``sync="eager"``) whose payload sizes an earlier, waited
+        round already agreed. The call raises what :meth:`agree` would; exchange group only."""
+        if self.agree_comms:
+            raise ValueError(f"{self.owner}: a status round checked later needs a single group")
+        (exchange_fp, _), described = self._own_settings(fingerprints, describe)
+        row = torch.frombuffer(bytearray(report.pack(exchange_fp)), dtype=torch.uint8)
+        if extra is not None:
+            row = torch.cat([row, extra.cpu()])
+        launched = _Launched(
+            self.comm, self.comm.all_gather(row.to(device or torch.device("cpu")), "status exchange")
+        )
+
+        def check() -> Round:
+            stages = [(cast(Communicator, launched), exchange_fp)]
+            return run_round(stages, report, described, self.wait, extra=extra, device=device)
+
+        return check
+
+    def _own_settings(
+        self, fingerprints: tuple[int, int], describe: Callable[[bool], dict[str, Any]]
+    ) -> tuple[tuple[int, int], Callable[[Communicator], dict[str, Any]]]:
+        """The fingerprints and description with the exchange's own settings (``comm_priority``)."""
+        own = {"comm_priority": self.priority.requested} if self.priority is not None else {}
+        if own:
+            text = canonical(own)
+            fingerprints = (fingerprint(str(fingerprints[0]), text), fingerprint(str(fingerprints[1]), text))
+
+        def described(comm: Communicator) -> dict[str, Any]:
+            out = describe(comm is not self.comm and not isinstance(comm, _Launched))
+            return {**out, "settings": {**(out.get("settings") or {}), **own}} if own else out
+
+        return fingerprints, described
 
     # ------------------------------------------------------------------ payloads
     def gather(self, codec: PayloadCodec, wires: Sequence[torch.Tensor]) -> list[Pending]:
@@ -267,3 +301,18 @@ class ExchangeOwner:
         """What ``comm_priority`` achieved: the group used, ``requested``, ``high_priority``
         (effective) and a ``note`` saying why (:func:`cokit.compress.priority.priority_group`)."""
         return self.exchange.priority
+
+
+class _Launched:
+    """``comm`` whose first ``all_gather`` is the status row launched earlier (``pending``),
+    for :func:`~cokit.compress.agreement.run_round` to check it; everything else is ``comm``'s."""
+
+    def __init__(self, comm: Communicator, pending: Pending):
+        self._comm, self._pending = comm, pending
+
+    def all_gather(self, tensor: torch.Tensor, what: str) -> Pending:
+        pending, self._pending = self._pending, None
+        return pending if pending is not None else self._comm.all_gather(tensor, what)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)

@@ -32,6 +32,10 @@ Options that close the gap to AdamW that grows with training length, all off by 
   a tensor whose selection misses more energy, for its k, gets a larger k, within
   ``adaptive_range``).
 
+``sync="eager"`` overlaps the sync's exchange with the next period: each round is applied to
+the shared state one period late and each rank starts the next period from an eager estimate
+(:mod:`cokit.compress.sparseloco_overlap`); ``finish()`` applies the last round.
+
 A hybrid Muon inner optimizer (Muon on the matrices, AdamW on the rest) is in
 :mod:`cokit.compress.inner`.
 
@@ -53,6 +57,7 @@ from typing import Any
 import torch
 
 from cokit.compress import precision as lowp
+from cokit.compress import sparseloco_overlap as overlap
 from cokit.compress import sparseloco_state
 from cokit.compress.adaptation import PolicyDriver, make_policy
 from cokit.compress.adaptive_topk import (
@@ -80,6 +85,7 @@ from cokit.compress.sparseloco_local import (
     local_value,
     make_masters,
     outer_groups,
+    recovered,
     replicated_state,
     reset_nonfinite_state,
     snapshot,
@@ -108,6 +114,8 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         sync_every: H, local steps between syncs (default 5: docs/validation-study.md).
         topk: values kept per tile of the error buffer (default 64: 1.6% of a 64x64 tile, in
             the paper's 1-3%); None sends the dense pseudo-gradient (DiLoCo).
+        sync (keyword, in ``options``): ``"blocking"`` (default) or ``"eager"``: the exchange runs
+            during the next period, applied one period late (:mod:`~cokit.compress.sparseloco_overlap`).
         chunk: tile side target (each dimension uses its largest divisor <= chunk).
         dct: select in the DCT domain of each tile (DeMo's) instead of on the raw values.
         payload: value codec (:mod:`cokit.compress.payload`): ``"int2"`` (default), ``"sign"``, ...
@@ -149,7 +157,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         **options: Any,
     ):
         where = "SparseLoCo"
-        adaptive_range = options.pop("adaptive_range", None)
+        adaptive_range, sync = options.pop("adaptive_range", None), options.pop("sync", "blocking")
         opts = FrontEndOptions.checked(where, options, process_group=process_group)
         self.adaptive_topk = check_flag("adaptive_topk", adaptive_topk, where=where)
         self.adaptive_range = check_adaptive_range(adaptive_range, self.adaptive_topk, topk, where)
@@ -170,6 +178,8 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self.nonfinite, self.precision, self.seed = opts.nonfinite, opts.precision, opts.seed
         self.comm_priority, self.bucket_cap_mb = opts.comm_priority, opts.bucket_cap_mb
         self.policy = make_policy(opts.policy, where)
+        self.sync = overlap.check_sync(sync, self.adaptive_topk, self.policy, where)
+        self._flight: overlap.InFlight | None = None  # sync="eager": the round in flight
         groups, self._names = param_groups(params, where)
         self._model_params = model_params = [p for g in groups for p in g["params"]]
         check_replicated(model_params, where, VALUE_DTYPES)
@@ -203,8 +213,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
 
     @property
     def current_topk(self) -> dict[int, int]:
-        """Values kept per tile at the next sync, per compressed tensor (index in the parameter
-        list -> k): ``min(topk, tile size)`` each, unless ``adaptive_topk`` changed them."""
+        """Values kept per tile at the next sync, per compressed tensor (parameter index -> k)."""
         return dict(self.plan.topks())
 
     @property
@@ -266,8 +275,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         return loss
 
     def _inner_step(self) -> None:
-        """One step of the inner optimizer on the unscaled gradients, unless a GradScaler found
-        inf on this rank: then that local step is skipped here (counted at the next sync)."""
+        """One inner step on the unscaled gradients (a GradScaler's inf skips it on this rank)."""
         amp = Amp.of(self)
         if amp.found_inf:
             self._skipped += 1
@@ -302,8 +310,9 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         )
 
     def _sync(self) -> None:
-        """The status round, then the exchange and the outer step; a non-finite pseudo-gradient
-        on any rank sends every rank back to ``theta_global`` instead (``nonfinite``)."""
+        """The status round, then the exchange and the outer step (non-finite: to ``theta_global``)."""
+        if self.sync == "eager":
+            return overlap.eager_sync(self)
         params, states = self._model_params, [self.state[p] for p in self._model_params]
         deltas = [
             (s["global"] - local_value(p, self._masters)).contiguous()
@@ -323,7 +332,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
                 self._name,
                 when=f"sync {self.syncs + 1}",
                 what="pseudo-gradient",
-                changed=_recovered(reset),
+                changed=recovered(reset),
                 unit="sync",
             )
             self.skipped_syncs += 1
@@ -352,20 +361,20 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         self._driver.step_done(self.comm.sent, self._dense_bytes(), synced=True)
 
     def _back_to_global(self, params: list[torch.Tensor]) -> list[str]:
-        """After a sync that could not be applied: every rank back at theta_global, and the
-        inner optimizer's state reset where it is not finite (the names of those parameters)."""
+        """Every rank back at theta_global, its non-finite inner state reset (those parameters' names)."""
         self._since_sync = 0
-        thetas = [self.state[p]["global"] for p in params]
-        write_weights(params, thetas, self._masters, self.precision, self._generator())
+        for p in params:  # sync="eager": the next period starts at theta_global too
+            self.state[p].pop("start", None)
+        values = [self.state[p]["global"] for p in params]
+        write_weights(params, values, self._masters, self.precision, self._generator())
         reset = reset_nonfinite_state(self.inner, params, self._masters, self._name)
         self.inner_resets += len(reset)
         return reset
 
     def _generator(self) -> torch.Generator | None:
         """The stochastic rounding's generator of this sync (None: round to nearest)."""
-        if self.precision != "stochastic":
-            return None
-        return lowp.rounding_generator(self.seed, self.syncs, self._model_params[0].device)
+        make, device = lowp.rounding_generator, self._model_params[0].device
+        return make(self.seed, self.syncs, device) if self.precision == "stochastic" else None
 
     def _dense_bytes(self) -> int:
         """What a dense all-reduce of every parameter would send from this rank."""
@@ -385,24 +394,16 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
         )
         self._checked = True
 
+    def finish(self) -> None:
+        """``sync="eager"``: apply the round still in flight to ``theta_global`` (call it after the
+        last step, before evaluating or saving ``synchronized()``); no collective. Else nothing."""
+        overlap.land(self)
+
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout, which ``torch.distributed.checkpoint`` saves
-        (:mod:`cokit.compress.sparseloco_state`)."""
+        (:mod:`cokit.compress.sparseloco_state`); waits for a round in flight (``sync="eager"``)."""
         return sparseloco_state.pack(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what this rank saved; everything is checked before anything changes."""
         sparseloco_state.load(self, state_dict)
-
-
-def _recovered(reset: list[str], shown: int = 4) -> str:
-    """What a sync that found a non-finite pseudo-gradient changed (``reset``: the parameters
-    whose inner state this rank reset)."""
-    listing = ", ".join(reset[:shown]) + (f" (and {len(reset) - shown} more)" if len(reset) > shown else "")
-    return (
-        "a non-finite gradient or an overflow reached an inner optimizer; the sync was not applied "
-        "(theta_global, error buffers and outer momentum as they were); every rank's weights are "
-        "back at the last sync's"
-        + (f", and this rank reset the inner optimizer's state of {listing}" if reset else "")
-        + ", so training can go on"
-    )

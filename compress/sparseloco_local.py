@@ -30,6 +30,7 @@ __all__ = [
     "local_value",
     "make_masters",
     "outer_groups",
+    "recovered",
     "replicated_state",
     "reset_nonfinite_state",
     "snapshot",
@@ -264,7 +265,8 @@ def snapshot(opt: SparseLoCo) -> Callable[[], None]:
     Copied: the local weights (parameters, fp32 masters), the inner optimizer's state, each
     parameter's ``theta_global`` and outer momentum (an outer step changes them in place), the
     counters, the adaptive k's and the policy driver's state. Not copied: the error buffers (a sync
-    replaces them with new tensors, so the old ones are kept by reference) and the comm stats
+    writes the next ones into its spare set and swaps them in only once applied, so the live ones
+    are kept by reference) and the comm stats
     (they count what was sent). A fraction of a full ``state_dict()``: no error buffers, no
     zeros for the buffers not made yet, no records, and no checks on the way back.
     """
@@ -301,3 +303,16 @@ def snapshot(opt: SparseLoCo) -> Callable[[], None]:
         driver()
 
     return undo
+
+
+def recovered(reset: list[str], shown: int = 4) -> str:
+    """What a sync that found a non-finite pseudo-gradient changed (``reset``: the parameters
+    whose inner state this rank reset)."""
+    listing = ", ".join(reset[:shown]) + (f" (and {len(reset) - shown} more)" if len(reset) > shown else "")
+    return (
+        "a non-finite gradient or an overflow reached an inner optimizer; the sync was not applied "
+        "(theta_global, error buffers and outer momentum as they were); every rank's weights are "
+        "back at the last sync's"
+        + (f", and this rank reset the inner optimizer's state of {listing}" if reset else "")
+        + ", so training can go on"
+    )

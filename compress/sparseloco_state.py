@@ -10,10 +10,15 @@ ranks share once. So (format 2):
   parameter itself: between syncs every rank's weights differ, and DCP keeps only one copy of
   the model's) and ``inner_rank<R>.<key>`` (the inner optimizer's state), which differ per
   rank, under keys naming the global rank ``R``;
+* with ``sync="eager"`` also ``pending`` (the mean of the round in flight, waited for by
+  ``state_dict()``: shared; zeros when none) and ``start_rank<R>`` (where this rank's period
+  started); the error buffers are then the ones that round produced;
 * ``param_groups``: the groups' hyper-parameters (shared); group 0 also holds two JSON records,
   ``sparseloco`` (shared: format, world size, settings, counters, policy) and
   ``sparseloco_rank<R>`` (this rank's comm stats). With ``adaptive_topk`` the shared record
-  also holds ``topk_per_tensor``: ``[[parameter index, k], ...]``, the k's of the next sync.
+  also holds ``topk_per_tensor``: ``[[parameter index, k], ...]``, the k's of the next sync;
+  with ``sync="eager"``, ``in_flight``: every rank's status row of the round launched and not
+  yet applied (a list of report fields), or None.
 
 :func:`load` checks everything (format, rank, world size, settings, shapes, finiteness,
 counters, the policy state) before anything changes.
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cokit.compress import sparseloco_overlap as overlap
 from cokit.compress.adaptive_topk import k_limits
 from cokit.compress.frontend import plain
 from cokit.compress.named_params import indexed_groups
@@ -59,6 +65,7 @@ _LOOSE = ("validate_payload",)  # settings that do not change what is computed
 #: settings recorded only when they are on (so a run without them keeps its fingerprint and saved
 #: settings), and their values when off
 _OPTIONAL: dict[str, Any] = {
+    "sync": "blocking",
     "dense_warmup": 0,
     "dense_params": None,
     "adaptive_topk": False,
@@ -70,8 +77,13 @@ _RECORDS = RecordSpec(
 
 
 def pack(opt: SparseLoCo) -> dict[str, Any]:
-    """``opt``'s state in format 2 (module docstring)."""
+    """``opt``'s state in format 2 (module docstring); a round in flight is waited for first."""
+    eager = opt.sync == "eager"
+    if eager:
+        overlap.settle(opt)
     rank = opt.exchange.global_rank()
+    pending_key, start_key = overlap.state_keys(rank)
+    pending, next_errors = overlap.pending_means(opt), overlap.pending_errors(opt)
     inner = opt.inner.state_dict()
     # every buffer the optimizer will hold is present (zeros until first used), so that a load
     # through DCP, which fills only the keys the loading optimizer's state has, brings them all
@@ -83,8 +95,13 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
         entry: dict[str, Any] = {k: s[k].clone() for k in _SHARED if k in s}
         if opt.outer == "nesterov" and "momentum" not in entry and "global" in entry:
             entry["momentum"] = zeros
-        if "error" in s or n in compressed:
-            entry[f"error_rank{rank}"] = s["error"].clone() if "error" in s else zeros.clone()
+        if (error := next_errors[n]) is None:  # the round in flight commits its buffers when it lands
+            error = s.get("error")
+        if error is not None or n in compressed:
+            entry[f"error_rank{rank}"] = error.clone() if error is not None else zeros.clone()
+        if eager and "global" in entry:  # the round's mean (shared) and this rank's start point
+            entry[pending_key] = pending[n].clone() if pending[n] is not None else zeros.clone()
+            entry[start_key] = s.get("start", s["global"]).clone()
         if id(p) in opt._masters:  # the local weights: the master, or the parameter itself
             entry[f"master_rank{rank}"] = opt._masters[id(p)].detach().clone()
         else:
@@ -100,6 +117,8 @@ def pack(opt: SparseLoCo) -> dict[str, Any]:
     }
     if opt.adaptive_topk:
         shared["topk_per_tensor"] = [[i, k] for i, k in sorted(opt.plan.topks().items())]
+    if eager:  # every rank's status row of the round in flight (None: nothing in flight)
+        shared["in_flight"] = overlap.saved_status(opt)
     _RECORDS.write(groups, opt, _settings(opt), **shared)
     return {"state": state, "param_groups": groups}
 
@@ -144,6 +163,9 @@ def load(opt: SparseLoCo, sd: object) -> None:
     loaded: list[dict[str, torch.Tensor]] = []
     prefix = f"inner_rank{rank}."
     keys = {"global", "momentum", f"error_rank{rank}", f"master_rank{rank}", f"local_rank{rank}"}
+    eager = opt.sync == "eager"
+    if eager:
+        keys.update(overlap.state_keys(rank))
     for n, (p, key_n) in enumerate(zip(params, rec.keys, strict=True)):
         entry = rec.state.get(key_n, {})
         if not isinstance(entry, Mapping):
@@ -157,13 +179,17 @@ def load(opt: SparseLoCo, sd: object) -> None:
                 check_tensor(_WHERE, f"{key} of {opt._name(n)}", value, tuple(p.shape))
                 dtype = p.dtype if key.startswith("local") else torch.float32
                 ours[key.split("_rank")[0]] = value.detach().to(p.device, dtype).clone()
-            elif not (key.startswith(("error_rank", "master_rank", "local_rank", "inner_rank"))):
+            elif not (
+                key.startswith(("error_rank", "master_rank", "local_rank", "inner_rank", "start_rank"))
+            ):
                 raise ValueError(f"{_WHERE}: unknown state {key!r} for {opt._name(n)}")
         loaded.append(ours)
     check_inner_state(_WHERE, inner_state, opt._name)
     counters = common.get("counters") or {}
     check_counts(_WHERE, counters, _COUNTERS)
-    _check_present(opt, loaded, counters)
+    status = common.get("in_flight") if eager else None
+    in_flight = status is not None
+    _check_present(opt, loaded, counters, in_flight)
     interval = common.get("interval", opt.sync_every)
     if not (isinstance(interval, int) and interval >= 1):
         raise ValueError(f"{_WHERE}: saved interval {interval!r} is not a positive integer")
@@ -185,6 +211,8 @@ def load(opt: SparseLoCo, sd: object) -> None:
     )
     for g, h in zip(opt.param_groups, hyper, strict=True):
         g.update(h)
+    means = [ours.pop("pending", None) for ours in loaded]
+    flight = overlap.loaded_flight(means, status, opt.comm.world_size, _WHERE) if in_flight else None
     for n, p in enumerate(params):
         ours = loaded[n]
         master, local = ours.pop("master", None), ours.pop("local", None)
@@ -199,6 +227,7 @@ def load(opt: SparseLoCo, sd: object) -> None:
     opt.syncs, opt.skipped_syncs = counters.get("syncs", 0), counters.get("skipped_syncs", 0)
     opt.skipped_steps, opt.inner_resets = counters.get("skipped_steps", 0), counters.get("inner_resets", 0)
     opt._checked = False  # the first step after a load compares the replicas again
+    opt._flight = flight
     opt.current_interval = interval
     if topks is not None:
         opt.plan.set_topks(topks)
@@ -208,17 +237,20 @@ def load(opt: SparseLoCo, sd: object) -> None:
 
 
 def _check_present(
-    opt: SparseLoCo, loaded: list[dict[str, torch.Tensor]], counters: Mapping[str, Any]
+    opt: SparseLoCo, loaded: list[dict[str, torch.Tensor]], counters: Mapping[str, Any], in_flight: bool
 ) -> None:
     """Raise unless the state holds what its counters say must exist: ``theta_global`` of every
-    parameter once a step ran, and the error buffer of every compressed tensor once a sync ran."""
+    parameter once a step ran, the error buffer of every compressed tensor once a sync ran (or
+    one is in flight), and with a round in flight its mean (``pending``) of every parameter."""
     steps, syncs = counters.get("steps", 0), counters.get("syncs", 0)
     compressed = {i for b in opt.plan.static() if not b.dense for i in b.members}
     for n, ours in enumerate(loaded):
         if steps and "global" not in ours:
             raise lacks(_WHERE, f"theta_global of {opt._name(n)}")
-        if syncs and n in compressed and "error" not in ours:
+        if (syncs or in_flight) and n in compressed and "error" not in ours:
             raise lacks(_WHERE, f"this rank's error buffer of {opt._name(n)}")
+        if in_flight and "pending" not in ours:
+            raise lacks(_WHERE, f"the mean of the round in flight of {opt._name(n)}")
 
 
 def _saved_topks(opt: SparseLoCo, common: Mapping[str, Any]) -> dict[int, int]:
@@ -272,6 +304,8 @@ def settings(opt: SparseLoCo) -> dict[str, Any]:
     }
     # the later options only when on: the fingerprint and saved settings of a run without
     # them are what they were
+    if opt.sync != "blocking":
+        out["sync"] = opt.sync
     if opt.dense_warmup:
         out["dense_warmup"] = opt.dense_warmup
     if opt.dense_params is not None:

@@ -30,11 +30,13 @@ __all__ = [
     "SYNC_UNCHANGED",
     "Mean",
     "Receive",
+    "Received",
     "SpareErrors",
     "average_gradients",
     "exchange_means",
     "from_coeffs",
     "launch_bucket",
+    "launch_means",
     "mean_at_positions",
     "outer_step",
 ]
@@ -51,6 +53,9 @@ SYNC_UNCHANGED = (
 Mean = tuple[torch.Tensor, "torch.Tensor | None"]
 #: a launched bucket's receive (wait and check), which returns its decode
 Receive = Callable[[], Callable[[], list[Mean]]]
+#: a sync's result: each tensor's mean (:data:`Mean`; None: empty), each compressed tensor's next
+#: error buffer (None: dense), and with ``adaptive_topk`` the agreed captured-energy shares
+Received = tuple[list["Mean | None"], list["torch.Tensor | None"], "dict[int, float] | None"]
 
 
 def exchange_means(
@@ -65,7 +70,7 @@ def exchange_means(
     at_positions: list[bool],
     adaptive: bool = False,
     spares: list[torch.Tensor | None] | None = None,
-) -> tuple[list[Mean | None], list[torch.Tensor | None], dict[int, float] | None]:
+) -> Received:
     """One sync's exchange: encode every bucket, launch all collectives, check every rank's
     bytes, then decode each into the mean pseudo-gradient of its tensors (:data:`Mean`; None:
     empty tensors). ``errors`` are left as they are: each compressed tensor's next error buffer
@@ -76,6 +81,38 @@ def exchange_means(
     (checked, averaged in rank order; tensor index -> share), else None. ``spares[i]``: a
     buffer like ``errors[i]`` (:meth:`SpareErrors.take`) that tensor ``i``'s next error buffer
     is written into instead of a new one."""
+    return launch_means(
+        buckets,
+        deltas,
+        errors,
+        exchange,
+        dct=dct,
+        error_decay=error_decay,
+        names=names,
+        at_positions=at_positions,
+        adaptive=adaptive,
+        spares=spares,
+    )[1]()
+
+
+def launch_means(
+    buckets: list[Bucket],
+    deltas: list[torch.Tensor],
+    errors: list[torch.Tensor | None],
+    exchange: Exchange,
+    *,
+    dct: bool,
+    error_decay: float,
+    names: list[str],
+    at_positions: list[bool],
+    adaptive: bool = False,
+    changed: str = SYNC_UNCHANGED,
+    spares: list[torch.Tensor | None] | None = None,
+) -> tuple[list[torch.Tensor | None], Callable[[], Received]]:
+    """:func:`exchange_means` in two halves: encode and launch now; returns the next error
+    buffers (complete: what was sent has left them) and the *finish*, which waits for every
+    rank's bytes, checks them (a fault's error says ``changed``) and decodes the means. The
+    overlapped sync runs the next inner steps between the two (``deltas`` are dead by then)."""
     means: list[Mean | None] = [None] * len(deltas)
     compressed = {i for bucket in buckets if not bucket.dense for i in bucket.members}
     spare = spares or [None] * len(deltas)
@@ -98,6 +135,7 @@ def exchange_means(
                 names=[names[i] for i in members],
                 at_positions=all(at_positions[i] for i in members),
                 captured=captured,
+                changed=changed,
             )
         )
     pending, order = None, sorted(captured or ())
@@ -105,15 +143,19 @@ def exchange_means(
         assert captured is not None
         vector = torch.stack([captured[i] for i in order]).float().to(deltas[0].device)
         pending = exchange.comm.all_gather(vector, "captured-energy all-gather")
-    received = [receive() for receive in launched]
-    shares = None
-    if pending is not None:  # checked before any bucket is decoded
-        agreed = average_shares(exchange.wait(pending), exchange.owner, exchange.comm.global_rank)
-        shares = dict(zip(order, agreed, strict=True))
-    for bucket, finish in zip(buckets, received, strict=True):
-        for i, mean in zip(bucket.members, finish(), strict=True):
-            means[i] = mean
-    return means, fresh, shares
+
+    def finish() -> Received:
+        received = [receive() for receive in launched]
+        shares = None
+        if pending is not None:  # checked before any bucket is decoded
+            agreed = average_shares(exchange.wait(pending), exchange.owner, exchange.comm.global_rank)
+            shares = dict(zip(order, agreed, strict=True))
+        for bucket, decode in zip(buckets, received, strict=True):
+            for i, mean in zip(bucket.members, decode(), strict=True):
+                means[i] = mean
+        return means, fresh, shares
+
+    return fresh, finish
 
 
 def _next_error(
@@ -175,6 +217,7 @@ def launch_bucket(
     names: list[str],
     at_positions: bool,
     captured: dict[int, torch.Tensor] | None = None,
+    changed: str = SYNC_UNCHANGED,
 ) -> Receive:
     """Start bucket ``b``'s collectives; returns its receive (wait and check), which returns
     its decode. ``errors``: the compressed members' error buffers, the pseudo-gradient already
@@ -188,7 +231,7 @@ def launch_bucket(
         pending = exchange.comm.all_reduce_mean(flat, "pseudo-gradient all-reduce")
 
         def receive_dense() -> Callable[[], list[Mean]]:
-            mean = exchange.dense(pending, f"{label} (dense)", SYNC_UNCHANGED)
+            mean = exchange.dense(pending, f"{label} (dense)", changed)
             return lambda: [(m, None) for m in split_like(mean, [deltas[i] for i in members])]
 
         return receive_dense
@@ -241,7 +284,7 @@ def launch_bucket(
     at_positions = in_place and at_positions
 
     def receive() -> Callable[[], list[Mean]]:
-        indices, values = exchange.selection(codec, pendings, label, names, SYNC_UNCHANGED)
+        indices, values = exchange.selection(codec, pendings, label, names, changed)
 
         def decode() -> list[Mean]:
             world = indices.shape[0]

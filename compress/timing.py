@@ -229,9 +229,14 @@ class StepTimer:
                 record.completed = stamp
 
     def waited(self, record: CollectiveTiming, start: Mark, end: Mark) -> None:
-        """This rank was blocked on ``record`` from ``start`` to ``end``."""
+        """This rank was blocked on ``record`` from ``start`` to ``end``. A collective launched
+        in an earlier, closed step (SparseLoCo's ``sync="eager"`` round) is blocked time of the
+        open step: its own step's timing may be resolved already."""
         with self._lock:
-            record.waits.append((start, end))
+            if any(c is record for c in self._collectives):
+                record.waits.append((start, end))
+            else:
+                self._blocked.append((start, end))
             if _is_event(end) and record.completed is None:  # CUDA: completion is the wait's end
                 record.completed = end
 
