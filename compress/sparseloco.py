@@ -85,16 +85,16 @@ from cokit.compress.sparseloco_local import (
     local_value,
     make_masters,
     outer_groups,
-    recovered,
     replicated_state,
     reset_nonfinite_state,
+    skip_bad_sync,
     snapshot,
     step_inner,
     swapped_in,
     write_weights,
 )
 from cokit.compress.sparseloco_plan import SyncPlan
-from cokit.compress.sparseloco_step import SpareErrors, average_gradients, exchange_means, outer_step
+from cokit.compress.sparseloco_step import SpareErrors, average_gradients, launch_means, outer_step
 from cokit.compress.stats import CommStats, ring_allreduce_bytes
 from cokit.triton_kernels._checks import check_choice, check_flag, check_int, check_number
 
@@ -326,19 +326,8 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             scale = self._driver.sync_scale(times, self.syncs + self.skipped_syncs + 1, self.owner)
             self.current_interval = self.sync_every * scale
         if rnd.bad:  # a NaN gradient or an overflow reached some rank's inner optimizer
-            reset = self._back_to_global(params)
-            self.skip_or_raise(
-                rnd,
-                self._name,
-                when=f"sync {self.syncs + 1}",
-                what="pseudo-gradient",
-                changed=recovered(reset),
-                unit="sync",
-            )
-            self.skipped_syncs += 1
-            self._driver.step_done(0, 0, synced=False)
-            return
-        means, errors, shares = exchange_means(
+            return skip_bad_sync(self, rnd)
+        _, finish = launch_means(
             self.plan.buckets(),
             deltas,
             [s.get("error") for s in states],
@@ -350,6 +339,7 @@ class SparseLoCo(FrontEnd, torch.optim.Optimizer):
             adaptive=self.adaptive_topk,
             spares=self._spares.take([s.get("error") for s in states]),
         )
+        means, errors, shares = finish()
         self._spares.swap_in(states, errors)  # every rank's bytes are in and checked: the sync applies
         if shares is not None:
             self.captured_energy = shares

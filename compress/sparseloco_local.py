@@ -20,6 +20,7 @@ from cokit.compress import precision as lowp
 from cokit.compress.guards import all_finite
 
 if TYPE_CHECKING:
+    from cokit.compress.agreement import Round
     from cokit.compress.sparseloco import SparseLoCo
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "recovered",
     "replicated_state",
     "reset_nonfinite_state",
+    "skip_bad_sync",
     "snapshot",
     "step_inner",
     "swapped_in",
@@ -303,6 +305,19 @@ def snapshot(opt: SparseLoCo) -> Callable[[], None]:
         driver()
 
     return undo
+
+
+def skip_bad_sync(opt: SparseLoCo, rnd: Round) -> None:
+    """A sync whose round found a non-finite pseudo-gradient on some rank (``rnd.bad``): every
+    rank back at ``theta_global`` with its non-finite inner state reset, then skip or raise as
+    the front end's ``nonfinite`` says (the message says what changed)."""
+    reset = opt._back_to_global(opt._model_params)
+    when = f"sync {opt.syncs + 1}"
+    opt.skip_or_raise(
+        rnd, opt._name, when=when, what="pseudo-gradient", changed=recovered(reset), unit="sync"
+    )
+    opt.skipped_syncs += 1
+    opt._driver.step_done(0, 0, synced=False)
 
 
 def recovered(reset: list[str], shown: int = 4) -> str:

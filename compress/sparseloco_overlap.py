@@ -46,7 +46,7 @@ import torch
 from cokit.compress.agreement import PeerDataError, Report, Round
 from cokit.compress.guards import nonfinite
 from cokit.compress.policy import StaticPolicy
-from cokit.compress.sparseloco_local import local_value, recovered, write_weights
+from cokit.compress.sparseloco_local import local_value, skip_bad_sync, write_weights
 from cokit.compress.sparseloco_step import Mean, Received, launch_means, outer_step
 from cokit.triton_kernels._checks import check_choice
 
@@ -163,17 +163,7 @@ def land(opt: SparseLoCo) -> bool:
     opt.skipped_steps += sum(rep.skipped for rep in rnd.reports)
     if rnd.bad:
         flight.discard()
-        reset = opt._back_to_global(opt._model_params)
-        opt.skip_or_raise(
-            rnd,
-            opt._name,
-            when=f"sync {opt.syncs + 1}",
-            what="pseudo-gradient",
-            changed=recovered(reset),
-            unit="sync",
-        )
-        opt.skipped_syncs += 1
-        opt._driver.step_done(0, 0, synced=False)
+        skip_bad_sync(opt, rnd)
         return False
     means, errors, _ = flight.result()
     states = [opt.state[p] for p in opt._model_params]

@@ -1,6 +1,6 @@
 """SparseLoCo's sync as functions over tensors and an exchange, as ``dion_step`` is to Dion.
 
-:func:`exchange_means` makes each compressed tensor's next error buffer (``e = error_decay *
+:func:`launch_means` makes each compressed tensor's next error buffer (``e = error_decay *
 e + delta``, in a second buffer: the live one is kept until the sync succeeds, and
 :class:`SpareErrors` swaps the two then, so that a sync allocates no error buffer); :func:`launch_bucket`
 picks the top-k per tile of ``e`` (raw or in the DCT domain; what the codec sends leaves
@@ -33,7 +33,6 @@ __all__ = [
     "Received",
     "SpareErrors",
     "average_gradients",
-    "exchange_means",
     "from_coeffs",
     "launch_bucket",
     "launch_means",
@@ -58,43 +57,6 @@ Receive = Callable[[], Callable[[], list[Mean]]]
 Received = tuple[list["Mean | None"], list["torch.Tensor | None"], "dict[int, float] | None"]
 
 
-def exchange_means(
-    buckets: list[Bucket],
-    deltas: list[torch.Tensor],
-    errors: list[torch.Tensor | None],
-    exchange: Exchange,
-    *,
-    dct: bool,
-    error_decay: float,
-    names: list[str],
-    at_positions: list[bool],
-    adaptive: bool = False,
-    spares: list[torch.Tensor | None] | None = None,
-) -> Received:
-    """One sync's exchange: encode every bucket, launch all collectives, check every rank's
-    bytes, then decode each into the mean pseudo-gradient of its tensors (:data:`Mean`; None:
-    empty tensors). ``errors`` are left as they are: each compressed tensor's next error buffer
-    (``error_decay * e + delta``, less what was sent; ``e`` None: zeros) comes back (None for
-    the dense ones), so a sync that raises changes no buffer. ``at_positions[i]``: tensor
-    ``i``'s mean is needed only where some rank sent a value (the average outer step). With
-    ``adaptive`` also every compressed tensor's captured-energy share, agreed over the ranks
-    (checked, averaged in rank order; tensor index -> share), else None. ``spares[i]``: a
-    buffer like ``errors[i]`` (:meth:`SpareErrors.take`) that tensor ``i``'s next error buffer
-    is written into instead of a new one."""
-    return launch_means(
-        buckets,
-        deltas,
-        errors,
-        exchange,
-        dct=dct,
-        error_decay=error_decay,
-        names=names,
-        at_positions=at_positions,
-        adaptive=adaptive,
-        spares=spares,
-    )[1]()
-
-
 def launch_means(
     buckets: list[Bucket],
     deltas: list[torch.Tensor],
@@ -109,10 +71,19 @@ def launch_means(
     changed: str = SYNC_UNCHANGED,
     spares: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor | None], Callable[[], Received]]:
-    """:func:`exchange_means` in two halves: encode and launch now; returns the next error
-    buffers (complete: what was sent has left them) and the *finish*, which waits for every
-    rank's bytes, checks them (a fault's error says ``changed``) and decodes the means. The
-    overlapped sync runs the next inner steps between the two (``deltas`` are dead by then)."""
+    """One sync's exchange in two halves: encode every bucket and launch all collectives now;
+    returns the next error buffers and the *finish*, which waits for every rank's bytes, checks
+    them (a fault's error says ``changed``) and decodes each bucket into the mean pseudo-gradient
+    of its tensors (:data:`Mean`; None: empty tensors): :data:`Received`. The blocking sync
+    calls the finish at once; the overlapped one runs the next inner steps in between
+    (``deltas`` are dead by then). ``errors`` are left as they are: each compressed tensor's next
+    error buffer (``error_decay * e + delta``, less what was sent; ``e`` None: zeros) comes back
+    (None for the dense ones), so a sync that raises changes no buffer. ``at_positions[i]``:
+    tensor ``i``'s mean is needed only where some rank sent a value (the average outer step).
+    With ``adaptive`` also every compressed tensor's captured-energy share, agreed over the
+    ranks (checked, averaged in rank order; tensor index -> share), else None. ``spares[i]``: a
+    buffer like ``errors[i]`` (:meth:`SpareErrors.take`) that tensor ``i``'s next error buffer
+    is written into instead of a new one."""
     means: list[Mean | None] = [None] * len(deltas)
     compressed = {i for bucket in buckets if not bucket.dense for i in bucket.members}
     spare = spares or [None] * len(deltas)
