@@ -68,6 +68,11 @@ class SparseLoCoReplica:
                 f"{WHERE}: dense_warmup={optimizer.dense_warmup} is not supported (every warm-up step "
                 "is a collective); use dense_warmup=0"
             )
+        if optimizer.sync != "blocking":
+            raise ValueError(
+                f"{WHERE}: sync={optimizer.sync!r} is not supported (its round spans two periods, and a "
+                "member that fails between them leaves nothing to undo to); use sync='blocking'"
+            )
         if optimizer.comm.world_size != 1:
             raise ValueError(
                 f"{WHERE}: build the SparseLoCo with process_group=None and one process per replica "

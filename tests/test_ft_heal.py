@@ -72,3 +72,29 @@ def test_another_model_or_other_settings_are_refused_before_anything_changes() -
     with pytest.raises(ValueError, match="setting 'topk' was 4, is 2 now"):
         opt.load_state_dict(for_joiner(sd, rank=0, world=1))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sync": "eager"}, "sync='eager' is not supported"),
+        ({"dense_warmup": 2}, "dense_warmup=2 is not supported"),
+    ],
+)
+def test_sparseloco_settings_torchft_cannot_run_are_refused_at_construction(
+    options: dict, message: str
+) -> None:
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install 'cokit[ft]')")
+    import datetime
+    from types import SimpleNamespace
+
+    from cokit.compress.ft import FaultTolerant
+    from cokit.compress.ft_group import QuorumGloo
+
+    group = QuorumGloo(timeout=datetime.timedelta(seconds=5))
+    manager = SimpleNamespace(_pg=group, _use_async_quorum=False)  # refused before the manager is used
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=message):
+        FaultTolerant(
+            manager, SparseLoCo(model.parameters(), sync_every=2, topk=2, chunk=2, **options), group
+        )
