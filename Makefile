@@ -54,7 +54,8 @@ test-fast: $(STAMP)
 # TRITON_FREE run no Triton code (torch path, gloo, a browser) or only what the files above
 # already run under 3.6: network, faults, policies, timing, telemetry, dashboard, plan,
 # calibration, docs, packaging, layering, launch, settings and peer checks, the tuner and
-# sweeps, the SparseLoCo options, Dion, SparseLoCo on torchft, the hook's failures and the exit stress. Once, on the main suite's
+# sweeps, the SparseLoCo options and its overlapped sync, Dion, cokit on torchft and its benchmark, the time to
+# target, the decomposition, the hook's failures and the exit stress. Once, on the main suite's
 # triton, is enough.
 TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_latency.py \
 	tests/test_policy_demo.py tests/test_resilience_bench.py tests/test_outputs.py \
@@ -73,7 +74,9 @@ TRITON_FREE = tests/test_netbed.py tests/test_faults.py tests/test_simulated_lat
 	tests/test_overlap_tuner.py tests/test_peer_check.py tests/test_settings_check.py \
 	tests/test_sparseloco_adaptive_k.py tests/test_sparseloco_options.py tests/test_write_failures.py \
 	tests/test_plot_extras.py tests/test_ft.py tests/test_hook_failures.py tests/test_exit_stress.py \
-	tests/test_ft_scenarios.py tests/test_sparseloco_undo.py tests/test_ft_demo.py tests/test_ft_demo_heal.py
+	tests/test_ft_scenarios.py tests/test_sparseloco_undo.py tests/test_ft_demo.py tests/test_ft_demo_heal.py \
+	tests/test_ft_heal.py tests/test_ft_bench.py tests/test_time_to_target.py tests/test_decompose.py \
+	tests/test_sparseloco_overlap.py
 test-triton36: $(STAMP36)
 	$(VENV36)/bin/python -m pytest -q --durations=15 $(PYTEST_PAR) -m "not notebook" $(addprefix --ignore=,$(TRITON_FREE))
 
