@@ -150,6 +150,49 @@ def _kill(run: Run, proc: subprocess.Popen, why: str, live: tuple) -> tuple[floa
     return killed, max(run.syncs(n, killed, world=2)[0]["t"] for n in "ab") - killed
 
 
+def _refuse_bad_joiners(
+    run: Run, facts: dict[str, float], good: dict[str, subprocess.Popen], topk: str
+) -> None:
+    """Two replicas join at once, one with top-k ``topk``, one with another model: wait until
+    both are refused and exit, then until every replica in ``good`` syncs again in a quorum of 3
+    (facts ``bad``, ``refused``, ``continue3``)."""
+    procs = tuple(good.values())
+    facts["bad"] = time.time()
+    bad_k = run.start("bad_topk", 3, "--topk", topk)
+    bad_m = run.start("bad_model", 4, "--hidden", "24")
+    for bad in ("bad_topk", "bad_model"):
+        _wait(lambda n=bad: run.rows(n, "refused"), f"the {bad} joiner to be refused", *procs)
+    for p in (bad_k, bad_m):
+        _wait(lambda p=p: p.poll() is not None, f"{p.args} to exit", *procs)
+    facts["refused"] = time.time()
+    first = min(r["t"] for n in ("bad_topk", "bad_model") for r in run.rows(n, "refused"))
+    for name in good:
+        _wait(
+            lambda n=name: run.syncs(n, facts["refused"], world=3),
+            f"{name} to go on after the refusals",
+            *procs,
+        )
+    facts["continue3"] = max(run.syncs(n, first, world=3)[0]["t"] for n in good) - first
+
+
+def _finish(run: Run, facts: dict[str, float], good: dict[str, subprocess.Popen], title: str) -> None:
+    """Every replica in ``good`` stops at the same sync, two after the latest; wait until all
+    have exited, then print the scenario's timings (fact ``seconds``) under ``title``."""
+    procs = tuple(good.values())
+    last = max(r["sync"] for n in good for r in run.syncs(n)) + 2
+    run.stop.write_text(str(last))
+    for name, p in good.items():
+        _wait(lambda p=p: p.poll() is not None, f"{name} to finish", *procs)
+    facts["seconds"] = time.time() - facts["started"]
+    shown = {k: round(v, 2) for k, v in facts.items() if k[0] in "chs" and k != "started"}
+    print(f"\n{title} (seconds): {json.dumps(shown)}; load average {os.getloadavg()}")
+
+
+def _codes(run: Run) -> dict[str, int | None]:
+    """Each replica's exit code by name (None: still running)."""
+    return {name: p.returncode for name, p in run.procs}
+
+
 @pytest.fixture(scope="module")
 def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
     run = Run(lighthouse, tmp_path_factory.mktemp("ft"))
@@ -175,38 +218,13 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
         _wait(lambda: run.syncs("c3"), "replica 2 to heal again", *live, c3)
         facts["heal3"] = run.syncs("c3")[0]["t"] - run.rows("c3", "start")[0]["t"]
         facts["spawn_to_sync3"] = run.syncs("c3")[0]["t"] - launched
-        good = (a, b, c3)
-        facts["bad"] = time.time()
-        bad_k = run.start("bad_topk", 3, "--topk", "4")
-        bad_m = run.start("bad_model", 4, "--hidden", "24")
-        for bad in ("bad_topk", "bad_model"):
-            _wait(lambda n=bad: run.rows(n, "refused"), f"the {bad} joiner to be refused", *good)
-        for p in (bad_k, bad_m):
-            _wait(lambda p=p: p.poll() is not None, f"{p.args} to exit", *good)
-        facts["refused"] = time.time()
-        first = min(r["t"] for n in ("bad_topk", "bad_model") for r in run.rows(n, "refused"))
-        for name in ("a", "b", "c3"):
-            _wait(
-                lambda n=name: run.syncs(n, facts["refused"], world=3),
-                f"{name} to go on after the refusals",
-                *good,
-            )
-        facts["continue3"] = max(run.syncs(n, first, world=3)[0]["t"] for n in ("a", "b", "c3")) - first
+        good = {"a": a, "b": b, "c3": c3}
+        _refuse_bad_joiners(run, facts, good, "4")
         # 4. everyone stops at the same sync
-        last = max(r["sync"] for n in ("a", "b", "c3") for r in run.syncs(n)) + 2
-        run.stop.write_text(str(last))
-        for name, p in (("a", a), ("b", b), ("c3", c3)):
-            _wait(lambda p=p: p.poll() is not None, f"{name} to finish", *good)
-        facts["seconds"] = time.time() - facts["started"]
-        shown = {k: round(v, 2) for k, v in facts.items() if k[0] in "chs" and k != "started"}
-        print(f"\nft scenario (seconds): {json.dumps(shown)}; load average {os.getloadavg()}")
+        _finish(run, facts, good, "ft scenario")
         yield run, facts
     finally:
         run.kill_all()
-
-
-def _codes(run: Run) -> dict[str, int | None]:
-    return {name: p.returncode for name, p in run.procs}
 
 
 def test_survivors_go_on_when_a_replica_dies(scenario) -> None:

@@ -12,7 +12,6 @@ others go on. Every wait is bounded; the control is by the replicas' own logs, n
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,18 @@ import pytest
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'cokit[ft]')")
 
-from tests.test_ft import LIGHTHOUSE, ROOT, TIMEOUT_S, Run, _kill, _wait, lighthouse  # noqa: F401
+from tests.test_ft import (
+    LIGHTHOUSE,
+    ROOT,
+    TIMEOUT_S,
+    Run,
+    _codes,
+    _finish,
+    _kill,
+    _refuse_bad_joiners,
+    _wait,
+    lighthouse,  # noqa: F401
+)
 
 WORKER = ROOT / "tests" / "ft_demo_worker.py"
 
@@ -67,39 +77,14 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):  # noqa
         _wait(lambda: len(run.syncs("c2")) >= 3, "restarted replica 2 to heal and take 3 rounds", *live, c2)
         facts["heal2"] = run.syncs("c2")[0]["t"] - run.rows("c2", "start")[0]["t"]
         facts["spawn_to_sync2"] = run.syncs("c2")[0]["t"] - launched
-        good = (a, b, c2)
+        good = {"a": a, "b": b, "c2": c2}
         # 3. two joiners at once, with another top-k and another model: refused
-        facts["bad"] = time.time()
-        bad_k = run.start("bad_topk", 3, "--topk", "2")
-        bad_m = run.start("bad_model", 4, "--hidden", "24")
-        for bad in ("bad_topk", "bad_model"):
-            _wait(lambda n=bad: run.rows(n, "refused"), f"the {bad} joiner to be refused", *good)
-        for p in (bad_k, bad_m):
-            _wait(lambda p=p: p.poll() is not None, f"{p.args} to exit", *good)
-        facts["refused"] = time.time()
-        first = min(r["t"] for n in ("bad_topk", "bad_model") for r in run.rows(n, "refused"))
-        for name in ("a", "b", "c2"):
-            _wait(
-                lambda n=name: run.syncs(n, facts["refused"], world=3),
-                f"{name} to go on after the refusals",
-                *good,
-            )
-        facts["continue3"] = max(run.syncs(n, first, world=3)[0]["t"] for n in ("a", "b", "c2")) - first
+        _refuse_bad_joiners(run, facts, good, "2")
         # 4. everyone stops at the same committed step
-        last = max(r["sync"] for n in ("a", "b", "c2") for r in run.syncs(n)) + 2
-        run.stop.write_text(str(last))
-        for name, p in (("a", a), ("b", b), ("c2", c2)):
-            _wait(lambda p=p: p.poll() is not None, f"{name} to finish", *good)
-        facts["seconds"] = time.time() - facts["started"]
-        shown = {k: round(v, 2) for k, v in facts.items() if k[0] in "chs" and k != "started"}
-        print(f"\nft DeMo scenario (seconds): {json.dumps(shown)}; load average {os.getloadavg()}")
+        _finish(run, facts, good, "ft DeMo scenario")
         yield run, facts
     finally:
         run.kill_all()
-
-
-def _codes(run: Run) -> dict[str, int | None]:
-    return {name: p.returncode for name, p in run.procs}
 
 
 def test_survivors_go_on_when_a_replica_dies(scenario) -> None:
