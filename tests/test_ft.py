@@ -150,6 +150,41 @@ def _kill(run: Run, proc: subprocess.Popen, why: str, live: tuple) -> tuple[floa
     return killed, max(run.syncs(n, killed, world=2)[0]["t"] for n in "ab") - killed
 
 
+def _start_and_kill_replica_2(
+    run: Run, facts: dict[str, float], hang: tuple[str, ...], what: str, why: str
+) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Start replicas 0, 1 (as a, b) and 2 (as c1, with ``hang``: where it freezes); wait for it
+    to freeze (``what``), SIGKILL it and wait until a and b go on (``why``; facts ``kill1``,
+    ``continue1``). Returns a and b."""
+    a = run.start("a", 0)
+    b = run.start("b", 1)
+    c1 = run.start("c1", 2, *hang)
+    _wait(lambda: run.rows("c1", "hang"), what, a, b, c1)
+    facts["kill1"], facts["continue1"] = _kill(run, c1, why, (a, b))
+    return a, b
+
+
+def _restart_replica_2(
+    run: Run,
+    facts: dict[str, float],
+    name: str,
+    ready: Callable[[], object],
+    what: str,
+    live: tuple,
+    extra: tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """Restart replica 2 as ``name`` (``extra``: its options) and wait until ``ready`` (``what``);
+    facts ``heal<n>`` (start to first sync) and ``spawn_to_sync<n>`` (launch to first sync), n
+    from ``name``."""
+    launched = time.time()
+    proc = run.start(name, 2, *extra)
+    _wait(ready, what, *live, proc)
+    n = name[-1]
+    facts[f"heal{n}"] = run.syncs(name)[0]["t"] - run.rows(name, "start")[0]["t"]
+    facts[f"spawn_to_sync{n}"] = run.syncs(name)[0]["t"] - launched
+    return proc
+
+
 def _refuse_bad_joiners(
     run: Run, facts: dict[str, float], good: dict[str, subprocess.Popen], topk: str
 ) -> None:
@@ -198,26 +233,28 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):
     run = Run(lighthouse, tmp_path_factory.mktemp("ft"))
     facts: dict[str, float] = {"started": time.time()}
     try:
-        a = run.start("a", 0)
-        b = run.start("b", 1)
-        c1 = run.start("c1", 2, "--hang-after", "2", "--hang", "mid")
-        live = (a, b)
         # 1. replica 2 freezes in the middle of a period and is killed
-        _wait(lambda: run.rows("c1", "hang"), "replica 2 to reach the middle of a period", *live, c1)
-        facts["kill1"], facts["continue1"] = _kill(run, c1, "to sync without replica 2", live)
+        a, b = _start_and_kill_replica_2(
+            run,
+            facts,
+            ("--hang-after", "2", "--hang", "mid"),
+            "replica 2 to reach the middle of a period",
+            "to sync without replica 2",
+        )
+        live = (a, b)
         # 2. it restarts, heals, syncs in a quorum of 3, then freezes inside the round in flight
-        launched = time.time()
-        c2 = run.start("c2", 2, "--hang-after", "2", "--hang", "in")
-        _wait(lambda: run.rows("c2", "hang"), "restarted replica 2 to sync twice and freeze", *live, c2)
-        facts["heal2"] = run.syncs("c2")[0]["t"] - run.rows("c2", "start")[0]["t"]
-        facts["spawn_to_sync2"] = run.syncs("c2")[0]["t"] - launched
+        c2 = _restart_replica_2(
+            run,
+            facts,
+            "c2",
+            lambda: run.rows("c2", "hang"),
+            "restarted replica 2 to sync twice and freeze",
+            live,
+            ("--hang-after", "2", "--hang", "in"),
+        )
         facts["kill2"], facts["continue2"] = _kill(run, c2, "to sync after the round in flight", live)
         # 3. it restarts again and heals; then two bad joiners are refused
-        launched = time.time()
-        c3 = run.start("c3", 2)
-        _wait(lambda: run.syncs("c3"), "replica 2 to heal again", *live, c3)
-        facts["heal3"] = run.syncs("c3")[0]["t"] - run.rows("c3", "start")[0]["t"]
-        facts["spawn_to_sync3"] = run.syncs("c3")[0]["t"] - launched
+        c3 = _restart_replica_2(run, facts, "c3", lambda: run.syncs("c3"), "replica 2 to heal again", live)
         good = {"a": a, "b": b, "c3": c3}
         _refuse_bad_joiners(run, facts, good, "4")
         # 4. everyone stops at the same sync

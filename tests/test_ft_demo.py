@@ -30,9 +30,9 @@ from tests.test_ft import (
     Run,
     _codes,
     _finish,
-    _kill,
     _refuse_bad_joiners,
-    _wait,
+    _restart_replica_2,
+    _start_and_kill_replica_2,
     lighthouse,  # noqa: F401
 )
 
@@ -64,19 +64,23 @@ def scenario(lighthouse: str, tmp_path_factory: pytest.TempPathFactory):  # noqa
     run = DemoRun(lighthouse, tmp_path_factory.mktemp("ft_demo"))
     facts: dict[str, float] = {"started": time.time()}
     try:
-        a = run.start("a", 0)
-        b = run.start("b", 1)
-        c1 = run.start("c1", 2, "--hang-after", "3")
-        live = (a, b)
         # 1. replica 2 freezes holding the quorum of the round in flight and is killed
-        _wait(lambda: run.rows("c1", "hang"), "replica 2 to take three rounds and freeze", *live, c1)
-        facts["kill1"], facts["continue1"] = _kill(run, c1, "to go on without replica 2", live)
+        a, b = _start_and_kill_replica_2(
+            run,
+            facts,
+            ("--hang-after", "3"),
+            "replica 2 to take three rounds and freeze",
+            "to go on without replica 2",
+        )
         # 2. it restarts, heals and takes rounds in a quorum of 3
-        launched = time.time()
-        c2 = run.start("c2", 2)
-        _wait(lambda: len(run.syncs("c2")) >= 3, "restarted replica 2 to heal and take 3 rounds", *live, c2)
-        facts["heal2"] = run.syncs("c2")[0]["t"] - run.rows("c2", "start")[0]["t"]
-        facts["spawn_to_sync2"] = run.syncs("c2")[0]["t"] - launched
+        c2 = _restart_replica_2(
+            run,
+            facts,
+            "c2",
+            lambda: len(run.syncs("c2")) >= 3,
+            "restarted replica 2 to heal and take 3 rounds",
+            (a, b),
+        )
         good = {"a": a, "b": b, "c2": c2}
         # 3. two joiners at once, with another top-k and another model: refused
         _refuse_bad_joiners(run, facts, good, "2")
