@@ -51,30 +51,18 @@ def _rows(p: torch.Tensor) -> int:
 def _manager(args: argparse.Namespace, group: Any, state: tuple | None) -> tuple[Any, TCPStore]:
     """A torchft Manager over ``group`` and this replica group's store (keep it: the store's
     server lives as long as the object)."""
-    from torchft import Manager
+    from cokit.compress.ft_group import replica_manager
 
-    timeout = datetime.timedelta(seconds=args.timeout)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     load, save = state if state is not None else (None, None)
-    manager = Manager(
-        pg=group,
+    return replica_manager(
+        group,
+        args.lighthouse,
+        f"replica_{args.replica}",
+        timeout=datetime.timedelta(seconds=args.timeout),
+        quorum_timeout=datetime.timedelta(seconds=120),
         load_state_dict=load,
         state_dict=save,
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=120),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        hostname="127.0.0.1",
-        init_sync=False,
     )
-    return manager, store
 
 
 def _outer(params: Any, args: argparse.Namespace) -> torch.optim.Optimizer:

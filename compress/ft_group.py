@@ -7,6 +7,7 @@ so it needs one object per quorum: :class:`QuorumGloo` records each configuratio
 :meth:`QuorumGloo.view` gives a :class:`QuorumGroup` for the current one, with that quorum's
 rank and size, whose collectives run on torchft's group. A view of a quorum that is gone
 refuses collectives, and aborting it never aborts a newer quorum's group.
+:func:`replica_manager` builds the torchft ``Manager`` for one replica group run as one process.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchft.process_group import ProcessGroupGloo
+from torch.distributed import TCPStore
+from torchft import Manager
+from torchft.process_group import ProcessGroup, ProcessGroupGloo
 
-__all__ = ["Quorum", "QuorumGloo", "QuorumGroup"]
+__all__ = ["Quorum", "QuorumGloo", "QuorumGroup", "replica_manager"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,3 +114,61 @@ class QuorumGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         q = self.quorum
         return f"QuorumGroup(quorum {q.quorum_id}, rank {q.rank} of {q.world_size})"
+
+
+def replica_manager(
+    group: ProcessGroup,
+    lighthouse: str,
+    replica_id: str,
+    *,
+    timeout: datetime.timedelta,
+    quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+    min_replicas: int = 2,
+    host: str = "127.0.0.1",
+    load_state_dict: Any = None,
+    state_dict: Any = None,
+) -> tuple[Manager, TCPStore]:
+    """A torchft ``Manager`` over ``group`` for a replica group that is one process, and the
+    TCPStore it uses: (manager, store).
+
+    This is the setup :class:`cokit.compress.ft.FaultTolerant` needs (it supports one process per
+    replica group): the replica group hosts its own TCPStore on ``host`` (a free port) and is
+    rank 0 of a world of 1 in it; the quorum is synchronous (``use_async_quorum=False``: a sync
+    step's quorum is known before its round starts) and there is no initial sync
+    (``init_sync=False``: every replica builds the same model from the same seed; a replica that
+    is behind is healed anyway). ``timeout`` is the Manager's and its connect timeout,
+    ``quorum_timeout`` how long a quorum may take to form, ``min_replicas`` its minimum size (the
+    lighthouse's ``--min_replicas`` should match), ``host`` the address the store and the
+    Manager's server are reached at, ``load_state_dict``/``state_dict`` torchft's healing
+    callbacks (None: FaultTolerant heals the optimizer's state itself). Keep the returned store
+    alive as long as the manager: its server lives as long as the object. Bad arguments raise
+    ``ValueError`` before anything is created.
+    """
+    if min_replicas < 1:
+        raise ValueError(f"replica_manager: min_replicas must be >= 1, got {min_replicas}")
+    for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
+        if value <= datetime.timedelta(0):
+            raise ValueError(f"replica_manager: {name} must be positive, got {value}")
+    for name, text in (("lighthouse", lighthouse), ("replica_id", replica_id), ("host", host)):
+        if not text:
+            raise ValueError(f"replica_manager: {name} must be a non-empty string")
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=group,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=min_replicas,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=quorum_timeout,
+        connect_timeout=timeout,
+        rank=0,
+        world_size=1,
+        store_addr=host,
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=replica_id,
+        hostname=host,
+        init_sync=False,
+    )
+    return manager, store

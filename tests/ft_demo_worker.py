@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 from ft_worker import _log, _stop_at, _weights
-from torch.distributed import TCPStore
-from torchft import Manager
 
 from cokit.compress import DeMo
 from cokit.compress.ft import FaultTolerant, JoinRefused
-from cokit.compress.ft_group import QuorumGloo
+from cokit.compress.ft_group import QuorumGloo, replica_manager
 
 
 def main() -> None:
@@ -44,26 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group = QuorumGloo(timeout=timeout)
-    manager = Manager(
-        pg=group,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=60),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        hostname="127.0.0.1",
-        init_sync=False,
-    )
+    manager, _store = replica_manager(group, args.lighthouse, f"replica_{args.replica}", timeout=timeout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 4)

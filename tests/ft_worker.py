@@ -4,7 +4,7 @@
         [--stop-file F] [--hang-after S --hang mid|in] [--topk K] [--hidden D] \
         [--host ADDR] [--quorum-timeout S] [--go-file F]
 
-It hosts its replica group's TCPStore on loopback, builds a torchft Manager over a
+It hosts its replica group's TCPStore at ``--host``, builds a torchft Manager over a
 ``QuorumGloo`` and a small model with SparseLoCo wrapped in ``FaultTolerant``, and trains
 until it has committed the sync number written in ``--stop-file`` (none: forever). Every
 committed sync appends one JSON line to ``--log``: the sync count, the quorum, the sha256 of
@@ -31,12 +31,10 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-from torch.distributed import TCPStore
-from torchft import Manager
 
 from cokit.compress import SparseLoCo
 from cokit.compress.ft import FaultTolerant, JoinRefused
-from cokit.compress.ft_group import QuorumGloo
+from cokit.compress.ft_group import QuorumGloo, replica_manager
 
 
 def _log(path: Path, **row: object) -> None:
@@ -83,7 +81,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group = QuorumGloo(timeout=timeout)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -101,23 +98,13 @@ def main() -> None:
         _log(args.log, event="ready", replica=args.replica)
         while not args.go_file.exists():
             time.sleep(0.02)
-    manager = Manager(
-        pg=group,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=2,
-        use_async_quorum=False,
+    manager, _store = replica_manager(
+        group,
+        args.lighthouse,
+        f"replica_{args.replica}",
         timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=args.quorum_timeout),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr=args.host,
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        hostname=args.host,
-        init_sync=False,
+        host=args.host,
     )
     ft = FaultTolerant(manager, opt, group)
     _log(args.log, event="start", replica=args.replica)

@@ -33,14 +33,12 @@ import torch
 
 pytest.importorskip("torchft", reason="torchft is not installed (pip install 'cokit[ft]')")
 
-from torch.distributed import TCPStore
-from torchft import Manager
 from torchft.coordination import LighthouseServer
 
 from cokit.bench import netbed
 from cokit.compress import SparseLoCo
 from cokit.compress.ft import FaultTolerant
-from cokit.compress.ft_group import QuorumGloo
+from cokit.compress.ft_group import QuorumGloo, replica_manager
 from tests.test_ft import HEARTBEAT_MS, LIGHTHOUSE, Run, _wait
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -256,25 +254,14 @@ def _lone_replica(min_replicas: int, quorum_timeout_s: float, steps: int) -> tup
         bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=100, quorum_tick_ms=20
     )
     timeout = datetime.timedelta(seconds=5)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group = QuorumGloo(timeout=timeout)
-    manager = Manager(
-        pg=group,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=min_replicas,
-        use_async_quorum=False,
+    manager, _store = replica_manager(
+        group,
+        lighthouse.address(),
+        "replica_0",
         timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse.address(),
-        replica_id="replica_0",
-        hostname="127.0.0.1",
-        init_sync=False,
+        min_replicas=min_replicas,
     )
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
