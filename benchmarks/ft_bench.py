@@ -52,6 +52,7 @@ REPLICAS = 3
 KILLED = 2  # the replica the fault kills and restarts
 FAULTS = ("none", "kill")
 WAIT_S = 900.0  # the most any one wait may take: a failure, not a hang
+GRACE_S = 15.0  # how long replica 2 may take to end after replicas 0 and 1 did
 
 
 def lighthouse_binary() -> str:
@@ -176,11 +177,19 @@ def run_once(method: str, seed: int, fault: str, args: argparse.Namespace, folde
             else:  # it came after the end: nobody is left to form a quorum with
                 back.kill()
                 procs = live
-        for p in procs:
-            _wait(_ended(p), "the replicas to finish", procs)
+        for p in procs[:KILLED]:  # replicas 0 and 1 train from start to end
+            _wait(_ended(p), "replicas 0 and 1 to finish", procs)
+        for p in procs[KILLED:]:  # the last ends at the same sync, or is behind with nobody left
+            try:  # to form a quorum with (it would wait out its quorum timeout): not needed then
+                p.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
         syncs = _rows(run.log("r0"), "sync")
         start = _rows(run.log("r0"), "start")[0]
         curve = [(r["t"] - start["t"], r["heldout"]) for r in syncs if "heldout" in r]
+        if not curve:
+            raise RuntimeError(f"ft_bench: replica 0 logged no held-out loss; its log: {run.log('r0')}")
         row.update(
             params=start["params"],
             fp8_diloco_bytes_per_step=ring_allreduce_bytes(start["fp8_payload"], REPLICAS) / args.sync_every,
